@@ -1,0 +1,75 @@
+"""What every loader produces: the model's hyper-parameters and its weights by internal name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import numpy as np
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+
+class ModelLoadError(ValueError):
+    """A model file or folder is missing, corrupt, hostile or unsupported. The message says which."""
+
+
+@dataclass
+class ModelSpec:
+    arch: str                       # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int                # dim
+    intermediate_size: int          # ffn
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]] = None  # HF dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False    # q/k/v biases (Qwen2)
+    sliding_window: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: List[int] = field(default_factory=list)
+
+
+def layer_weight_names(spec: ModelSpec, i: int) -> List[str]:
+    names = [f"layers.{i}.{n}" for n in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")]
+    if spec.attention_bias:
+        names += [f"layers.{i}.{n}" for n in ("bq", "bk", "bv")]
+    return names
+
+
+def weight_shapes(spec: ModelSpec) -> Dict[str, tuple]:
+    """The expected shape of every internal weight; loaders check against it."""
+    d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    shapes = {"tok_embeddings": (spec.vocab_size, d), "norm": (d,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head"] = (spec.vocab_size, d)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm": (d,), p + "wq": (q, d), p + "wk": (kv, d), p + "wv": (kv, d),
+                       p + "wo": (d, q), p + "ffn_norm": (d,), p + "w_gate": (f, d), p + "w_up": (f, d),
+                       p + "w_down": (d, f)})
+        if spec.attention_bias:
+            shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
+    return shapes
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to hand to the engine. `get_weight(name)` returns a C-contiguous float32 array of
+    `weight_shapes(spec)[name]`, materialised on demand so peak memory stays near one tensor."""
+    spec: ModelSpec
+    get_weight: Callable[[str], np.ndarray]
+    tokenizer: Any                  # corelm.tokenizer.Tokenizer
+    chat_template: Optional[str] = None
+    generation_config: Dict[str, Any] = field(default_factory=dict)
+    source: str = ""                # path of the folder or file
+    source_format: str = ""         # "hf" | "gguf"
+    description: str = ""           # e.g. "GGUF Q4_1 (dequantized at load)"
+
+    def weight_names(self) -> Iterable[str]:
+        return weight_shapes(self.spec).keys()
