@@ -1,0 +1,26 @@
+"""corelm: a CPU-first LLM inference engine.
+
+    import corelm
+    llm = corelm.LLM()                       # the embedded SmolLM2-135M-Instruct, or a path / hub id
+    out = llm.generate(["Once upon a time"], corelm.SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].outputs[0].text)
+
+The public names are imported lazily so that `corelm.loader`, `corelm.tokenizer` and the CLI's
+light commands do not pay for loading the C++ core.
+"""
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelLoadError", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from . import llm
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+        return SamplingParams
+    if name == "ModelLoadError":
+        from .loader.spec import ModelLoadError
+        return ModelLoadError
+    raise AttributeError(f"module 'corelm' has no attribute {name!r}")
