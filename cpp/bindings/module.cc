@@ -1,0 +1,168 @@
+// corelm._core: the C++ engine as a Python module. Model takes weights one by one (fp32 numpy
+// arrays) and packs them; forward() releases the GIL. The kernel_* functions expose single kernels
+// of any available table, so tests can compare every ISA with the scalar reference.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+#include <stdexcept>
+
+#include "kernels/kernels.h"
+#include "model/model.h"
+
+namespace py = pybind11;
+using namespace corelm;
+
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+WeightType parse_weight_type(const std::string& s) {
+  if (s == "fp32" || s == "f32") return WeightType::F32;
+  if (s == "bf16") return WeightType::BF16;
+  throw std::invalid_argument("weight type must be 'fp32' or 'bf16', got '" + s + "'");
+}
+
+const KernelTable& table(const std::string& isa) {
+  const KernelTable* t = kernels_by_name(isa);
+  if (!t) throw std::invalid_argument("kernel table '" + isa + "' is not available on this CPU");
+  return *t;
+}
+
+std::vector<int64_t> shape_of(const FloatArray& a) {
+  return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
+}
+
+template <class T>
+T get(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw std::invalid_argument(std::string("model config is missing '") + key + "'");
+  return d[key].cast<T>();
+}
+
+ModelConfig config_from_dict(const py::dict& d) {
+  ModelConfig c;
+  c.vocab_size = get<int64_t>(d, "vocab_size");
+  c.dim = get<int64_t>(d, "dim");
+  c.ffn_dim = get<int64_t>(d, "ffn_dim");
+  c.n_layers = get<int64_t>(d, "n_layers");
+  c.n_heads = get<int64_t>(d, "n_heads");
+  c.n_kv_heads = get<int64_t>(d, "n_kv_heads");
+  c.head_dim = get<int64_t>(d, "head_dim");
+  c.norm_eps = get<float>(d, "norm_eps");
+  c.tie_embeddings = get<bool>(d, "tie_embeddings");
+  c.attention_bias = get<bool>(d, "attention_bias");
+  c.sliding_window = d.contains("sliding_window") ? d["sliding_window"].cast<int64_t>() : 0;
+  c.max_seq_len = get<int64_t>(d, "max_seq_len");
+  c.rope_inv_freq = get<std::vector<float>>(d, "rope_inv_freq");
+  c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
+  c.n_threads = get<int>(d, "n_threads");
+  return c;
+}
+
+// One forward at a time per model: its scratch buffers and KV cache are shared state.
+struct PyModel {
+  explicit PyModel(const ModelConfig& c) : model(c) {}
+  Model model;
+  std::mutex mu;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "corelm C++ core: kernels, thread pool and the Llama-family forward pass";
+
+  m.def("cpu_info", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["brand"] = f.brand;
+    d["features"] = f.names();
+    d["kernel_tables"] = available_kernel_tables();
+    const char* chosen = kernels().name;
+    py::dict k;
+    for (const char* op : {"matmul_fp32", "matmul_bf16", "attention", "rmsnorm", "silu_mul"}) k[op] = chosen;
+    d["kernels"] = k;
+    d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
+    return d;
+  }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
+
+  py::class_<PyModel>(m, "Model")
+      .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
+      .def("set_weight", [](PyModel& self, const std::string& name, FloatArray a) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        self.model.set_weight(name, a.data(), shape_of(a));
+      }, py::arg("name"), py::arg("array"))
+      .def("finalize", [](PyModel& self) { self.model.finalize(); })
+      .def("forward", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                         int64_t pos, bool all_logits) {
+        if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
+        const int64_t n = tokens.shape(0), vocab = self.model.config().vocab_size;
+        if (n < 1) throw std::invalid_argument("forward needs at least one token");
+        py::array_t<float> logits = all_logits ? py::array_t<float>({n, vocab}) : py::array_t<float>({vocab});
+        const int32_t* tp = tokens.data();
+        float* lp = logits.mutable_data();
+        {
+          py::gil_scoped_release release;
+          std::lock_guard<std::mutex> lock(self.mu);
+          self.model.forward(tp, n, pos, all_logits, lp);
+        }
+        return logits;
+      }, py::arg("tokens"), py::arg("pos"), py::arg("all_logits") = false,
+         "Run tokens at positions [pos, pos+len); returns the last token's logits, or all of them.")
+      .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
+      .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
+      .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
+      .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
+      .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })
+      .def_property_readonly("weight_type",
+                             [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); });
+
+  // Single kernels, for tests against the scalar reference.
+  m.def("kernel_tables", &available_kernel_tables);
+  m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype) {
+    if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
+      throw std::invalid_argument("kernel_matmul needs x [M, K] and w [N, K]");
+    const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
+    PackedMatrix pw = pack_matrix(w.data(), N, K, parse_weight_type(wtype));
+    py::array_t<float> y({M, N});
+    table(isa).matmul(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
+    return y;
+  });
+  m.def("kernel_rmsnorm", [](const std::string& isa, FloatArray x, FloatArray w, float eps) {
+    if (x.ndim() != 1 || w.ndim() != 1 || x.shape(0) != w.shape(0)) throw std::invalid_argument("shape mismatch");
+    py::array_t<float> y(x.shape(0));
+    table(isa).rmsnorm(y.mutable_data(), x.data(), w.data(), x.shape(0), eps);
+    return y;
+  });
+  m.def("kernel_silu_mul", [](const std::string& isa, FloatArray g, FloatArray u) {
+    if (g.ndim() != 1 || u.ndim() != 1 || g.shape(0) != u.shape(0)) throw std::invalid_argument("shape mismatch");
+    py::array_t<float> y(g.shape(0));
+    table(isa).silu_mul(y.mutable_data(), g.data(), u.data(), g.shape(0));
+    return y;
+  });
+  m.def("kernel_softmax", [](const std::string& isa, FloatArray x) {
+    if (x.ndim() != 1 || x.shape(0) < 1) throw std::invalid_argument("softmax needs a non-empty 1-D array");
+    py::array_t<float> y(x.shape(0));
+    std::copy(x.data(), x.data() + x.shape(0), y.mutable_data());
+    table(isa).softmax(y.mutable_data(), x.shape(0));
+    return y;
+  });
+  m.def("kernel_dot", [](const std::string& isa, FloatArray a, FloatArray b) {
+    if (a.ndim() != 1 || b.ndim() != 1 || a.shape(0) != b.shape(0)) throw std::invalid_argument("shape mismatch");
+    return table(isa).dot(a.data(), b.data(), a.shape(0));
+  });
+  m.def("kernel_axpy", [](const std::string& isa, FloatArray y, float a, FloatArray x) {
+    if (x.ndim() != 1 || y.ndim() != 1 || x.shape(0) != y.shape(0)) throw std::invalid_argument("shape mismatch");
+    py::array_t<float> out(y.shape(0));
+    std::copy(y.data(), y.data() + y.shape(0), out.mutable_data());
+    table(isa).axpy(out.mutable_data(), a, x.data(), x.shape(0));
+    return out;
+  });
+  m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
+    if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
+    PackedMatrix pw = pack_matrix(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype));
+    py::array_t<float> y(w.shape(1));
+    table(isa).row_to_f32(pw, row, y.mutable_data());
+    return y;
+  });
+}

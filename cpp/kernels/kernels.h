@@ -1,0 +1,84 @@
+// The kernel dispatch table: every instruction-set variant fills the same table, and the rest of
+// corelm calls kernels only through it. Kernels know vectors and packed matrices, not models.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace corelm {
+
+enum class WeightType : int { F32 = 0, BF16 = 1 };
+const char* weight_type_name(WeightType t);
+
+// A weight matrix W[rows][cols] (out_features x in_features), stored in the layout its kernels want.
+// Only the kernels and pack_matrix() look inside; model code treats it as opaque.
+struct PackedMatrix {
+  WeightType type = WeightType::F32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0;                   // elements between consecutive rows
+  std::shared_ptr<void> storage;            // 64-byte aligned
+  const void* data() const { return storage.get(); }
+  size_t bytes() const;
+};
+
+// Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even).
+PackedMatrix pack_matrix(const float* src, int64_t rows, int64_t cols, WeightType type);
+
+struct KernelTable {
+  const char* name;  // "avx512", "scalar"
+  // y[i][n] = sum_k x[i][k] * W[n][k] for i < m and n in [n0, n1): the caller splits n across threads.
+  void (*matmul)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1);
+  // out = x / rms(x) * weight, over n elements.
+  void (*rmsnorm)(float* out, const float* x, const float* weight, int64_t n, float eps);
+  // out[i] = silu(gate[i]) * up[i]
+  void (*silu_mul)(float* out, const float* gate, const float* up, int64_t n);
+  float (*dot)(const float* a, const float* b, int64_t n);
+  // y += a * x
+  void (*axpy)(float* y, float a, const float* x, int64_t n);
+  // x = exp(x - max) / sum, in place.
+  void (*softmax)(float* x, int64_t n);
+  // One row of W as fp32 (embedding lookup).
+  void (*row_to_f32)(const PackedMatrix& w, int64_t row, float* out);
+};
+
+extern const KernelTable kScalarKernels;
+#if defined(CORELM_HAVE_X86)
+extern const KernelTable kAvx512Kernels;
+#endif
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512_vnni = false, avx512_bf16 = false, avx512_vbmi2 = false;
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // as CPUID reports them
+  bool os_avx = false, os_avx512 = false, os_amx = false;      // state the OS saves (XCR0)
+  std::string brand;
+  std::vector<std::string> names() const;  // usable features, for `corelm info`
+};
+
+const CpuFeatures& cpu_features();
+// The table chosen once from CPUID; CORELM_ISA=scalar|avx512 in the environment overrides it.
+const KernelTable& kernels();
+// A specific table by name, or nullptr if this CPU can't run it (tests compare every table).
+const KernelTable* kernels_by_name(const std::string& name);
+std::vector<std::string> available_kernel_tables();
+
+// fp32 <-> bf16, round to nearest even; NaN stays NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace corelm

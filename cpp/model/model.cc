@@ -1,0 +1,320 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+namespace corelm {
+
+static constexpr int64_t kMaxChunk = 256;  // prompt tokens per forward chunk: bounds scratch memory
+
+static void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+void ModelConfig::validate() const {
+  require(vocab_size > 0 && dim > 0 && ffn_dim > 0 && n_layers > 0, "model dimensions must be positive");
+  require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+          "n_heads must be a positive multiple of n_kv_heads");
+  require(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
+  require((int64_t)rope_inv_freq.size() == head_dim / 2, "rope_inv_freq must have head_dim/2 entries");
+  require(max_seq_len > 0 && max_seq_len <= (1 << 24), "max_seq_len must be in [1, 16M]");
+  require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
+  require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");
+  require(sliding_window >= 0, "sliding_window must be >= 0");
+  // Sizes used in index arithmetic must stay far from overflow.
+  require(vocab_size < (1 << 24) && dim < (1 << 20) && ffn_dim < (1 << 22) && n_layers < 4096 &&
+              n_heads < 4096 && head_dim < 4096,
+          "model dimensions are implausibly large");
+}
+
+static std::shared_ptr<float> alloc_floats(size_t n) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, std::max<size_t>(n, 16) * sizeof(float)) != 0) throw std::bad_alloc();
+  return std::shared_ptr<float>(static_cast<float*>(p), free);  // pages are touched only when used
+}
+
+Model::Model(const ModelConfig& cfg) : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads)) {
+  layers_.resize(cfg_.n_layers);
+  const int64_t half = cfg_.head_dim / 2;
+  rope_cos_.resize(cfg_.max_seq_len * half);
+  rope_sin_.resize(cfg_.max_seq_len * half);
+  for (int64_t p = 0; p < cfg_.max_seq_len; p++)
+    for (int64_t i = 0; i < half; i++) {
+      float angle = (float)p * cfg_.rope_inv_freq[i];  // one fp32 rounding, as transformers computes it
+      rope_cos_[p * half + i] = (float)std::cos((double)angle);
+      rope_sin_[p * half + i] = (float)std::sin((double)angle);
+    }
+  size_t kv = (size_t)cfg_.n_layers * cfg_.n_kv_heads * cfg_.max_seq_len * cfg_.head_dim;
+  kcache_ = alloc_floats(kv);
+  vcache_ = alloc_floats(kv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weights
+
+static std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); i++) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+static void check_shape(const std::string& name, const std::vector<int64_t>& got, std::vector<int64_t> want) {
+  require(got == want, "weight " + name + " has shape " + shape_str(got) + ", expected " + shape_str(want));
+}
+
+void Model::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  require(!ready_, "weights can't change after finalize()");
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
+  auto vec = [&](int64_t n) { return std::vector<float>(data, data + n); };
+  if (name == "tok_embeddings") {
+    check_shape(name, shape, {cfg_.vocab_size, d});
+    tok_embeddings_ = pack_matrix(data, cfg_.vocab_size, d, cfg_.weight_type);
+    if (cfg_.tie_embeddings) lm_head_ = tok_embeddings_;
+  } else if (name == "lm_head") {
+    require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
+    check_shape(name, shape, {cfg_.vocab_size, d});
+    lm_head_ = pack_matrix(data, cfg_.vocab_size, d, cfg_.weight_type);
+  } else if (name == "norm") {
+    check_shape(name, shape, {d});
+    norm_ = vec(d);
+  } else {
+    // layers.{i}.{part}
+    require(name.rfind("layers.", 0) == 0, "unknown weight " + name);
+    size_t dot = name.find('.', 7);
+    require(dot != std::string::npos && dot > 7, "unknown weight " + name);
+    std::string idx = name.substr(7, dot - 7), part = name.substr(dot + 1);
+    require(idx.size() <= 6 && std::all_of(idx.begin(), idx.end(), ::isdigit), "unknown weight " + name);
+    int64_t i = std::stoll(idx);
+    require(i < cfg_.n_layers, "weight " + name + " is beyond the model's " + std::to_string(cfg_.n_layers) + " layers");
+    LayerWeights& L = layers_[i];
+    std::string prefix = "layers." + idx + ".";
+    if (part == "attn_norm" || part == "ffn_norm") {
+      check_shape(name, shape, {d});
+      (part == "attn_norm" ? L.attn_norm : L.ffn_norm) = vec(d);
+    } else if (part == "wq" || part == "wk" || part == "wv") {
+      check_shape(name, shape, {part == "wq" ? q_rows : kv_rows, d});
+      pending_[name] = vec(shape[0] * d);
+      std::string nq = prefix + "wq", nk = prefix + "wk", nv = prefix + "wv";
+      if (pending_.count(nq) && pending_.count(nk) && pending_.count(nv)) {
+        std::vector<float> fused;
+        fused.reserve((q_rows + 2 * kv_rows) * d);
+        for (auto* n : {&nq, &nk, &nv}) fused.insert(fused.end(), pending_[*n].begin(), pending_[*n].end());
+        L.wqkv = pack_matrix(fused.data(), q_rows + 2 * kv_rows, d, cfg_.weight_type);
+        pending_.erase(nq), pending_.erase(nk), pending_.erase(nv);
+      }
+    } else if (part == "bq" || part == "bk" || part == "bv") {
+      require(cfg_.attention_bias, "weight " + name + " given for a model without attention bias");
+      int64_t rows = part == "bq" ? q_rows : kv_rows;
+      check_shape(name, shape, {rows});
+      if (L.bqkv.empty()) L.bqkv.assign(q_rows + 2 * kv_rows, 0.f);
+      int64_t off = part == "bq" ? 0 : part == "bk" ? q_rows : q_rows + kv_rows;
+      std::copy(data, data + rows, L.bqkv.begin() + off);
+    } else if (part == "wo") {
+      check_shape(name, shape, {d, q_rows});
+      L.wo = pack_matrix(data, d, q_rows, cfg_.weight_type);
+    } else if (part == "w_gate" || part == "w_up") {
+      const int64_t f = cfg_.ffn_dim;
+      check_shape(name, shape, {f, d});
+      pending_[name] = vec(f * d);
+      std::string ng = prefix + "w_gate", nu = prefix + "w_up";
+      if (pending_.count(ng) && pending_.count(nu)) {
+        // Interleave blocks of gate and up rows so the thread that computes a block of gate outputs
+        // also has the matching up outputs and can apply SiLU(gate) * up without a barrier.
+        const std::vector<float>&g = pending_[ng], &u = pending_[nu];
+        std::vector<float> fused((size_t)2 * f * d);
+        float* out = fused.data();
+        for (int64_t b = 0; b < f; b += kGateUpBlock) {
+          int64_t c = std::min(kGateUpBlock, f - b);
+          std::memcpy(out, g.data() + b * d, c * d * sizeof(float)), out += c * d;
+          std::memcpy(out, u.data() + b * d, c * d * sizeof(float)), out += c * d;
+        }
+        L.w_gate_up = pack_matrix(fused.data(), 2 * f, d, cfg_.weight_type);
+        pending_.erase(ng), pending_.erase(nu);
+      }
+    } else if (part == "w_down") {
+      check_shape(name, shape, {d, cfg_.ffn_dim});
+      L.w_down = pack_matrix(data, d, cfg_.ffn_dim, cfg_.weight_type);
+    } else {
+      throw std::invalid_argument("unknown weight " + name);
+    }
+  }
+}
+
+void Model::finalize() {
+  auto missing = [](const std::string& what) { throw std::invalid_argument("missing weight " + what); };
+  if (!tok_embeddings_.storage) missing("tok_embeddings");
+  if (!lm_head_.storage) missing("lm_head");
+  if (norm_.empty()) missing("norm");
+  for (int64_t i = 0; i < cfg_.n_layers; i++) {
+    const LayerWeights& L = layers_[i];
+    std::string p = "layers." + std::to_string(i) + ".";
+    if (L.attn_norm.empty()) missing(p + "attn_norm");
+    if (L.ffn_norm.empty()) missing(p + "ffn_norm");
+    if (!L.wqkv.storage) missing(p + "wq/wk/wv");
+    if (!L.wo.storage) missing(p + "wo");
+    if (!L.w_gate_up.storage) missing(p + "w_gate/w_up");
+    if (!L.w_down.storage) missing(p + "w_down");
+    if (cfg_.attention_bias && L.bqkv.empty()) missing(p + "bq/bk/bv");
+  }
+  pending_.clear();
+  ready_ = true;
+}
+
+size_t Model::weight_bytes() const {
+  size_t total = lm_head_.bytes();
+  for (const LayerWeights& L : layers_) total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_down.bytes();
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward pass
+
+void Model::ensure_scratch(int64_t n) {
+  if (n <= scratch_tokens_) return;
+  const int64_t T = n, nth = pool_.size();
+  const int64_t qkv_dim = (cfg_.n_heads + 2 * cfg_.n_kv_heads) * cfg_.head_dim;
+  x_.assign(T * cfg_.dim, 0.f);
+  xb_.assign(nth * T * cfg_.dim, 0.f);
+  qkv_.assign(T * qkv_dim, 0.f);
+  att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
+  proj_.assign(T * cfg_.dim, 0.f);
+  hb_.assign(T * 2 * cfg_.ffn_dim, 0.f);
+  act_.assign(T * cfg_.ffn_dim, 0.f);
+  scores_.assign(nth * cfg_.max_seq_len, 0.f);
+  scratch_tokens_ = T;
+}
+
+void Model::forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits) {
+  require(ready_, "model weights are incomplete: call finalize() after setting every weight");
+  require(n >= 1, "forward needs at least one token");
+  require(pos >= 0 && pos <= cfg_.max_seq_len && n <= cfg_.max_seq_len - pos,
+          "tokens at positions " + std::to_string(pos) + ".." + std::to_string(pos + n - 1) +
+              " do not fit the context of " + std::to_string(cfg_.max_seq_len) + " tokens");
+  for (int64_t i = 0; i < n; i++)
+    require(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
+            "token id " + std::to_string(tokens[i]) + " is outside the vocabulary of " + std::to_string(cfg_.vocab_size));
+  for (int64_t c0 = 0; c0 < n; c0 += kMaxChunk) {
+    int64_t c = std::min(kMaxChunk, n - c0);
+    bool last = c0 + c == n;
+    float* out = all_logits ? logits + c0 * cfg_.vocab_size : logits;
+    run_chunk(tokens + c0, c, pos + c0, all_logits, (all_logits || last) ? out : nullptr);
+  }
+}
+
+void Model::run_chunk(const int32_t* tokens, int64_t T, int64_t pos, bool all_logits, float* logits) {
+  ensure_scratch(T);
+  const KernelTable& k = kt_;
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, half = hd / 2, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
+  const int64_t f = cfg_.ffn_dim, qkv_dim = (nh + 2 * nkv) * hd;
+  float* x = x_.data();
+  for (int64_t t = 0; t < T; t++) k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
+
+  // Each thread normalizes every token into its own buffer, so no barrier is needed before a matmul.
+  auto norm_rows = [&](int tid, const std::vector<float>& w, int64_t t0) -> float* {
+    float* xb = xb_.data() + (size_t)tid * scratch_tokens_ * d;
+    for (int64_t t = t0; t < T; t++) k.rmsnorm(xb + t * d, x + t * d, w.data(), d, cfg_.norm_eps);
+    return xb;
+  };
+  // y = in @ W^T, then x += y, each thread on its own slice of output columns.
+  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
+    pool_.parallel([&](int tid, int nth) {
+      int64_t n0, n1;
+      split_range(d, tid, nth, 16, &n0, &n1);
+      if (n0 >= n1) return;
+      k.matmul(in, T, ld, w, proj_.data(), d, n0, n1);
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t i = n0; i < n1; i++) x[t * d + i] += proj_[t * d + i];
+    });
+  };
+
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    const LayerWeights& L = layers_[l];
+    // attention norm, q/k/v projection, bias, RoPE and the KV-cache write, split by whole heads
+    pool_.parallel([&](int tid, int nth) {
+      int64_t h0, h1;
+      split_range(nh + 2 * nkv, tid, nth, 1, &h0, &h1);
+      if (h0 >= h1) return;
+      float* xb = norm_rows(tid, L.attn_norm, 0);
+      k.matmul(xb, T, d, L.wqkv, qkv_.data(), qkv_dim, h0 * hd, h1 * hd);
+      for (int64_t t = 0; t < T; t++) {
+        const int64_t p = pos + t;
+        const float* cs = rope_cos_.data() + p * half;
+        const float* sn = rope_sin_.data() + p * half;
+        for (int64_t h = h0; h < h1; h++) {
+          float* v = qkv_.data() + t * qkv_dim + h * hd;
+          if (!L.bqkv.empty())
+            for (int64_t i = 0; i < hd; i++) v[i] += L.bqkv[h * hd + i];
+          if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
+            for (int64_t i = 0; i < half; i++) {
+              float a = v[i], b = v[i + half];
+              v[i] = a * cs[i] - b * sn[i];
+              v[i + half] = b * cs[i] + a * sn[i];
+            }
+          }
+          if (h >= nh && h < nh + nkv) std::memcpy(k_cache(l, h - nh) + p * hd, v, hd * sizeof(float));
+          if (h >= nh + nkv) std::memcpy(v_cache(l, h - nh - nkv) + p * hd, v, hd * sizeof(float));
+        }
+      }
+    });
+    attention(l, T, pos);
+    matmul_residual(att_.data(), nh * hd, L.wo);
+    // MLP: norm, fused gate/up projection and SiLU(gate) * up, split by whole gate/up block pairs
+    pool_.parallel([&](int tid, int nth) {
+      const int64_t B = kGateUpBlock, nblocks = (f + B - 1) / B;
+      int64_t b0, b1;
+      split_range(nblocks, tid, nth, 1, &b0, &b1);
+      if (b0 >= b1) return;
+      float* xb = norm_rows(tid, L.ffn_norm, 0);
+      int64_t r0 = 2 * b0 * B, r1 = std::min(2 * b1 * B, 2 * f);
+      k.matmul(xb, T, d, L.w_gate_up, hb_.data(), 2 * f, r0, r1);
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t b = b0; b < b1; b++) {
+          int64_t c = std::min(B, f - b * B);
+          const float* g = hb_.data() + t * 2 * f + 2 * b * B;
+          k.silu_mul(act_.data() + t * f + b * B, g, g + c, c);
+        }
+    });
+    matmul_residual(act_.data(), f, L.w_down);
+  }
+
+  if (!logits) return;  // an inner chunk of a prompt: only its KV-cache entries are needed
+  const int64_t t0 = all_logits ? 0 : T - 1, rows = T - t0;
+  pool_.parallel([&](int tid, int nth) {
+    int64_t n0, n1;
+    split_range(cfg_.vocab_size, tid, nth, 16, &n0, &n1);
+    if (n0 >= n1) return;
+    float* xb = norm_rows(tid, norm_, t0);
+    k.matmul(xb + t0 * d, rows, d, lm_head_, logits, cfg_.vocab_size, n0, n1);
+  });
+}
+
+// Causal (optionally sliding-window) grouped-query attention for T new tokens at [pos, pos + T).
+void Model::attention(int64_t l, int64_t T, int64_t pos) {
+  const KernelTable& k = kt_;
+  const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
+  const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+  const float scale = 1.f / std::sqrt((float)hd);
+  pool_.parallel([&](int tid, int nth) {
+    float* s = scores_.data() + (size_t)tid * cfg_.max_seq_len;
+    // Tasks are (token, head) pairs dealt round-robin: later tokens see more keys, so striding
+    // balances the causal triangle across threads.
+    for (int64_t task = tid; task < T * nh; task += nth) {
+      const int64_t t = task / nh, h = task % nh, g = h / group, p = pos + t;
+      const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
+      const float* q = qkv_.data() + t * qkv_dim + h * hd;
+      const float* kc = k_cache(l, g);
+      const float* vc = v_cache(l, g);
+      const int64_t n = p - start + 1;
+      for (int64_t j = 0; j < n; j++) s[j] = k.dot(q, kc + (start + j) * hd, hd) * scale;
+      k.softmax(s, n);
+      float* out = att_.data() + t * nh * hd + h * hd;
+      std::memset(out, 0, hd * sizeof(float));
+      for (int64_t j = 0; j < n; j++) k.axpy(out, s[j], vc + (start + j) * hd, hd);
+    }
+  });
+}
+
+}  // namespace corelm

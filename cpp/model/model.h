@@ -1,0 +1,102 @@
+// The decoder-only transformer of the Llama family (Llama, Mistral, Qwen2): weights by layer, the KV
+// cache and the forward pass. The model knows layers, not instruction sets: every matrix is an opaque
+// PackedMatrix and all math goes through the kernel table.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "runtime/thread_pool.h"
+
+namespace corelm {
+
+struct ModelConfig {
+  int64_t vocab_size = 0;
+  int64_t dim = 0;           // hidden size
+  int64_t ffn_dim = 0;       // intermediate size
+  int64_t n_layers = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;    // grouped-query attention: n_heads / n_kv_heads query heads share a kv head
+  int64_t head_dim = 0;
+  float norm_eps = 1e-5f;
+  bool tie_embeddings = false;
+  bool attention_bias = false;     // q/k/v biases (Qwen2)
+  int64_t sliding_window = 0;      // 0: attend to the whole context
+  int64_t max_seq_len = 2048;      // KV cache capacity in tokens
+  std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
+  WeightType weight_type = WeightType::F32;
+  int n_threads = 1;
+
+  void validate() const;  // throws std::invalid_argument
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, ffn_norm;  // [dim]
+  PackedMatrix wqkv;                       // [(n_heads + 2*n_kv_heads) * head_dim, dim]: q, k, v rows fused
+  std::vector<float> bqkv;                 // [(n_heads + 2*n_kv_heads) * head_dim] or empty
+  PackedMatrix wo;                         // [dim, n_heads * head_dim]
+  PackedMatrix w_gate_up;                  // [2 * ffn_dim, dim]: gate and up rows interleaved in blocks
+  PackedMatrix w_down;                     // [dim, ffn_dim]
+};
+
+class Model {
+ public:
+  explicit Model(const ModelConfig& cfg);
+
+  // Takes one weight by internal name (see docs/architecture.md) as a row-major fp32 array.
+  void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape);
+  void finalize();  // throws if any weight is missing
+  bool ready() const { return ready_; }
+
+  // Runs tokens[0..n) at positions [pos, pos + n), writing their keys and values into the cache.
+  // Writes the logits of the last token ([vocab]) or, with all_logits, of every token ([n][vocab]).
+  void forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
+
+  const ModelConfig& config() const { return cfg_; }
+  const KernelTable& kernel_table() const { return kt_; }
+  size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
+  int n_threads() const { return pool_.size(); }
+
+  static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
+
+ private:
+  void run_chunk(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
+  void attention(int64_t layer, int64_t n, int64_t pos);
+  void ensure_scratch(int64_t n);
+  float* k_cache(int64_t layer, int64_t kv_head) {
+    return kcache_.get() + ((layer * cfg_.n_kv_heads + kv_head) * cfg_.max_seq_len) * cfg_.head_dim;
+  }
+  float* v_cache(int64_t layer, int64_t kv_head) {
+    return vcache_.get() + ((layer * cfg_.n_kv_heads + kv_head) * cfg_.max_seq_len) * cfg_.head_dim;
+  }
+
+  ModelConfig cfg_;
+  const KernelTable& kt_;
+  ThreadPool pool_;
+  bool ready_ = false;
+
+  PackedMatrix tok_embeddings_;  // [vocab, dim]
+  PackedMatrix lm_head_;         // [vocab, dim]; shares storage with tok_embeddings_ when tied
+  std::vector<float> norm_;      // [dim]
+  std::vector<LayerWeights> layers_;
+  std::map<std::string, std::vector<float>> pending_;  // wq/wk/wv/w_gate/w_up until fused
+
+  std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
+  std::shared_ptr<float> kcache_, vcache_;   // [n_layers][n_kv_heads][max_seq_len][head_dim]
+
+  // Scratch for one chunk of at most scratch_tokens_ tokens ("the wave of activations").
+  int64_t scratch_tokens_ = 0;
+  std::vector<float> x_;        // [T][dim] residual stream
+  std::vector<float> xb_;       // [n_threads][T][dim] each thread's own normalized copy (saves a barrier)
+  std::vector<float> qkv_;      // [T][qkv_dim]
+  std::vector<float> att_;      // [T][n_heads * head_dim]
+  std::vector<float> proj_;     // [T][dim] output of wo / w_down before the residual add
+  std::vector<float> hb_;       // [T][2 * ffn_dim] gate/up interleaved
+  std::vector<float> act_;      // [T][ffn_dim]
+  std::vector<float> scores_;   // [n_threads][max_seq_len]
+};
+
+}  // namespace corelm
