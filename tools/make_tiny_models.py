@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Build the tiny random-weight HF test models in tests/data/models/ with transformers.
+
+    /work/refvenv/bin/python tools/make_tiny_models.py            # writes tests/data/models/tiny-*/
+    /work/refvenv/bin/python tools/make_tiny_models.py --out DIR  # somewhere else
+
+Needs a reference venv with torch==2.13.0 (CPU) and transformers (see tools/README.md). Deterministic: each
+model is seeded, so re-running reproduces the same bytes for the same torch/transformers versions.
+
+Each folder holds config.json, generation_config.json, model.safetensors (float32), and the stories260K
+tokenizer (tokenizer.json / tokenizer_config.json, vocab 512: BOS 1, EOS 2, UNK 0).
+
+  tiny-mistral  MistralForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, FFN 160,
+                vocab 512, sliding_window null, rope_theta 10000, untied lm_head.
+  tiny-qwen2    Qwen2ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, FFN 160, vocab 512,
+                q/k/v biases (Qwen2 always has them; o_proj has none), rope_theta 1e6, untied lm_head.
+  tiny-llama3   LlamaForCausalLM: hidden 64, 3 layers, 4 heads / 1 KV head (MQA), head_dim 32 (so
+                n_heads*head_dim = 128 != hidden), FFN 128, vocab 512, tied embeddings, rope_theta 5e5,
+                llama3 RoPE scaling (factor 8, low 1, high 4, original_max_position_embeddings 64),
+                max_position_embeddings 1024.
+
+Weights are drawn much larger than transformers' init (std 0.02) so the logits are peaked and greedy decoding
+is non-trivial: linear weights N(0, 0.15), embeddings N(0, 1) (N(0, 0.2) when tied, as it is also the LM
+head), lm_head N(0, 0.3), biases N(0, 0.2), RMSNorm weights 1 + N(0, 0.1).
+
+config.json is written by transformers 5 (RoPE settings under "rope_parameters"); the classic keys that
+HF-hub configs carry (rope_theta, rope_scaling, head_dim, torch_dtype, ...) are added next to it, so a loader
+that only knows the transformers-4 layout reads the same values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORIES = os.path.join(REPO, "tests", "data", "models", "stories260K")
+
+COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, rms_norm_eps=1e-5, bos_token_id=1,
+              eos_token_id=2, pad_token_id=None, hidden_act="silu", attention_dropout=0.0)
+
+MODELS = {
+    "tiny-mistral": dict(
+        seed=1001, cls=MistralForCausalLM, cfg_cls=MistralConfig,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, intermediate_size=160,
+                 max_position_embeddings=2048, sliding_window=None, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        legacy=dict(rope_theta=10000.0, rope_scaling=None)),
+    "tiny-qwen2": dict(
+        seed=1002, cls=Qwen2ForCausalLM, cfg_cls=Qwen2Config,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=160,
+                 max_position_embeddings=4096, use_sliding_window=False, sliding_window=None, max_window_layers=2,
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0, rope_scaling=None)),
+    "tiny-llama3": dict(
+        seed=1003, cls=LlamaForCausalLM, cfg_cls=LlamaConfig,
+        cfg=dict(COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                 max_position_embeddings=1024, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64}),
+        legacy=dict(rope_theta=500000.0,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+def init_weights(model: torch.nn.Module, tied: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std + mean)
+
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):  # named_parameters() lists a tied tensor once
+            if name.endswith("embed_tokens.weight"):
+                normal(p, 0.2 if tied else 1.0)
+            elif name == "lm_head.weight":
+                normal(p, 0.3)
+            elif "norm" in name:
+                normal(p, 0.1, mean=1.0)
+            elif name.endswith(".bias"):
+                normal(p, 0.2)
+            elif name.endswith(".weight") and p.dim() == 2:
+                normal(p, 0.15)
+            else:
+                raise RuntimeError(f"unexpected parameter {name} {tuple(p.shape)}")
+
+
+def add_legacy_keys(path: str, cfg: dict, legacy: dict) -> dict:
+    """Write the transformers-4 style keys next to transformers 5's rope_parameters."""
+    c = json.load(open(path))
+    c.update(legacy)
+    c["head_dim"] = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    for k in ("num_key_value_heads", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
+              "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "hidden_size"):
+        c[k] = cfg[k]
+    if "sliding_window" in cfg:
+        c["sliding_window"] = cfg["sliding_window"]
+    c.setdefault("torch_dtype", c.get("dtype", "float32"))
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+        f.write("\n")
+    return c
+
+
+def build(name: str, spec: dict, out_root: str) -> None:
+    out = os.path.join(out_root, name)
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(spec["seed"])
+    cfg = spec["cfg_cls"](**spec["cfg"])
+    model = spec["cls"](cfg).to(torch.float32).eval()
+    init_weights(model, spec["cfg"]["tie_word_embeddings"], spec["seed"])
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(STORIES, f), os.path.join(out, f))
+    c = add_legacy_keys(os.path.join(out, "config.json"), spec["cfg"], spec["legacy"])
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {type(model).__name__}, {n:,} parameters, rope {c.get('rope_parameters')} -> {out}")
+
+    # sanity: greedy decoding from a fixed prompt should not collapse to one repeated token
+    ids = torch.tensor([[1, 300, 45, 77, 210]])
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0)
+    tail = gen[0, ids.shape[1]:].tolist()
+    print(f"  greedy sample: {tail} ({len(set(tail))} distinct)")
+    if len(set(tail)) < 8:
+        raise SystemExit(f"{name}: greedy output is degenerate, change the seed or the init scale")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(REPO, "tests", "data", "models"))
+    ap.add_argument("names", nargs="*", default=list(MODELS))
+    args = ap.parse_args()
+    for n in args.names:
+        build(n, MODELS[n], args.out)
+
+
+if __name__ == "__main__":
+    main()
