@@ -5,9 +5,10 @@
     sampler.start(prompt_ids)
     token = sampler.sample(logits)          # logits: float32 [vocab]; the token counts as output
 
-The order of operations is vLLM's / HF's: penalties (repetition on prompt + output, presence and
-frequency on output) -> min_tokens (EOS and stop ids masked) -> greedy argmax, or temperature ->
-top_k -> top_p -> min_p -> a draw from the sequence's own numpy Generator.
+The order of operations: penalties (repetition on prompt + output, presence and frequency on
+output, as vLLM) -> min_tokens (EOS and stop ids masked) -> greedy argmax, or temperature -> top_k ->
+top_p -> min_p (HF transformers' warper order; vLLM applies min_p before top_k/top_p, which differs
+only when top_p is set too) -> a draw from the sequence's own numpy Generator.
 """
 from __future__ import annotations
 
