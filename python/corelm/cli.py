@@ -309,6 +309,8 @@ class ChatREPL:
                     sys.stdout.flush()
         except KeyboardInterrupt:
             _close(stream)                   # keep the partial answer, back to the prompt
+        except BrokenPipeError:              # stdout is gone: nothing more to say to anyone
+            raise
         except _user_errors() as e:          # e.g. the conversation no longer fits the context
             _close(stream)
             self.history.pop()
