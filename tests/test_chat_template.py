@@ -1,0 +1,193 @@
+"""Chat templates: transformers-compatible rendering, the ChatML fallback, and the sandbox."""
+import json
+import os
+
+import pytest
+
+from corelm.loader.gguf import read_gguf
+from corelm.tokenizer import CHATML_TEMPLATE, ChatTemplateError, ChatTemplateSecurityError, Tokenizer
+from corelm.tokenizer.chat_template import MAX_TEMPLATE_BYTES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+STORIES_DIR = next(p for p in (os.path.join(HERE, "data", "models", "stories260K"),
+                               "/work/shared/models/stories260K") if os.path.isdir(p))
+SMOLLM2_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+QWEN2_GGUFS = (os.path.join(REPO, "models", "qwen2.5-coder-0.5b-instruct.gguf"),
+               "/work/cache/models/qwen2.5-coder-0.5b-instruct.gguf")
+FIXTURES = os.path.join(HERE, "data", "fixtures")
+
+USER = [{"role": "user", "content": "Hi there"}]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks ünïcode 😀"}]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    """A tokenizer without a chat template; tests pass their own."""
+    return Tokenizer.from_hf_folder(STORIES_DIR)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not os.path.exists(SMOLLM2_GGUF):
+        pytest.skip("models/SmolLM2-135M-Instruct.Q4_1.gguf is not present")
+    return Tokenizer.from_gguf_metadata(read_gguf(SMOLLM2_GGUF).metadata)
+
+
+def render(tok, template, messages=USER, **kwargs):
+    return tok.apply_chat_template(messages, chat_template=template, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering like transformers
+
+def test_smollm2_template(smollm2):
+    expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2.apply_chat_template(USER) == expected
+    assert smollm2.apply_chat_template(USER, add_generation_prompt=False) == expected[:-len("<|im_start|>assistant\n")]
+    text = smollm2.apply_chat_template(CONVERSATION)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert text.endswith("<|im_start|>user\nThanks ünïcode 😀<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("name, gguf", [
+    ("smollm2", SMOLLM2_GGUF),
+    ("qwen2.5-coder", next((p for p in QWEN2_GGUFS if os.path.exists(p)), None)),
+])
+def test_matches_transformers_fixture(name, gguf):
+    """Prompts rendered by transformers' apply_chat_template (tools/make_fixtures.py), byte for byte."""
+    path = os.path.join(FIXTURES, f"tokenizer_{name}.json")
+    if not os.path.exists(path) or gguf is None or not os.path.exists(gguf):
+        pytest.skip(f"fixture tokenizer_{name}.json or the {name} GGUF is not present")
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    tok = Tokenizer.from_gguf_metadata(read_gguf(gguf).metadata)
+    assert tok.chat_template == doc["chat_template"]
+    assert doc["chat"], "the fixture has no chat cases"
+    for case in doc["chat"]:
+        text = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+        assert text == case["text"], case["messages"]
+        assert tok.encode(text, add_special_tokens=False) == case["ids"], case["messages"]
+
+
+def test_chatml_fallback_when_model_has_none(stories, caplog):
+    assert stories.chat_template is None
+    text = stories.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert "no chat template" in caplog.text
+    assert stories.apply_chat_template(USER, chat_template=CHATML_TEMPLATE, add_generation_prompt=False) == \
+        "<|im_start|>user\nHi there<|im_end|>\n"
+
+
+def test_trim_and_lstrip_blocks(stories):
+    template = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}"
+    assert render(stories, template, CONVERSATION) == "[2+2?]\n[Thanks ünïcode 😀]\n"
+
+
+def test_special_token_variables_and_kwargs(stories):
+    template = "{{ bos_token }}|{{ eos_token }}|{{ tools is none }}|{{ documents is none }}|{{ add_generation_prompt }}|{{ custom }}"
+    assert render(stories, template, custom=7) == "<s>|</s>|True|True|True|7"
+    assert render(stories, "{{ tools | length }}", tools=[{"name": "f"}]) == "1"
+
+
+def test_tojson_keeps_unicode_and_supports_indent(stories):
+    data = [{"name": "météo", "args": {"b": 1, "a": "<&>"}}]
+    assert render(stories, "{{ tools | tojson }}", tools=data) == json.dumps(data, ensure_ascii=False)
+    assert render(stories, "{{ tools | tojson(indent=2) }}", tools=data) == json.dumps(data, ensure_ascii=False, indent=2)
+
+
+def test_loop_controls_strftime_and_generation_block(stories):
+    template = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.role[0] }}{% endfor %}"
+                "|{{ strftime_now('%Y') | length }}|{% generation %}gen{% endgeneration %}")
+    assert render(stories, template, CONVERSATION) == "su|4|gen"
+
+
+def test_messages_must_be_dicts_with_roles(stories):
+    with pytest.raises(ValueError, match="list of dicts"):
+        stories.apply_chat_template("hello")
+    with pytest.raises(ValueError, match=r"messages\[0\] must be a dict"):
+        stories.apply_chat_template(["hello"])
+    with pytest.raises(ValueError, match=r"messages\[1\] has no 'role'"):
+        stories.apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors raised by or about the template
+
+def test_raise_exception_gives_clear_error(stories):
+    template = "{% if messages[0].role != 'system' %}{{ raise_exception('Conversation must start with a system message') }}{% endif %}"
+    with pytest.raises(ChatTemplateError, match="rejected the conversation: Conversation must start with a system"):
+        render(stories, template)
+    assert isinstance(ChatTemplateError("x"), ValueError)
+
+
+def test_syntax_error_names_the_line(stories):
+    with pytest.raises(ChatTemplateError, match="syntax error on line 2"):
+        render(stories, "ok\n{% for m in messages %}no end")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ messages[0].content + 1 }}", "TypeError"),
+    ("{{ messages[5].content.upper() }}", "failed while rendering"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+])
+def test_runtime_errors_become_chat_template_errors(stories, template, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        render(stories, template)
+
+
+def test_template_over_1mb_is_rejected(stories):
+    with pytest.raises(ChatTemplateError, match="over the 1048576-byte limit"):
+        render(stories, "x" * (MAX_TEMPLATE_BYTES + 1))
+
+
+def test_non_string_template_is_rejected(stories):
+    tok = Tokenizer.from_hf_folder(STORIES_DIR)
+    tok.chat_template = 42
+    with pytest.raises(ChatTemplateError, match="must be a string"):
+        tok.apply_chat_template(USER)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox: hostile templates are stopped before they do anything
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__ }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{{ cycler.__init__.__globals__.os.system('touch /tmp/corelm_pwned') }}",
+    "{{ joiner.__init__.__globals__.os.popen('id').read() }}",
+    "{{ raise_exception.__globals__['os'].system('id') }}",
+    "{{ self._TemplateReference__context.cycler.__init__.__globals__.os.system('id') }}",
+    "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ x }}",
+    "{% set _ = messages[0].update({'content': 'changed'}) %}",
+])
+def test_sandbox_blocks_escapes(stories, template, monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "system", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(os, "popen", lambda *a: calls.append(a))
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateSecurityError, match="unsafe"):
+        render(stories, template, messages)
+    assert calls == []
+    assert messages == [{"role": "user", "content": "hi"}]
+    assert not os.path.exists("/tmp/corelm_pwned")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loops over more than"),
+    ("{{ 'x' * 1000000000 }}", "builds a sequence of"),
+    ("{{ [1, 2] * 1000000000 }}", "builds a sequence of"),
+    ("{{ 10 ** 100000000 }}", "raises to the power"),
+])
+def test_rendering_is_bounded(stories, template, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        render(stories, template)
+
+
+def test_range_budget_is_per_render(stories):
+    template = "{% for i in range(600000) %}{% endfor %}ok"
+    assert render(stories, template) == "ok"
+    assert render(stories, template) == "ok"     # the budget of the previous render does not carry over
