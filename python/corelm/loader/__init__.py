@@ -1,0 +1,56 @@
+"""Model loading: a local HF folder, a local .gguf file or a Hugging Face hub repo id -> LoadedModel.
+
+    from corelm.loader import load_model
+    m = load_model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    m.spec.num_layers, m.get_weight("layers.0.wq").shape
+
+Parsers are strict: a corrupt, hostile or unsupported file raises ModelLoadError saying what is wrong.
+PyTorch pickles (.bin/.pth) are refused, never unpickled.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .spec import SUPPORTED_ARCHS, LoadedModel, ModelLoadError, ModelSpec, layer_weight_names, weight_shapes
+
+__all__ = ["load_model", "LoadedModel", "ModelLoadError", "ModelSpec", "SUPPORTED_ARCHS", "weight_shapes",
+           "layer_weight_names"]
+
+
+def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
+    """Load `model`: a folder (config.json + safetensors), a .gguf file, or an 'owner/name' hub repo id.
+    `revision` (branch, tag or commit) applies to hub downloads only."""
+    from .gguf import GGUF_MAGIC, load_gguf_model
+    from .hf import PICKLE_SUFFIXES, download_from_hub, load_hf_folder, looks_like_repo_id
+
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str) or not model:
+        raise ModelLoadError(f"expected a model path or hub repo id, got {model!r}")
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return load_hf_folder(path)
+    if os.path.isfile(path):
+        lower = path.lower()
+        if lower.endswith(PICKLE_SUFFIXES):
+            raise ModelLoadError(f"{path}: PyTorch pickle files can run arbitrary code when loaded; corelm refuses "
+                                 f"them. Use a safetensors (HF folder) or GGUF version of the model.")
+        if lower.endswith(".safetensors"):
+            raise ModelLoadError(f"{path}: pass the folder that holds this file and its config.json, "
+                                 f"not the .safetensors file itself")
+        if lower.endswith(".gguf") or _starts_with(path, GGUF_MAGIC):
+            return load_gguf_model(path)
+        raise ModelLoadError(f"{path}: not a GGUF file or HF model folder")
+    if looks_like_repo_id(model) and not model.startswith((".", "~")):
+        return load_hf_folder(download_from_hub(model, revision))
+    raise ModelLoadError(f"no such file or folder: {model!r} (and it is not a Hugging Face repo id "
+                         f"of the form 'owner/name')")
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False

@@ -1,0 +1,562 @@
+"""A hardened GGUF (v2/v3, little-endian) reader.
+
+GGUF files come from strangers on the internet, and llama.cpp's own parser has had a long run of
+integer-overflow and out-of-bounds CVEs (see shared/docs/users-and-reliability.md, section 3a). So every
+count, length, dimension and offset read from the file is checked against the file's real size *before*
+it is used, and nothing is ever allocated from an unchecked number. Every failure is a ModelLoadError
+that says what is wrong and where; no IndexError, struct.error or MemoryError leaks out.
+
+Layout (all little-endian):
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x (string key, u32 value_type, value)
+    n_tensors x (string name, u32 n_dims, u64 ne[n_dims], u32 ggml_type, u64 offset)
+    padding to `general.alignment` (default 32) | tensor data (offsets relative to here, each aligned)
+A string is u64 byte length + UTF-8 bytes; an array is u32 element type + u64 count + elements.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .spec import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_ALIGNMENT = 1 << 20          # llama.cpp PR#24997: an unbounded alignment overflows padding arithmetic
+MAX_KEY_LEN = 1 << 10            # keys are short dotted names
+MAX_STRING_LEN = 1 << 26         # 64 MiB: chat templates and merges are long, but never this long
+MAX_ARRAY_LEN = 1 << 28          # bounded by the bytes left in the file as well
+MAX_TENSOR_NAME_LEN = 1 << 10    # ggml itself stops at 63 bytes
+MAX_DIMS = 4                     # GGML_MAX_DIMS
+MAX_TENSOR_BYTES = 1 << 62       # anything bigger cannot be a real tensor on this planet
+
+# GGUF metadata value types -> (name, struct format) for the fixed-size scalars.
+_SCALAR_TYPES: Dict[int, Tuple[str, str]] = {
+    0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"),
+    4: ("UINT32", "<I"), 5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<B"),
+    10: ("UINT64", "<Q"), 11: ("INT64", "<q"), 12: ("FLOAT64", "<d"),
+}
+_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+                10: "<u8", 11: "<i8", 12: "<f8"}
+GGUF_TYPE_BOOL, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 7, 8, 9
+
+# ggml tensor types -> (name, elements per block, bytes per block). Types corelm cannot decode are still
+# listed so their sizes (and thus the file layout) can be validated; decoding them raises a clear error.
+GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}
+GGML_TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
+SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: Tuple[int, ...]   # numpy order: the reverse of ggml's ne, so a weight is [out, in] as in HF
+    ggml_type: int
+    offset: int              # absolute byte offset of the tensor's data in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES[self.ggml_type][0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class _Reader:
+    """Bounds-checked little-endian reads from a byte buffer; every overrun becomes a ModelLoadError."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+
+    def fail(self, msg: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: corrupt GGUF: {msg}")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or n > self.size - self.pos:
+            raise self.fail(f"file is truncated: {what} needs {n} bytes at offset {self.pos}, "
+                            f"but only {self.size - self.pos} remain")
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar("<I", what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("<Q", what)
+
+    def string(self, what: str, cap: int = MAX_STRING_LEN) -> str:
+        n = self.u64(f"length of {what}")
+        if n > cap:
+            raise self.fail(f"{what} claims a length of {n} bytes (limit {cap})")
+        raw = self.take(n, what)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+class GGUFFile:
+    """A parsed, validated GGUF file whose tensor data stays memory-mapped until `dequantize` asks for it."""
+
+    def __init__(self, path: str, version: int, metadata: Dict[str, Any], metadata_types: Dict[str, int],
+                 tensors: Dict[str, GGUFTensorInfo], alignment: int, data_offset: int, buf):
+        self.path = path
+        self.version = version
+        self.metadata = metadata
+        self.metadata_types = metadata_types   # key -> GGUF value type id (arrays: 9)
+        self.tensors = tensors
+        self.alignment = alignment
+        self.data_offset = data_offset         # where the tensor data section starts
+        self._buf = buf
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the mapping."""
+        info = self._info(name)
+        return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as a new C-contiguous float32 array of `tensors[name].shape`."""
+        info = self._info(name)
+        decode = _DECODERS.get(info.type_name)
+        if decode is None:
+            raise ModelLoadError(f"{self.path}: tensor {name} uses GGUF type {info.type_name}, which corelm "
+                                 f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
+        out = decode(self.raw(name), info.numel)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
+
+    def _info(self, name: str) -> GGUFTensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: no tensor named {name!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dequantization. Each decoder gets the raw bytes and the element count and returns a flat float32 array.
+# Block layouts follow ggml-quants.c; structured dtypes let numpy read the packed blocks without copying.
+
+_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+_Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+_Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    # Byte j of a block holds element j in its low nibble and element j+16 in its high nibble.
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _dequant_q8_0(raw: np.ndarray, n: int) -> np.ndarray:
+    b = raw.view(_Q8_0)
+    return (b["d"].astype(np.float32)[:, None] * b["qs"].astype(np.float32)).reshape(n)
+
+
+def _dequant_q4_0(raw: np.ndarray, n: int) -> np.ndarray:
+    b = raw.view(_Q4_0)
+    return ((_nibbles(b["qs"]) - 8.0) * b["d"].astype(np.float32)[:, None]).reshape(n)
+
+
+def _dequant_q4_1(raw: np.ndarray, n: int) -> np.ndarray:
+    b = raw.view(_Q4_1)
+    d, m = b["d"].astype(np.float32)[:, None], b["m"].astype(np.float32)[:, None]
+    return (_nibbles(b["qs"]) * d + m).reshape(n)
+
+
+def _dequant_bf16(raw: np.ndarray, n: int) -> np.ndarray:
+    # bf16 is the top half of an fp32: widen and shift.
+    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+_DECODERS = {
+    "F32": lambda raw, n: raw.view("<f4"),
+    "F16": lambda raw, n: raw.view("<f2").astype(np.float32),
+    "BF16": _dequant_bf16,
+    "Q8_0": _dequant_q8_0,
+    "Q4_0": _dequant_q4_0,
+    "Q4_1": _dequant_q4_1,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parsing.
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parse and validate a GGUF file. Tensor data is memory-mapped, not read."""
+    path = os.fspath(path)
+    buf = _map_file(path)
+    r = _Reader(buf, path)
+    version, n_tensors, n_kv = _read_header(r)
+    metadata, types = _read_metadata(r, n_kv)
+    alignment = _alignment(r, metadata, types)
+    infos = _read_tensor_infos(r, n_tensors)
+    data_offset = _pad(r.pos, alignment)
+    tensors = _place_tensors(r, infos, data_offset, alignment)
+    return GGUFFile(path, version, metadata, types, tensors, alignment, data_offset, buf)
+
+
+def _map_file(path: str):
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ModelLoadError(f"{path}: file is empty, not a GGUF file")
+            # The mapping outlives the file object; numpy views into it keep it alive.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"cannot open GGUF file {path}: {e.strerror or e}") from None
+
+
+def _read_header(r: _Reader) -> Tuple[int, int, int]:
+    magic = bytes(r.take(4, "magic"))
+    if magic != GGUF_MAGIC:
+        raise r.fail(f"bad magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
+    version = r.u32("version")
+    if version not in SUPPORTED_VERSIONS:
+        swapped = struct.unpack("<I", struct.pack(">I", version))[0]
+        if swapped in SUPPORTED_VERSIONS:
+            raise r.fail("this is a big-endian GGUF file; corelm reads little-endian GGUF only")
+        hint = " (GGUF v1 is obsolete; re-convert the model)" if version == 1 else ""
+        raise r.fail(f"unsupported GGUF version {version}{hint}; corelm reads versions 2 and 3")
+    n_tensors = r.u64("tensor count")
+    n_kv = r.u64("metadata key count")
+    # Each entry takes at least this many bytes in the file, so larger counts are impossible; checking
+    # here also stops us from looping 2^63 times (CVE-2024-23605 was an n_kv overflow).
+    if n_tensors > r.size // 24:
+        raise r.fail(f"tensor count {n_tensors} is impossible for a file of {r.size} bytes")
+    if n_kv > r.size // 13:
+        raise r.fail(f"metadata key count {n_kv} is impossible for a file of {r.size} bytes")
+    return version, n_tensors, n_kv
+
+
+def _read_metadata(r: _Reader, n_kv: int) -> Tuple[Dict[str, Any], Dict[str, int]]:
+    metadata: Dict[str, Any] = {}
+    types: Dict[str, int] = {}
+    for i in range(n_kv):
+        key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
+        if not key:
+            raise r.fail(f"metadata key #{i} is empty")
+        if key in metadata:
+            raise r.fail(f"duplicate metadata key {key!r}")
+        vtype = r.u32(f"value type of {key!r}")
+        metadata[key] = _read_value(r, vtype, key)
+        types[key] = vtype
+    return metadata, types
+
+
+def _read_value(r: _Reader, vtype: int, key: str) -> Any:
+    if vtype in _SCALAR_TYPES:
+        v = r.scalar(_SCALAR_TYPES[vtype][1], f"value of {key!r}")
+        return bool(v) if vtype == GGUF_TYPE_BOOL else v
+    if vtype == GGUF_TYPE_STRING:
+        return r.string(f"value of {key!r}")
+    if vtype == GGUF_TYPE_ARRAY:
+        return _read_array(r, key)
+    raise r.fail(f"metadata key {key!r} has unknown value type {vtype}")
+
+
+def _read_array(r: _Reader, key: str) -> list:
+    etype = r.u32(f"element type of {key!r}")
+    n = r.u64(f"length of array {key!r}")
+    if etype == GGUF_TYPE_ARRAY:
+        raise r.fail(f"metadata key {key!r} is a nested array, which GGUF readers do not support")
+    if etype == GGUF_TYPE_STRING:
+        min_elem = 8                                    # each string has at least its u64 length
+    elif etype in _SCALAR_TYPES:
+        min_elem = struct.calcsize(_SCALAR_TYPES[etype][1])
+    else:
+        raise r.fail(f"array {key!r} has unknown element type {etype}")
+    if n > MAX_ARRAY_LEN or n * min_elem > r.size - r.pos:
+        raise r.fail(f"array {key!r} claims {n} elements, more than the file can hold")
+    if etype == GGUF_TYPE_STRING:
+        return [r.string(f"element {j} of {key!r}") for j in range(n)]
+    raw = r.take(n * min_elem, f"array {key!r}")
+    arr = np.frombuffer(raw, dtype=_NUMPY_TYPES[etype], count=n)
+    # Plain lists: consumers (the tokenizer) can treat them like any other metadata value.
+    return arr.astype(bool).tolist() if etype == GGUF_TYPE_BOOL else arr.tolist()
+
+
+def _alignment(r: _Reader, metadata: Dict[str, Any], types: Dict[str, int]) -> int:
+    if "general.alignment" not in metadata:
+        return DEFAULT_ALIGNMENT
+    a = metadata["general.alignment"]
+    if types["general.alignment"] != 4:             # llama.cpp requires UINT32 (PR#26318)
+        raise r.fail(f"general.alignment must be a UINT32, not {_type_name(types['general.alignment'])}")
+    if a == 0 or a & (a - 1) or a > MAX_ALIGNMENT:
+        raise r.fail(f"general.alignment = {a}: must be a power of two between 1 and {MAX_ALIGNMENT}")
+    return a
+
+
+def _type_name(vtype: int) -> str:
+    return {GGUF_TYPE_STRING: "STRING", GGUF_TYPE_ARRAY: "ARRAY"}.get(vtype, _SCALAR_TYPES.get(vtype, ("?",))[0])
+
+
+def _read_tensor_infos(r: _Reader, n_tensors: int) -> List[Tuple[str, List[int], int, int]]:
+    infos, seen = [], set()
+    for i in range(n_tensors):
+        name = r.string(f"name of tensor #{i}", MAX_TENSOR_NAME_LEN)
+        if not name:
+            raise r.fail(f"tensor #{i} has an empty name")
+        if name in seen:
+            raise r.fail(f"duplicate tensor name {name!r}")
+        seen.add(name)
+        n_dims = r.u32(f"n_dims of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise r.fail(f"tensor {name!r} has {n_dims} dimensions (must be 1..{MAX_DIMS})")
+        ne = [r.scalar("<q", f"dimension {d} of tensor {name!r}") for d in range(n_dims)]
+        ggml_type = r.u32(f"type of tensor {name!r}")
+        offset = r.u64(f"offset of tensor {name!r}")
+        infos.append((name, ne, ggml_type, offset))
+    return infos
+
+
+def _tensor_nbytes(r: _Reader, name: str, ne: List[int], ggml_type: int) -> int:
+    if ggml_type not in GGML_TYPES:
+        raise r.fail(f"tensor {name!r} has unknown ggml type {ggml_type}")
+    type_name, block, block_bytes = GGML_TYPES[ggml_type]
+    numel = 1
+    for d in ne:
+        if d <= 0:
+            raise r.fail(f"tensor {name!r} has a dimension of {d} (shape ne={ne})")
+        numel *= d      # Python ints do not wrap; the cap below stands in for C's overflow checks
+        if numel > MAX_TENSOR_BYTES:
+            raise r.fail(f"tensor {name!r} has too many elements (shape ne={ne})")
+    if ne[0] % block:
+        raise r.fail(f"tensor {name!r} has rows of {ne[0]} elements, not a multiple of the "
+                     f"{type_name} block size {block}")
+    nbytes = numel // block * block_bytes
+    if nbytes > MAX_TENSOR_BYTES:
+        raise r.fail(f"tensor {name!r} would take {nbytes} bytes (shape ne={ne}, type {type_name})")
+    return nbytes
+
+
+def _place_tensors(r: _Reader, infos, data_offset: int, alignment: int) -> Dict[str, GGUFTensorInfo]:
+    """Check every tensor's size and placement: aligned, inside the file, not overlapping another."""
+    data_size = r.size - data_offset
+    if infos and data_size < 0:
+        raise r.fail(f"file is truncated: the tensor data section would start at {data_offset}, "
+                     f"past the end of the {r.size}-byte file")
+    tensors: Dict[str, GGUFTensorInfo] = {}
+    for name, ne, ggml_type, offset in infos:
+        nbytes = _tensor_nbytes(r, name, ne, ggml_type)
+        if offset % alignment:
+            raise r.fail(f"tensor {name!r} has offset {offset}, not a multiple of the alignment {alignment}")
+        if offset > data_size or nbytes > data_size - offset:
+            raise r.fail(f"tensor {name!r} (offset {offset}, {nbytes} bytes) extends past the end of the "
+                         f"file's data section ({data_size} bytes); the file is truncated or corrupt")
+        tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), ggml_type, data_offset + offset, nbytes)
+    _check_no_overlap(r, tensors.values())
+    return tensors
+
+
+def _check_no_overlap(r: _Reader, infos) -> None:
+    prev: Optional[GGUFTensorInfo] = None
+    for t in sorted(infos, key=lambda t: (t.offset, t.nbytes)):
+        if prev is not None and t.offset < prev.offset + prev.nbytes:
+            raise r.fail(f"tensors {prev.name!r} and {t.name!r} overlap in the file")
+        prev = t
+
+
+def _pad(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# ---------------------------------------------------------------------------------------------------
+# From a GGUF file to a LoadedModel.
+
+GGUF_ARCHS = ("llama", "qwen2")      # llama.cpp stores Mistral models as "llama"
+_GGUF_GLOBAL = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
+_GGUF_LAYER = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+               "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
+               "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+               "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+_REQUIRED = object()
+
+
+def load_gguf_model(path: str):
+    """A GGUF file as a LoadedModel: weights dequantized to fp32 on demand, Llama q/k un-permuted."""
+    from .hf import check_weight_shapes, load_tokenizer
+    from .spec import LoadedModel
+
+    g = read_gguf(path)
+    spec = spec_from_gguf(g)
+    names = _map_gguf_names(spec, g)
+    check_weight_shapes(spec, {n: g.tensors[t].shape for n, t in names.items()}, g.path)
+    for t in names.values():      # fail now, not halfway through handing weights to the engine
+        if g.tensors[t].type_name not in SUPPORTED_GGML_TYPES:
+            raise ModelLoadError(f"{g.path}: tensor {t} uses GGUF type {g.tensors[t].type_name}, which corelm "
+                                 f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
+    gen = {"bos_token_id": spec.bos_token_id} if spec.bos_token_id is not None else {}
+    if spec.eos_token_ids:
+        gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
+    template = g.metadata.get("tokenizer.chat_template")
+    return LoadedModel(
+        spec=spec, get_weight=_gguf_getter(g, spec, names),
+        tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
+        chat_template=template if isinstance(template, str) else None, generation_config=gen,
+        source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))
+
+
+def _meta(g: GGUFFile, key: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """A typed metadata value: kind "int" (non-negative integer) or "float" (finite number)."""
+    if key not in g.metadata:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{g.path}: GGUF metadata has no {key!r}")
+        return default
+    v = g.metadata[key]
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind == "int" else \
+        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+    if not ok:
+        raise ModelLoadError(f"{g.path}: GGUF metadata {key!r} = {_short(v)} is not a valid {kind}")
+    return float(v) if kind == "float" else v
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) < 80 else s[:77] + "..."
+
+
+def spec_from_gguf(g: GGUFFile):
+    from .hf import validate_spec
+    from .spec import ModelSpec
+
+    arch = g.metadata.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {_short(arch)}; corelm supports "
+                             f"{', '.join(GGUF_ARCHS)} (Mistral models are stored as llama)")
+    if "rope_freqs.weight" in g.tensors:
+        raise ModelLoadError(f"{g.path}: has a rope_freqs tensor (Llama 3.1-style RoPE frequency scaling), which "
+                             f"corelm does not support from GGUF yet; load the model's HF folder instead")
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
+    vocab = _meta(g, f"{arch}.vocab_size", "int", len(tokens) if isinstance(tokens, list) else _REQUIRED)
+    dim, heads = _meta(g, f"{arch}.embedding_length", "int"), _meta(g, f"{arch}.attention.head_count", "int")
+    if f"{arch}.attention.key_length" not in g.metadata and heads and dim % heads:
+        raise ModelLoadError(f"{g.path}: embedding_length {dim} is not divisible by {heads} heads")
+    head_dim = _meta(g, f"{arch}.attention.key_length", "int", dim // heads if heads else 0)
+    if _meta(g, f"{arch}.attention.value_length", "int", head_dim) != head_dim:
+        raise ModelLoadError(f"{g.path}: key and value head sizes differ, which corelm does not support")
+    if _meta(g, f"{arch}.rope.dimension_count", "int", head_dim) != head_dim:
+        raise ModelLoadError(f"{g.path}: partial rotary embeddings (rope.dimension_count != head size) "
+                             f"are not supported")
+    spec = ModelSpec(
+        arch=arch, vocab_size=vocab, hidden_size=dim,
+        intermediate_size=_meta(g, f"{arch}.feed_forward_length", "int"),
+        num_layers=_meta(g, f"{arch}.block_count", "int"), num_heads=heads,
+        num_kv_heads=_meta(g, f"{arch}.attention.head_count_kv", "int", heads), head_dim=head_dim,
+        rms_norm_eps=_meta(g, f"{arch}.attention.layer_norm_rms_epsilon", "float", 1e-5),
+        rope_theta=_meta(g, f"{arch}.rope.freq_base", "float", 10000.0),
+        rope_scaling=_gguf_rope_scaling(g, arch),
+        max_position_embeddings=_meta(g, f"{arch}.context_length", "int", 2048),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+        bos_token_id=_meta(g, "tokenizer.ggml.bos_token_id", "int", None),
+        eos_token_ids=_gguf_eos(g, vocab),
+    )
+    return validate_spec(spec, g.path)
+
+
+def _gguf_rope_scaling(g: GGUFFile, arch: str) -> Optional[Dict[str, Any]]:
+    kind = g.metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = _meta(g, f"{arch}.rope.scaling.factor", "float", None)
+    if kind == "none" and _meta(g, f"{arch}.rope.scale_linear", "float", None) not in (None, 1.0):
+        kind, factor = "linear", _meta(g, f"{arch}.rope.scale_linear", "float")   # pre-2024 key
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn") or factor is None:
+        raise ModelLoadError(f"{g.path}: RoPE scaling {_short(kind)} (factor {factor}) is not supported from GGUF")
+    s: Dict[str, Any] = {"rope_type": kind, "factor": factor}
+    orig = _meta(g, f"{arch}.rope.scaling.original_context_length", "int", None)
+    if orig is not None:
+        s["original_max_position_embeddings"] = orig
+    return s
+
+
+def _gguf_eos(g: GGUFFile, vocab: int) -> List[int]:
+    # llama.cpp stops on end-of-generation tokens: eos, and for chat models also eot (e.g. <|eot_id|>).
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        tid = _meta(g, key, "int", None)
+        if tid is not None and tid not in ids and (key.endswith("eos_token_id") or tid < vocab):
+            ids.append(tid)
+    return ids
+
+
+def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, str]:
+    """internal name -> GGUF tensor name; any tensor the engine would not use is an error."""
+    names, unknown = {}, []
+    for t in g.tensors:
+        internal = _GGUF_GLOBAL.get(t)
+        if internal is None and t.startswith("blk."):
+            idx, _, rest = t[4:].partition(".")
+            if idx.isdigit() and rest in _GGUF_LAYER:
+                internal = f"layers.{int(idx)}.{_GGUF_LAYER[rest]}"
+        if internal is None:
+            unknown.append(t)
+        else:
+            names[internal] = t
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ModelLoadError(f"{g.path}: unknown tensors for a {spec.arch} model: {', '.join(unknown[:5])}{more}")
+    return names
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (HF rotate-half -> interleaved RoPE pairs) for one matrix or bias.
+
+    The converter did w.reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2); this is its inverse."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
+    # Only the llama arch is permuted; qwen2 uses NEOX (rotate-half) RoPE in llama.cpp already.
+    heads = {"wq": spec.num_heads, "bq": spec.num_heads, "wk": spec.num_kv_heads, "bk": spec.num_kv_heads}
+
+    def get_weight(name: str) -> np.ndarray:
+        if name not in names:
+            raise ModelLoadError(f"no weight named {name!r}")
+        w = g.dequantize(names[name])
+        kind = name.rsplit(".", 1)[-1]
+        if spec.arch == "llama" and kind in heads:
+            w = unpermute_rope_rows(w, heads[kind])
+        return np.ascontiguousarray(w, dtype=np.float32)
+    return get_weight
+
+
+def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:
+    # Name the file by the type of most of its matrices (as "a Q4_1 model" has F32 norms and maybe a Q8_0
+    # embedding), then list the other types present.
+    rank: Dict[str, Tuple[int, int]] = {}
+    for t in names.values():
+        info = g.tensors[t]
+        n_mat, n_bytes = rank.get(info.type_name, (0, 0))
+        rank[info.type_name] = (n_mat + (len(info.shape) >= 2), n_bytes + info.nbytes)
+    kinds = sorted(rank, key=rank.get, reverse=True)
+    others = f" (+{', '.join(kinds[1:])})" if len(kinds) > 1 else ""
+    conv = "" if kinds == ["F32"] else ", dequantized to fp32 at load"
+    return f"GGUF {kinds[0]}{others}{conv}"

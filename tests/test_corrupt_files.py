@@ -1,0 +1,147 @@
+"""Every hostile file in tests/data/corrupt/ is refused with a ModelLoadError that names the problem,
+the valid_* files still load, and nothing crashes the process (checked in a subprocess, where a segfault,
+an abort or a runaway allocation would show up as a bad exit status)."""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from corelm.loader import ModelLoadError, load_model
+from corelm.loader.gguf import read_gguf
+from corelm.loader.safetensors import SafetensorsFile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(REPO, "tests", "data", "corrupt")
+
+
+def _load_tool():
+    path = os.path.join(REPO, "tools", "make_corrupt_corpus.py")
+    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tool = _load_tool()
+CASES = tool.cases()
+
+
+def probe(path):
+    """Parse the file and decode every tensor, as a model load would."""
+    if path.endswith(".gguf"):
+        g = read_gguf(path)
+        for name in g.tensors:
+            g.dequantize(name)
+    else:
+        f = SafetensorsFile(path)
+        for name in f.tensors:
+            f.get(name)
+
+
+def test_corpus_is_committed_and_up_to_date():
+    on_disk = sorted(os.listdir(CORPUS))
+    assert on_disk == sorted(c.name for c in CASES), "run: python tools/make_corrupt_corpus.py"
+    for c in CASES:
+        with open(os.path.join(CORPUS, c.name), "rb") as f:
+            assert f.read() == c.data, f"{c.name} is stale; run: python tools/make_corrupt_corpus.py"
+        assert len(c.data) < 64 * 1024
+
+
+def test_generator_is_deterministic(tmp_path):
+    tool.write_corpus(str(tmp_path))
+    for c in CASES:
+        assert (tmp_path / c.name).read_bytes() == c.data
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_corrupt_file_is_refused_for_the_right_reason(case):
+    path = os.path.join(CORPUS, case.name)
+    if case.expect is None:
+        probe(path)
+        return
+    with pytest.raises(ModelLoadError) as e:
+        probe(path)
+    assert case.expect.lower() in str(e.value).lower()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.endswith(".gguf")], ids=lambda c: c.name)
+def test_load_model_refuses_every_corpus_gguf(case):
+    # Even the valid ones lack the model metadata, so load_model must refuse them all, cleanly.
+    with pytest.raises(ModelLoadError):
+        load_model(os.path.join(CORPUS, case.name))
+
+
+_SUBPROCESS_PROBE = textwrap.dedent("""
+    import os, resource, sys
+    # A parser that trusts a declared size would try to allocate it; cap the address space so that shows.
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    from corelm.loader import ModelLoadError
+    from corelm.loader.gguf import read_gguf
+    from corelm.loader.safetensors import SafetensorsFile
+    corpus = sys.argv[1]
+    bad = 0
+    for name in sorted(os.listdir(corpus)):
+        path = os.path.join(corpus, name)
+        try:
+            if name.endswith(".gguf"):
+                g = read_gguf(path)
+                [g.dequantize(t) for t in g.tensors]
+            else:
+                f = SafetensorsFile(path)
+                [f.get(t) for t in f.tensors]
+            print("OK", name)
+        except ModelLoadError as e:
+            print("REFUSED", name, "|", e)
+        except BaseException as e:
+            bad += 1
+            print("CRASH", name, "|", type(e).__name__, e)
+    sys.exit(1 if bad else 0)
+""")
+
+
+def test_no_crash_in_a_subprocess():
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _SUBPROCESS_PROBE, CORPUS], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(CASES)
+    for c in CASES:
+        assert any(line.split(" ", 2)[1] == c.name and line.startswith("OK" if c.expect is None else "REFUSED")
+                   for line in lines), c.name
+
+
+# A small deterministic fuzz: truncations and byte mutations of the valid files must only ever give
+# a clean load or a ModelLoadError, never another exception.
+
+def _mutants(data: bytes, seed: int, n_random: int):
+    rng = np.random.default_rng(seed)
+    for cut in range(0, len(data), max(1, len(data) // 200)):
+        yield f"cut{cut}", data[:cut]
+    for i in range(n_random):
+        b = bytearray(data)
+        for pos in rng.integers(0, len(b), size=int(rng.integers(1, 4))):
+            b[pos] = int(rng.choice([0x00, 0xFF, 0x7F, 0x80, int(rng.integers(0, 256))]))
+        yield f"mut{i}", bytes(b)
+
+
+@pytest.mark.parametrize("source", ["valid_tiny.gguf", "valid_tiny.safetensors"])
+def test_fuzzed_files_only_raise_model_load_error(tmp_path, source):
+    data = next(c.data for c in CASES if c.name == source)
+    path = str(tmp_path / source)
+    outcomes = {"ok": 0, "refused": 0}
+    for label, blob in _mutants(data, seed=1234, n_random=400):
+        with open(path, "wb") as f:
+            f.write(blob)
+        try:
+            probe(path)
+            outcomes["ok"] += 1
+        except ModelLoadError:
+            outcomes["refused"] += 1
+        except Exception as e:  # pragma: no cover - this is the failure being tested for
+            pytest.fail(f"{source} {label}: {type(e).__name__}: {e}")
+    assert outcomes["refused"] > 0

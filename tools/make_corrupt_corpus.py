@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""Write tests/data/corrupt/: hostile GGUF and safetensors files, each named after what is wrong with it.
+
+    python tools/make_corrupt_corpus.py            # (re)writes tests/data/corrupt/
+    python tools/make_corrupt_corpus.py --out DIR  # somewhere else
+
+Modelled on llama.cpp's tests/test-gguf.cpp and the safetensors spec (shared/docs/users-and-reliability.md,
+section 3a). The files are tiny (< 64 KB) even where they *declare* exabytes: a parser that trusts a
+declared size before checking it against the file fails these tests. Files whose name starts with
+"valid_" are well-formed and must load. Deterministic: the same bytes every run.
+
+Also importable: `build_gguf` / `gguf_kv` / `gguf_tensor_info` / `build_safetensors` build files by hand
+with struct (no gguf or safetensors package), and `cases()` lists (file name, bytes, expected message
+fragment) so tests can check that each file fails for the intended reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "tests", "data", "corrupt")
+
+# GGUF value types.
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_FMT = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32: "<i", FLOAT32: "<f",
+        BOOL: "<B", UINT64: "<Q", INT64: "<q", FLOAT64: "<d"}
+# ggml types used here.
+F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, BF16 = 0, 1, 2, 3, 6, 8, 30
+_TYPE_SIZE = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
+              BF16: (1, 2)}
+
+
+class Case(NamedTuple):
+    name: str
+    data: bytes
+    expect: Optional[str]   # a fragment of the ModelLoadError message; None for a valid file
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF, by hand.
+
+def u32(x: int) -> bytes:
+    return struct.pack("<I", x)
+
+
+def u64(x: int) -> bytes:
+    return struct.pack("<Q", x)
+
+
+def gguf_string(s) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return u64(len(b)) + b
+
+
+def gguf_value(vtype: int, value: Any) -> bytes:
+    if vtype == STRING:
+        return gguf_string(value)
+    if vtype == ARRAY:
+        etype, items = value
+        return u32(etype) + u64(len(items)) + b"".join(gguf_value(etype, v) for v in items)
+    return struct.pack(_FMT[vtype], value)
+
+
+def gguf_kv(key, vtype: int, value: Any) -> bytes:
+    """One metadata entry. For arrays, value is (element_type, [items])."""
+    return gguf_string(key) + u32(vtype) + gguf_value(vtype, value)
+
+
+def gguf_tensor_info(name, ne: Sequence[int], ggml_type: int, offset: int) -> bytes:
+    """One tensor-info record; ne in ggml order (ne[0] = the contiguous row length), stored as int64."""
+    return gguf_string(name) + u32(len(ne)) + b"".join(struct.pack("<q", d) for d in ne) + \
+        u32(ggml_type) + u64(offset)
+
+
+def gguf_file(kvs: Sequence[bytes], infos: Sequence[bytes], data: bytes = b"", *, version: int = 3,
+              n_kv: Optional[int] = None, n_tensors: Optional[int] = None, alignment: int = 32,
+              magic: bytes = b"GGUF") -> bytes:
+    """Raw assembly: header, metadata, tensor infos, padding to `alignment`, data. Counts may lie."""
+    head = magic + u32(version) + u64(len(infos) if n_tensors is None else n_tensors) + \
+        u64(len(kvs) if n_kv is None else n_kv)
+    body = head + b"".join(kvs) + b"".join(infos)
+    return body + b"\0" * (-len(body) % alignment) + data
+
+
+def tensor_nbytes(ne: Sequence[int], ggml_type: int) -> int:
+    block, size = _TYPE_SIZE[ggml_type]
+    return int(np.prod(ne, dtype=object)) // block * size
+
+
+def build_gguf(metadata: Sequence[Tuple[str, int, Any]], tensors: Sequence[Tuple[str, Sequence[int], int, bytes]],
+               *, version: int = 3, alignment: int = 32) -> bytes:
+    """A valid GGUF: metadata as (key, type, value); tensors as (name, ne, ggml_type, raw bytes), laid
+    out in order at aligned offsets. Writes general.alignment when it is not the default 32."""
+    kvs = [gguf_kv(k, t, v) for k, t, v in metadata]
+    if alignment != 32:
+        kvs.append(gguf_kv("general.alignment", UINT32, alignment))
+    infos, data = [], b""
+    for name, ne, ggml_type, raw in tensors:
+        assert ggml_type not in _TYPE_SIZE or len(raw) == tensor_nbytes(ne, ggml_type), name
+        infos.append(gguf_tensor_info(name, ne, ggml_type, len(data)))
+        data += raw + b"\0" * (-len(raw) % alignment)
+    return gguf_file(kvs, infos, data, version=version, alignment=alignment)
+
+
+# Raw tensor payloads, from fixed values so the corpus is deterministic.
+
+def f32_bytes(x) -> bytes:
+    return np.asarray(x, dtype="<f4").tobytes()
+
+
+def f16_bytes(x) -> bytes:
+    return np.asarray(x, dtype="<f2").tobytes()
+
+
+def bf16_bytes(x) -> bytes:
+    return (np.asarray(x, dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes()
+
+
+def q8_0_bytes(d: Sequence[float], qs: np.ndarray) -> bytes:
+    """Blocks of (f16 scale, 32 int8)."""
+    qs = np.asarray(qs, dtype=np.int8).reshape(len(d), 32)
+    return b"".join(f16_bytes([di]) + q.tobytes() for di, q in zip(d, qs))
+
+
+def q4_0_bytes(d: Sequence[float], nibbles: np.ndarray) -> bytes:
+    """Blocks of (f16 scale, 16 bytes): byte j = element j (low nibble) | element j+16 (high nibble)."""
+    n = np.asarray(nibbles, dtype=np.uint8).reshape(len(d), 32)
+    packed = (n[:, :16] | (n[:, 16:] << 4)).astype(np.uint8)
+    return b"".join(f16_bytes([di]) + p.tobytes() for di, p in zip(d, packed))
+
+
+def q4_1_bytes(d: Sequence[float], m: Sequence[float], nibbles: np.ndarray) -> bytes:
+    n = np.asarray(nibbles, dtype=np.uint8).reshape(len(d), 32)
+    packed = (n[:, :16] | (n[:, 16:] << 4)).astype(np.uint8)
+    return b"".join(f16_bytes([di, mi]) + p.tobytes() for di, mi, p in zip(d, m, packed))
+
+
+def _ramp(n: int, mod: int) -> np.ndarray:
+    return np.arange(n) % mod
+
+
+VALID_METADATA = [
+    ("general.architecture", STRING, "llama"),
+    ("general.name", STRING, "corelm corrupt-corpus baseline"),
+    ("general.quantization_version", UINT32, 2),
+    ("test.flag", BOOL, True),
+    ("test.float", FLOAT32, 0.5),
+    ("test.int64", INT64, -7),
+    ("test.scores", ARRAY, (FLOAT32, [0.0, -1.5, 2.25])),
+    ("test.tokens", ARRAY, (STRING, ["<unk>", "hello", "wörld"])),
+]
+
+
+def valid_tensors() -> List[Tuple[str, List[int], int, bytes]]:
+    """One tensor of every type corelm decodes; values are simple ramps (see tests for the expected floats)."""
+    return [
+        ("f32", [4, 2], F32, f32_bytes(np.arange(8) - 3.5)),
+        ("f16", [8], F16, f16_bytes(np.arange(8) * 0.25)),
+        ("bf16", [4], BF16, bf16_bytes([1.0, -2.0, 0.5, 3.0])),
+        ("q8_0", [32, 2], Q8_0, q8_0_bytes([0.5, 0.25], _ramp(64, 200) - 100)),
+        ("q4_0", [32], Q4_0, q4_0_bytes([2.0], _ramp(32, 16))),
+        ("q4_1", [64], Q4_1, q4_1_bytes([0.5, 1.0], [-1.0, 3.0], _ramp(64, 16))),
+    ]
+
+
+def valid_gguf(version: int = 3) -> bytes:
+    return build_gguf(VALID_METADATA, valid_tensors(), version=version)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GGUF cases.
+
+_BASE_KV = [gguf_kv("general.architecture", STRING, "llama")]
+_ONE_F32 = f32_bytes(np.zeros(8))
+
+
+def _one_tensor(ne, ggml_type=F32, offset=0, data=_ONE_F32, kvs=None, name="t") -> bytes:
+    return gguf_file(_BASE_KV if kvs is None else kvs, [gguf_tensor_info(name, ne, ggml_type, offset)], data)
+
+
+def _with_kv(kv: bytes, n_kv: Optional[int] = None) -> bytes:
+    return gguf_file(_BASE_KV + [kv], [], n_kv=n_kv)
+
+
+def gguf_cases() -> List[Case]:
+    good = valid_gguf()
+    # Where the valid file's sections end, for the truncation cases: header is 24 bytes.
+    kv_end = 24 + sum(len(gguf_kv(k, t, v)) for k, t, v in VALID_METADATA)
+    header_end = kv_end + sum(len(gguf_tensor_info(n, ne, ty, 0)) for n, ne, ty, _ in valid_tensors())
+    two_f32 = gguf_file(_BASE_KV, [gguf_tensor_info("a", [8], F32, 0), gguf_tensor_info("b", [8], F32, 32)],
+                        _ONE_F32 + _ONE_F32)
+    c = [
+        Case("valid_tiny.gguf", good, None),
+        Case("valid_tiny_v2.gguf", valid_gguf(version=2), None),
+        Case("valid_metadata_only.gguf", gguf_file(_BASE_KV, []), None),
+        Case("valid_alignment_64.gguf", build_gguf(VALID_METADATA, valid_tensors(), alignment=64), None),
+        Case("gguf_empty_file.gguf", b"", "empty"),
+        Case("gguf_bad_magic.gguf", b"GGML" + good[4:], "bad magic"),
+        Case("gguf_version_0.gguf", gguf_file(_BASE_KV, [], version=0), "version 0"),
+        Case("gguf_version_1.gguf", gguf_file(_BASE_KV, [], version=1), "version 1"),
+        Case("gguf_version_999.gguf", gguf_file(_BASE_KV, [], version=999), "version 999"),
+        Case("gguf_big_endian.gguf", gguf_file(_BASE_KV, [], version=3 << 24), "big-endian"),
+        Case("gguf_n_tensors_2pow63.gguf", gguf_file(_BASE_KV, [], n_tensors=1 << 63), "tensor count"),
+        Case("gguf_n_tensors_minus1.gguf", gguf_file(_BASE_KV, [], n_tensors=(1 << 64) - 1), "tensor count"),
+        Case("gguf_n_kv_2pow63.gguf", gguf_file(_BASE_KV, [], n_kv=1 << 63), "metadata key count"),
+        Case("gguf_n_kv_minus1.gguf", gguf_file(_BASE_KV, [], n_kv=(1 << 64) - 1), "metadata key count"),
+        Case("gguf_n_kv_more_than_present.gguf", gguf_file(_BASE_KV, [], n_kv=3, alignment=1), "truncated"),
+        Case("gguf_key_len_2pow63.gguf", _with_kv(u64(1 << 63) + b"k" + u32(UINT8) + b"\1"), "claims a length"),
+        Case("gguf_key_len_past_eof.gguf", _with_kv(u64(500) + b"general.x" + u32(UINT8) + b"\1"), "truncated"),
+        Case("gguf_key_len_2000.gguf", _with_kv(gguf_kv("k" * 2000, UINT8, 1)), "limit 1024"),
+        Case("gguf_key_empty.gguf", _with_kv(gguf_kv("", UINT8, 1)), "empty"),
+        Case("gguf_key_not_utf8.gguf", _with_kv(gguf_kv(b"bad\xff\xfekey", UINT8, 1)), "UTF-8"),
+        Case("gguf_string_len_2pow63.gguf", _with_kv(gguf_string("general.name") + u32(STRING) + u64(1 << 63)),
+             "claims a length"),
+        Case("gguf_string_len_past_eof.gguf",
+             _with_kv(gguf_string("general.name") + u32(STRING) + u64(60000) + b"abc"), "truncated"),
+        Case("gguf_string_not_utf8.gguf", _with_kv(gguf_kv("general.name", STRING, b"\xc3\x28")), "UTF-8"),
+        Case("gguf_array_len_2pow62.gguf",
+             _with_kv(gguf_string("a.scores") + u32(ARRAY) + u32(FLOAT32) + u64(1 << 62) + f32_bytes([1.0])),
+             "more than the file can hold"),
+        Case("gguf_string_array_len_2pow62.gguf",
+             _with_kv(gguf_string("a.tokens") + u32(ARRAY) + u32(STRING) + u64(1 << 62) + gguf_string("x")),
+             "more than the file can hold"),
+        Case("gguf_array_len_past_eof.gguf",
+             _with_kv(gguf_string("a.ids") + u32(ARRAY) + u32(UINT32) + u64(100) + u32(1) * 10),
+             "more than the file can hold"),
+        Case("gguf_unknown_kv_type.gguf", _with_kv(gguf_string("a.b") + u32(13) + u64(0)), "unknown value type 13"),
+        Case("gguf_unknown_kv_type_huge.gguf", _with_kv(gguf_string("a.b") + u32(0xFFFFFFFF) + u64(0)),
+             "unknown value type"),
+        Case("gguf_unknown_array_elem_type.gguf",
+             _with_kv(gguf_string("a.b") + u32(ARRAY) + u32(77) + u64(1) + u64(0)), "unknown element type 77"),
+        Case("gguf_nested_array.gguf",
+             _with_kv(gguf_string("a.b") + u32(ARRAY) + u32(ARRAY) + u64(1) + u32(UINT8) + u64(1) + b"\1"),
+             "nested array"),
+        Case("gguf_duplicate_key.gguf",
+             gguf_file(_BASE_KV + [gguf_kv("general.name", STRING, "a"), gguf_kv("general.name", STRING, "b")], []),
+             "duplicate metadata key"),
+        Case("gguf_duplicate_tensor_name.gguf",
+             gguf_file(_BASE_KV, [gguf_tensor_info("w", [8], F32, 0), gguf_tensor_info("w", [8], F32, 32)],
+                       _ONE_F32 * 2), "duplicate tensor name"),
+        Case("gguf_tensor_name_empty.gguf", _one_tensor([8], name=""), "empty name"),
+        Case("gguf_tensor_name_len_2pow63.gguf",
+             gguf_file(_BASE_KV, [u64(1 << 63) + b"t" + u32(1) + u64(8) + u32(F32) + u64(0)], _ONE_F32),
+             "claims a length"),
+        Case("gguf_n_dims_5.gguf", _one_tensor([2, 2, 2, 1, 1]), "5 dimensions"),
+        Case("gguf_n_dims_0.gguf", _one_tensor([]), "0 dimensions"),
+        Case("gguf_n_dims_huge.gguf",
+             gguf_file(_BASE_KV, [gguf_string("t") + u32(0xFFFFFFFF) + u64(8)], _ONE_F32), "dimensions"),
+        Case("gguf_dim_0.gguf", _one_tensor([8, 0]), "dimension of 0"),
+        Case("gguf_dim_negative.gguf", _one_tensor([8, -1]), "dimension of -1"),
+        Case("gguf_dims_product_overflow.gguf", _one_tensor([1 << 32, 1 << 32, 1 << 32]), "too many elements"),
+        Case("gguf_ne_2pow42_plus_1.gguf", _one_tensor([(1 << 42) + 1, 1 << 22]), "too many elements"),
+        Case("gguf_nbytes_overflow.gguf", _one_tensor([1 << 31, 1 << 31]), "would take"),
+        Case("gguf_two_tensors_0x7FFFFFFFFFFFFFC0.gguf",
+             gguf_file(_BASE_KV, [gguf_tensor_info("a", [0x7FFFFFFFFFFFFFC0], Q8_0, 0),
+                                  gguf_tensor_info("b", [0x7FFFFFFFFFFFFFC0], Q8_0, 0)]), "too many elements"),
+        Case("gguf_unknown_ggml_type_99.gguf", _one_tensor([8], ggml_type=99), "unknown ggml type 99"),
+        Case("gguf_removed_ggml_type_4.gguf", _one_tensor([32], ggml_type=4), "unknown ggml type 4"),
+        Case("gguf_ggml_type_huge.gguf", _one_tensor([8], ggml_type=0xFFFFFFFF), "unknown ggml type"),
+        Case("gguf_quant_row_not_multiple_of_32.gguf", _one_tensor([33, 1], ggml_type=Q8_0, data=b"\0" * 64),
+             "not a multiple of the Q8_0 block size"),
+        Case("gguf_offset_beyond_file.gguf", _one_tensor([8], offset=1 << 40), "past the end"),
+        Case("gguf_offset_2pow64_minus_32.gguf", _one_tensor([8], offset=(1 << 64) - 32), "past the end"),
+        Case("gguf_offset_misaligned.gguf", _one_tensor([4], offset=4), "alignment"),
+        Case("gguf_overlapping_tensors.gguf",
+             gguf_file(_BASE_KV, [gguf_tensor_info("a", [16], F32, 0), gguf_tensor_info("b", [8], F32, 32)],
+                       _ONE_F32 * 3), "overlap"),
+        Case("gguf_alignment_0.gguf", _one_tensor([8], kvs=_BASE_KV + [gguf_kv("general.alignment", UINT32, 0)]),
+             "general.alignment = 0"),
+        Case("gguf_alignment_3.gguf", _one_tensor([8], kvs=_BASE_KV + [gguf_kv("general.alignment", UINT32, 3)]),
+             "general.alignment = 3"),
+        Case("gguf_alignment_2pow31.gguf",
+             _one_tensor([8], kvs=_BASE_KV + [gguf_kv("general.alignment", UINT32, 1 << 31)]),
+             "general.alignment = 2147483648"),
+        Case("gguf_alignment_int32_type.gguf",
+             _one_tensor([8], kvs=_BASE_KV + [gguf_kv("general.alignment", INT32, 32)]), "must be a UINT32"),
+        Case("gguf_alignment_string_type.gguf",
+             _one_tensor([8], kvs=_BASE_KV + [gguf_kv("general.alignment", STRING, "32")]), "must be a UINT32"),
+        Case("gguf_truncated_in_header.gguf", good[:14], "truncated"),
+        Case("gguf_truncated_in_metadata.gguf", good[:kv_end - 5], "truncated"),
+        Case("gguf_truncated_in_tensor_info.gguf", good[:header_end - 3], "truncated"),
+        Case("gguf_truncated_before_data.gguf", good[:header_end], "truncated"),
+        Case("gguf_truncated_in_data.gguf", good[:len(good) - 40], "past the end"),
+        Case("gguf_tensor_past_end_of_data.gguf", two_f32[:-1], "past the end"),
+        Case("gguf_q5_0_tensor_unsupported.gguf", _one_tensor([32], ggml_type=Q5_0, data=b"\0" * 22),
+             "Q5_0, which corelm does not support yet"),
+    ]
+    return c
+
+
+# ---------------------------------------------------------------------------------------------------
+# safetensors, by hand.
+
+def build_safetensors(header: Any, data: bytes = b"", *, raw_header: Optional[bytes] = None,
+                      header_len: Optional[int] = None) -> bytes:
+    """u64 header length | header | data. `header` is JSON-encoded unless raw_header is given;
+    header_len lies about the length when set."""
+    h = raw_header if raw_header is not None else json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return struct.pack("<Q", len(h) if header_len is None else header_len) + h + data
+
+
+def safetensors_from_arrays(arrays: Dict[str, Tuple[str, Sequence[int], bytes]],
+                            metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """A valid file from {name: (dtype, shape, raw bytes)}, laid out in order."""
+    header: Dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    data = b""
+    for name, (dtype, shape, raw) in arrays.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    return build_safetensors(header, data)
+
+
+def valid_safetensors() -> bytes:
+    return safetensors_from_arrays({
+        "f32": ("F32", [2, 3], f32_bytes(np.arange(6) - 2.5)),
+        "f16": ("F16", [4], f16_bytes([0.5, -1.0, 2.0, 1024.0])),
+        "bf16": ("BF16", [2, 2], bf16_bytes([1.0, -2.0, 0.5, 3.0])),
+        "i8": ("I8", [3], np.array([-1, 0, 7], dtype=np.int8).tobytes()),
+        "scalar": ("F32", [], f32_bytes([42.0])),
+        "empty": ("F32", [0, 4], b""),
+    }, metadata={"format": "pt"})
+
+
+def _st_entry(dtype="F32", shape=(2,), offsets=(0, 8)) -> Dict[str, Any]:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+_EIGHT = b"\0" * 8
+
+
+def safetensors_cases() -> List[Case]:
+    dup = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    deep = b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    return [
+        Case("valid_tiny.safetensors", valid_safetensors(), None),
+        Case("valid_padded_header.safetensors",
+             build_safetensors(None, _EIGHT, raw_header=json.dumps({"a": _st_entry()}).encode() + b"      "), None),
+        Case("st_empty_file.safetensors", b"", "empty"),
+        Case("st_shorter_than_8_bytes.safetensors", b"\x10\0\0", "too short"),
+        Case("st_header_len_past_eof.safetensors", build_safetensors({"a": _st_entry()}, _EIGHT, header_len=4096),
+             "larger than the rest of the file"),
+        Case("st_header_len_2pow63.safetensors", build_safetensors({"a": _st_entry()}, _EIGHT, header_len=1 << 63),
+             "exceeds"),
+        Case("st_header_len_zero.safetensors", build_safetensors(None, _EIGHT, raw_header=b""),
+             "does not start with"),
+        Case("st_header_not_json.safetensors", build_safetensors(None, _EIGHT, raw_header=b"{not json at all"),
+             "not valid JSON"),
+        Case("st_header_json_array.safetensors", build_safetensors([1, 2, 3], _EIGHT), "does not start with"),
+        Case("st_header_not_utf8.safetensors",
+             build_safetensors(None, _EIGHT, raw_header=b'{"a\xff\xfe":{"dtype":"F32"}}'), "UTF-8"),
+        Case("st_header_nan.safetensors",
+             build_safetensors(None, _EIGHT, raw_header=b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}'),
+             "not valid JSON"),
+        Case("st_header_deeply_nested.safetensors", build_safetensors(None, _EIGHT, raw_header=deep),
+             "nested too deeply"),
+        Case("st_duplicate_names.safetensors", build_safetensors(None, _EIGHT, raw_header=dup), "duplicate key"),
+        Case("st_empty_name.safetensors", build_safetensors({"": _st_entry()}, _EIGHT), "empty name"),
+        Case("st_name_too_long.safetensors", build_safetensors({"n" * 5000: _st_entry()}, _EIGHT), "longer than"),
+        Case("st_entry_not_object.safetensors", build_safetensors({"a": [1, 2]}, _EIGHT), "exactly the keys"),
+        Case("st_entry_extra_key.safetensors", build_safetensors({"a": dict(_st_entry(), x=1)}, _EIGHT),
+             "exactly the keys"),
+        Case("st_offsets_out_of_range.safetensors", build_safetensors({"a": _st_entry(offsets=(8, 16))}, _EIGHT),
+             "outside"),
+        Case("st_offsets_huge.safetensors",
+             build_safetensors({"a": _st_entry(offsets=((1 << 64) - 8, 1 << 64))}, _EIGHT), "outside"),
+        Case("st_offsets_negative.safetensors", build_safetensors({"a": _st_entry(offsets=(-8, 0))}, _EIGHT),
+             "outside"),
+        Case("st_end_before_begin.safetensors",
+             build_safetensors({"a": _st_entry(shape=(0,), offsets=(8, 0))}, _EIGHT * 2), "end < begin"),
+        Case("st_offsets_not_pair.safetensors", build_safetensors({"a": _st_entry(offsets=(0, 4, 8))}, _EIGHT),
+             "data_offsets"),
+        Case("st_offsets_float.safetensors", build_safetensors({"a": _st_entry(offsets=(0.0, 8.0))}, _EIGHT),
+             "data_offsets"),
+        Case("st_size_mismatch_shape.safetensors", build_safetensors({"a": _st_entry(shape=(3,))}, _EIGHT * 2),
+             "need 12"),
+        Case("st_overlapping.safetensors",
+             build_safetensors({"a": _st_entry(offsets=(0, 8)), "b": _st_entry(offsets=(4, 12))}, _EIGHT * 2),
+             "overlap"),
+        Case("st_unknown_dtype.safetensors", build_safetensors({"a": _st_entry(dtype="Q4_K")}, _EIGHT),
+             "unknown dtype"),
+        Case("st_dtype_not_string.safetensors", build_safetensors({"a": _st_entry(dtype=4)}, _EIGHT),
+             "unknown dtype"),
+        Case("st_negative_dim.safetensors", build_safetensors({"a": _st_entry(shape=(-2, -1))}, _EIGHT),
+             "invalid shape"),
+        Case("st_shape_float.safetensors", build_safetensors({"a": _st_entry(shape=(2.0,))}, _EIGHT),
+             "invalid shape"),
+        Case("st_shape_bool.safetensors", build_safetensors({"a": _st_entry(shape=(True, 2))}, _EIGHT),
+             "invalid shape"),
+        Case("st_shape_rank_100.safetensors", build_safetensors({"a": _st_entry(shape=(1,) * 100)}, _EIGHT),
+             "invalid shape"),
+        Case("st_shape_product_overflow.safetensors",
+             build_safetensors({"a": _st_entry(shape=(1 << 32, 1 << 32, 1 << 32))}, _EIGHT), "impossibly large"),
+        Case("st_shape_product_wraps_to_0.safetensors",
+             build_safetensors({"a": _st_entry(shape=(1 << 63, 4))}, _EIGHT), "impossibly large"),
+        Case("st_metadata_not_str.safetensors",
+             build_safetensors({"__metadata__": {"format": 1}, "a": _st_entry()}, _EIGHT), "__metadata__"),
+        Case("st_metadata_not_object.safetensors",
+             build_safetensors({"__metadata__": ["pt"], "a": _st_entry()}, _EIGHT), "__metadata__"),
+        Case("st_f8_dtype_unsupported.safetensors",
+             build_safetensors({"a": _st_entry(dtype="F8_E4M3", shape=(8,))}, _EIGHT), "does not support yet"),
+    ]
+
+
+def cases() -> List[Case]:
+    return gguf_cases() + safetensors_cases()
+
+
+def write_corpus(out: str) -> List[str]:
+    os.makedirs(out, exist_ok=True)
+    names = []
+    for case in cases():
+        assert len(case.data) < 64 * 1024, case.name
+        with open(os.path.join(out, case.name), "wb") as f:
+            f.write(case.data)
+        names.append(case.name)
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args()
+    names = write_corpus(args.out)
+    print(f"wrote {len(names)} files to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
