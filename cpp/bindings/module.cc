@@ -123,9 +123,10 @@ PYBIND11_MODULE(_core, m) {
     if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
       throw std::invalid_argument("kernel_matmul needs x [M, K] and w [N, K]");
     const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
-    PackedMatrix pw = pack_matrix(w.data(), N, K, parse_weight_type(wtype));
+    const KernelTable& kt = table(isa);
+    PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype));
     py::array_t<float> y({M, N});
-    table(isa).matmul(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
+    kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
     return y;
   });
   m.def("kernel_rmsnorm", [](const std::string& isa, FloatArray x, FloatArray w, float eps) {
@@ -160,7 +161,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
     if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
-    PackedMatrix pw = pack_matrix(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype));
+    PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype));
     py::array_t<float> y(w.shape(1));
     table(isa).row_to_f32(pw, row, y.mutable_data());
     return y;

@@ -14,30 +14,10 @@ namespace corelm {
 
 const char* weight_type_name(WeightType t) { return t == WeightType::BF16 ? "bf16" : "fp32"; }
 
-size_t PackedMatrix::bytes() const {
-  return (size_t)rows * (size_t)row_stride * (type == WeightType::BF16 ? 2 : 4);
-}
-
-static std::shared_ptr<void> aligned_buffer(size_t bytes) {
+std::shared_ptr<void> aligned_buffer(size_t bytes) {
   void* p = nullptr;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) throw std::bad_alloc();
   return std::shared_ptr<void>(p, free);
-}
-
-PackedMatrix pack_matrix(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  PackedMatrix m;
-  m.type = type;
-  m.rows = rows;
-  m.cols = cols;
-  m.row_stride = cols;  // rows stay contiguous: kernels stream them with masked tails
-  m.storage = aligned_buffer(m.bytes());
-  if (type == WeightType::F32) {
-    std::memcpy(m.storage.get(), src, m.bytes());
-  } else {
-    uint16_t* dst = static_cast<uint16_t*>(m.storage.get());
-    for (int64_t i = 0; i < rows * cols; i++) dst[i] = f32_to_bf16(src[i]);
-  }
-  return m;
 }
 
 #if defined(CORELM_HAVE_X86)

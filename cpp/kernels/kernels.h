@@ -12,22 +12,27 @@ namespace corelm {
 enum class WeightType : int { F32 = 0, BF16 = 1 };
 const char* weight_type_name(WeightType t);
 
-// A weight matrix W[rows][cols] (out_features x in_features), stored in the layout its kernels want.
-// Only the kernels and pack_matrix() look inside; model code treats it as opaque.
+struct KernelTable;
+
+// A weight matrix W[rows][cols] (out_features x in_features), stored in the layout of the kernel
+// table that packed it. Only that table's kernels look inside; model code treats it as opaque.
 struct PackedMatrix {
   WeightType type = WeightType::F32;
   int64_t rows = 0, cols = 0;
-  int64_t row_stride = 0;                   // elements between consecutive rows
+  int64_t ld = 0;                           // layout-specific leading dimension (elements)
+  size_t nbytes = 0;
+  const KernelTable* packed_by = nullptr;
   std::shared_ptr<void> storage;            // 64-byte aligned
   const void* data() const { return storage.get(); }
-  size_t bytes() const;
+  size_t bytes() const { return nbytes; }
 };
 
-// Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even).
-PackedMatrix pack_matrix(const float* src, int64_t rows, int64_t cols, WeightType type);
+std::shared_ptr<void> aligned_buffer(size_t bytes);
 
 struct KernelTable {
   const char* name;  // "avx512", "scalar"
+  // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout.
+  PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type);
   // y[i][n] = sum_k x[i][k] * W[n][k] for i < m and n in [n0, n1): the caller splits n across threads.
   void (*matmul)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                  int64_t n0, int64_t n1);

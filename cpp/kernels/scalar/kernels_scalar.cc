@@ -1,13 +1,33 @@
 // The reference kernels: plain loops, the definition every other ISA is tested against.
 #include <cmath>
+#include <cstring>
 
 #include "kernels/kernels.h"
 
 namespace corelm {
 namespace {
 
+// Layout: plain row-major, ld = cols.
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  PackedMatrix m;
+  m.type = type;
+  m.rows = rows;
+  m.cols = cols;
+  m.ld = cols;
+  m.nbytes = (size_t)rows * cols * (type == WeightType::BF16 ? 2 : 4);
+  m.packed_by = &kScalarKernels;
+  m.storage = aligned_buffer(m.nbytes);
+  if (type == WeightType::F32) {
+    std::memcpy(m.storage.get(), src, m.nbytes);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(m.storage.get());
+    for (int64_t i = 0; i < rows * cols; i++) dst[i] = f32_to_bf16(src[i]);
+  }
+  return m;
+}
+
 inline float weight_at(const PackedMatrix& w, int64_t row, int64_t col) {
-  size_t i = (size_t)row * w.row_stride + col;
+  size_t i = (size_t)row * w.ld + col;
   if (w.type == WeightType::BF16) return bf16_to_f32(static_cast<const uint16_t*>(w.data())[i]);
   return static_cast<const float*>(w.data())[i];
 }
@@ -58,6 +78,6 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", matmul, rmsnorm, silu_mul, dot, axpy, softmax, row_to_f32};
+const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, softmax, row_to_f32};
 
 }  // namespace corelm

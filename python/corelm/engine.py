@@ -1,0 +1,101 @@
+"""Builds the C++ model (`corelm._core.Model`) from a LoadedModel: picks the weight dtype and thread
+count, computes the RoPE frequencies, and hands the weights over one tensor at a time."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from .loader.spec import LoadedModel, ModelLoadError, ModelSpec
+
+DTYPES = ("auto", "bf16", "fp32")
+
+
+def default_threads() -> int:
+    """Physical cores this process may run on: SMT siblings share execution units and only add
+    contention to bandwidth-bound decode."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:
+        allowed = os.cpu_count() or 1
+    try:
+        import psutil
+        physical = psutil.cpu_count(logical=False) or allowed
+        logical = psutil.cpu_count(logical=True) or allowed
+        per_core = max(1, logical // physical)
+        return max(1, min(physical, allowed // per_core))
+    except Exception:
+        return max(1, allowed)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto" is bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads),
+    otherwise fp32."""
+    from . import _core
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    if dtype == "auto":
+        return "bf16" if _core.cpu_info().get("bf16_native") else "fp32"
+    return dtype
+
+
+def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim / 2] in float32, computed as transformers does, with its
+    "linear" and "llama3" scalings applied."""
+    dim = spec.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(spec.rope_theta), exponents)).astype(np.float32)
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+        smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ModelLoadError(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+
+
+def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int) -> Dict[str, Any]:
+    window = spec.sliding_window if spec.sliding_window and spec.sliding_window < max_seq_len else 0
+    return dict(vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
+                n_layers=spec.num_layers, n_heads=spec.num_heads, n_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, norm_eps=float(spec.rms_norm_eps),
+                tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
+                sliding_window=int(window), max_seq_len=int(max_seq_len),
+                rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads))
+
+
+def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
+                     max_seq_len: Optional[int] = None, progress: bool = False):
+    """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
+    the packed model plus one fp32 tensor."""
+    from . import _core
+    spec = loaded.spec
+    threads = default_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}.")
+    if max_seq_len is None:
+        max_seq_len = min(int(spec.max_position_embeddings or 2048), 4096)
+    if int(max_seq_len) < 1:
+        raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
+    model = _core.Model(core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len)))
+    names = list(loaded.weight_names())
+    if progress:
+        from tqdm import tqdm
+        names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
+    for name in names:
+        model.set_weight(name, loaded.get_weight(name))
+    model.finalize()
+    return model

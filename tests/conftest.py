@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+MODELS = os.path.join(DATA, "models")
+FIXTURES = os.path.join(DATA, "fixtures")
+DEFAULT_GGUF = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# Tests run against the installed package; a source checkout with an in-place build also works.
+try:
+    import corelm  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    return DATA

@@ -1,0 +1,115 @@
+"""Every kernel table against a float64 numpy reference (and so against the scalar table), over
+awkward shapes: K not a multiple of the vector width, one row, thousands of rows."""
+import numpy as np
+import pytest
+
+_core = pytest.importorskip("corelm._core")
+
+TABLES = _core.kernel_tables()
+RNG = np.random.default_rng(1234)
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 -> fp32 with round-to-nearest-even, the way pack_matrix stores bf16 weights."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+def nmse(y, ref):
+    ref = np.asarray(ref, np.float64)
+    return float(np.mean((np.asarray(y, np.float64) - ref) ** 2) / max(np.mean(ref ** 2), 1e-30))
+
+
+def test_scalar_table_always_present():
+    assert "scalar" in TABLES
+    info = _core.cpu_info()
+    assert set(info["kernels"].values()) <= set(TABLES)
+
+
+SHAPES = [(1, 1, 1), (1, 7, 15), (1, 33, 16), (1, 9, 17), (1, 4099, 65), (2, 5, 31), (3, 17, 100),
+          (4, 8, 64), (5, 21, 129), (7, 3, 257), (130, 37, 896), (1, 64, 4864), (2000, 3, 48)]
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_matmul(isa, wtype, m, n, k):
+    x = RNG.standard_normal((m, k)).astype(np.float32)
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    w_used = bf16_round(w) if wtype == "bf16" else w
+    ref = x.astype(np.float64) @ w_used.astype(np.float64).T
+    y = _core.kernel_matmul(isa, x, w, wtype)
+    assert y.shape == (m, n)
+    # fp32 accumulation over K terms: error grows like sqrt(K) * eps * |terms|
+    tol = 2e-6 * k + 1e-6
+    np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
+
+
+def test_bf16_rounding_matches_reference():
+    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.0078125, 3.0e38, -1e-40, 1.5, 65504.0], np.float32)
+    w = np.concatenate([special, RNG.standard_normal(1000).astype(np.float32)])[None, :]
+    for isa in TABLES:
+        got = _core.kernel_row_to_f32(isa, w, "bf16", 0)
+        np.testing.assert_array_equal(got, bf16_round(w[0]))
+        np.testing.assert_array_equal(_core.kernel_row_to_f32(isa, w, "fp32", 0), w[0])
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 64, 896, 1001])
+def test_rmsnorm(isa, n):
+    x = RNG.standard_normal(n).astype(np.float32) * 3
+    w = RNG.standard_normal(n).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = w * (x64 / np.sqrt(np.mean(x64 * x64) + 1e-5))
+    np.testing.assert_allclose(_core.kernel_rmsnorm(isa, x, w, 1e-5), ref, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 3, 16, 31, 4864])
+def test_silu_mul(isa, n):
+    g = (RNG.standard_normal(n) * 6).astype(np.float32)
+    g[:3] = [-100.0, 100.0, 0.0][: min(3, n)]
+    u = RNG.standard_normal(n).astype(np.float32)
+    g64 = g.astype(np.float64)
+    ref = g64 / (1 + np.exp(-g64)) * u
+    np.testing.assert_allclose(_core.kernel_silu_mul(isa, g, u), ref, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 100, 4097])
+def test_softmax(isa, n):
+    x = (RNG.standard_normal(n) * 10).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = np.exp(x64 - x64.max())
+    ref /= ref.sum()
+    y = _core.kernel_softmax(isa, x)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-7)
+    assert abs(float(y.sum()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 8, 16, 31, 32, 33, 64, 1000])
+def test_dot_and_axpy(isa, n):
+    a = RNG.standard_normal(n).astype(np.float32)
+    b = RNG.standard_normal(n).astype(np.float32)
+    assert abs(_core.kernel_dot(isa, a, b) - float(a.astype(np.float64) @ b)) < 1e-5 * n
+    y = RNG.standard_normal(n).astype(np.float32)
+    np.testing.assert_allclose(_core.kernel_axpy(isa, y, 0.75, a), y + 0.75 * a.astype(np.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_tables_agree_with_scalar_on_large_matmul():
+    x = RNG.standard_normal((33, 300)).astype(np.float32)
+    w = RNG.standard_normal((77, 300)).astype(np.float32)
+    ref = _core.kernel_matmul("scalar", x, w, "bf16")
+    for isa in TABLES:
+        assert nmse(_core.kernel_matmul(isa, x, w, "bf16"), ref) < 1e-12
+
+
+def test_bad_kernel_arguments_raise():
+    with pytest.raises(ValueError):
+        _core.kernel_matmul("scalar", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), "fp32")
+    with pytest.raises(ValueError):
+        _core.kernel_matmul("no-such-isa", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "fp32")
+    with pytest.raises(ValueError):
+        _core.kernel_matmul("scalar", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "q3")
