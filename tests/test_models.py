@@ -78,11 +78,16 @@ def test_fp32_matches_transformers(source):
         assert out.token_ids == expected
 
 
-@pytest.mark.parametrize("source", ["stories260K-gguf", "tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf",
-                                    "smollm2-gguf"])
+def matching_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("source", ["stories260K-gguf", "smollm2-gguf"])
 def test_bf16_greedy_matches_first_32(source):
-    if not _core.cpu_info()["bf16_native"] and source.startswith("smollm2"):
-        pytest.skip("bf16 is checked where it is the default")
+    """Real models in bf16: the first 32 greedy tokens are exactly transformers' fp32 ones."""
     fx = fixture(SOURCES[source][0])
     llm = get_llm(source, "bf16")
     for case in fx["cases"]:
@@ -91,7 +96,25 @@ def test_bf16_greedy_matches_first_32(source):
         assert out.token_ids == case["generated_ids"][:32]
         llm.reset()
         logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
-        assert nmse(logits, case["last"]) < 1e-2
+        assert nmse(logits, case["last"]) < 1e-3
+
+
+@pytest.mark.parametrize("source", ["tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf"])
+def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
+    """Random-weight tiny models have near-ties (top-2 logit gaps of 0.02) where bf16 rounding may
+    legitimately pick the runner-up; before the first gap under 0.2, tokens must be identical."""
+    fx = fixture(SOURCES[source][0])
+    llm = get_llm(source, "bf16")
+    for case in fx["cases"]:
+        expected, margins = case["generated_ids"], case["margins"]
+        llm.reset()
+        out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
+        n = matching_prefix(out.token_ids, expected)
+        first_tie = next((i for i, m in enumerate(margins) if m < 0.2), len(expected))
+        assert n >= first_tie, f"diverged at {n}, before the first near-tie at {first_tie}"
+        llm.reset()
+        logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+        assert nmse(logits, case["last"]) < 1e-3
 
 
 def test_prefill_in_pieces_equals_whole_prompt():
@@ -130,7 +153,9 @@ def test_other_kernel_tables_generate_the_same(isa):
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"
         "assert out[0].outputs[0].token_ids == c['generated_ids'], 'mismatch'\n"
     )
-    env = dict(os.environ, CORELM_ISA=isa)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
+    env = dict(os.environ, CORELM_ISA=isa,
+               PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
     for name in ("tiny-qwen2", "stories260K"):
         r = subprocess.run([sys.executable, "-c", code, os.path.join(FIXTURES, f"{name}.json"),
                             os.path.join(MODELS, name), isa], env=env, capture_output=True, text=True, cwd=ROOT)
