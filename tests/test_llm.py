@@ -1,0 +1,176 @@
+"""The Python API: generate/stream/chat semantics, stop conditions, prefix reuse, bad input."""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import DEFAULT_GGUF, MODELS
+
+import corelm
+from corelm import SamplingParams
+from corelm.llm import default_model_path
+
+STORIES = os.path.join(MODELS, "stories260K")
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return corelm.LLM(STORIES, dtype="fp32", threads=2)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return corelm.LLM(DEFAULT_GGUF, threads=2)
+
+
+def test_default_model_is_found():
+    assert os.path.samefile(default_model_path(), DEFAULT_GGUF) or os.path.basename(default_model_path()) == os.path.basename(DEFAULT_GGUF)
+
+
+def test_generate_keeps_input_order_and_matches_single_runs(llm):
+    prompts = ["Once upon a time", "The cat", "Lily and Tom went to"]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    batch = llm.generate(prompts, params)
+    assert [o.prompt for o in batch] == prompts
+    for p, out in zip(prompts, batch):
+        llm.reset()
+        single = llm.generate(p, params)[0]
+        assert single.outputs[0].token_ids == out.outputs[0].token_ids
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_stream_equals_generate(llm):
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    whole = llm.generate("Once upon a time", params)[0].outputs[0]
+    chunks = list(llm.stream("Once upon a time", params))
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [c.token_id for c in chunks] == whole.token_ids
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_max_tokens_and_length_finish(llm):
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=7, ignore_eos=True, **GREEDY))[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(llm):
+    base = llm.generate("Once upon a time", SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].text
+    stop = base[15:22]  # a piece of text that spans token boundaries
+    assert stop and base.find(stop) == 15
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=40, stop=[stop], **GREEDY))[0].outputs[0]
+    assert out.text == base[:15] and out.finish_reason == "stop" and out.stop_reason == stop
+    inc = llm.generate("Once upon a time",
+                       SamplingParams(max_tokens=40, stop=stop, include_stop_str_in_output=True, **GREEDY))[0].outputs[0]
+    assert inc.text == base[:22]
+    streamed = "".join(c.text for c in llm.stream("Once upon a time", SamplingParams(max_tokens=40, stop=[stop], **GREEDY)))
+    assert streamed == base[:15]
+
+
+def test_stop_token_ids(llm):
+    base = llm.generate("Once upon a time", SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, stop_token_ids=[stop_id], **GREEDY))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.eos_token_ids[0]
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=400, **GREEDY))[0].outputs[0]
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == eos
+    long = llm.generate("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True, **GREEDY))[0].outputs[0]
+    assert len(long.token_ids) == 400
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=42)
+    a = llm.generate("Once upon a time", p)[0].outputs[0].token_ids
+    b = llm.generate("Once upon a time", p)[0].outputs[0].token_ids
+    c = llm.generate("Once upon a time", SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=7))[0].outputs[0].token_ids
+    assert a == b and a != c
+    two = llm.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=30, seed=42, n=2))[0]
+    assert [o.index for o in two.outputs] == [0, 1] and two.outputs[0].token_ids != two.outputs[1].token_ids
+
+
+def test_aborted_stream_leaves_engine_consistent(llm):
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    llm.reset()
+    expected = llm.generate("Lily and Tom", params)[0].outputs[0].token_ids
+    it = llm.stream("Once upon a time there was", params)
+    for _ in range(3):
+        next(it)
+    it.close()
+    assert llm.last_metrics["finish_reason"] == "abort"
+    assert llm.generate("Lily and Tom", params)[0].outputs[0].token_ids == expected
+
+
+def test_prefix_reuse_gives_the_same_tokens(llm):
+    params = SamplingParams(max_tokens=25, ignore_eos=True, **GREEDY)
+    first = llm.generate("Once upon a time", params)[0]
+    follow = first.prompt_token_ids + first.outputs[0].token_ids + llm.tokenizer.encode(" The end", add_special_tokens=False)
+    reused = llm.generate([follow], params)[0]
+    assert llm.last_metrics["cached_prompt_tokens"] > len(first.prompt_token_ids)
+    llm.reset()
+    fresh = llm.generate([follow], params)[0]
+    assert reused.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_logprobs(llm):
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=5, logprobs=3, **GREEDY))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for entry in out.logprobs:
+        assert entry["logprob"] <= 0 and len(entry["top"]) == 3
+        assert entry["top"][0][0] == entry["token_id"]  # greedy picks the most likely token
+    assert out.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in out.logprobs))
+
+
+def test_prompt_too_long_is_a_clear_error_and_harmless(llm):
+    small = corelm.LLM(STORIES, dtype="fp32", threads=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="context"):
+        small.generate([[1] + [300] * 40], SamplingParams(max_tokens=4))
+    out = small.generate("Once upon a time", SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) + 5 == 32  # generation stops at the context end
+
+
+def test_bad_input_raises_clearly(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 99999]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm._core.forward(np.array([1, -5], np.int32), 0, False)
+    with pytest.raises(ValueError, match="context"):
+        llm._core.forward(np.array([1], np.int32), llm.max_seq_len, False)
+    with pytest.raises(ValueError):
+        llm.generate("x", SamplingParams(max_tokens=2, stop_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        corelm.LLM(STORIES, dtype="fp8")
+    with pytest.raises(ValueError, match="threads"):
+        corelm.LLM(STORIES, threads=0)
+    with pytest.raises(corelm.ModelLoadError):
+        corelm.LLM(os.path.join(MODELS, "does-not-exist"))
+    # the engine still works afterwards
+    assert llm.generate("Once", SamplingParams(max_tokens=3, **GREEDY))[0].outputs[0].token_ids
+
+
+def test_chat_uses_the_model_template(smol):
+    messages = [{"role": "user", "content": "Say hello."}]
+    text = smol.apply_chat_template(messages)
+    assert "<|im_start|>user\nSay hello.<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    out = smol.chat(messages, SamplingParams(max_tokens=16, **GREEDY))
+    assert len(out) == 1 and out[0].outputs[0].text
+    streamed = "".join(c.text for c in smol.chat_stream(messages, SamplingParams(max_tokens=16, **GREEDY)))
+    assert streamed == out[0].outputs[0].text
+    assert "\ufffd" not in streamed
+
+
+def test_streamed_text_never_splits_characters(smol):
+    prompt = smol.apply_chat_template([{"role": "user", "content": "Écris une phrase avec des émojis 🎉 et du 日本語."}])
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=3)
+    chunks = [c.text for c in smol.stream(smol.tokenizer.encode(prompt, add_special_tokens=False), params)]
+    for c in chunks:
+        c.encode("utf-8")  # no lone surrogates
+        assert "\ufffd" not in c
