@@ -35,7 +35,10 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 // Decode reads a group as one sequential stream (several separate row streams reach only ~70% of
 // a core's bandwidth; one stream gets close to all of it). K is padded to 32 and rows to 8 with zeros.
 constexpr int64_t kGroup = 8, kChunk = 32;
-constexpr int kPrefetchBytes = 1024;  // ahead of the hardware prefetcher, measured best of 512..2048
+constexpr int kPrefetchBytes = 1024;
+#ifndef CORELM_PREFILL_GROUPS
+#define CORELM_PREFILL_GROUPS 2
+#endif  // ahead of the hardware prefetcher, measured best of 512..2048
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -99,7 +102,7 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
       // The tail chunk masks x: padded weights are zero, but x beyond K is not ours to read.
       __m512 x0 = c < full ? _mm512_loadu_ps(x + c * kChunk) : _mm512_maskz_loadu_ps(m_lo, x + c * kChunk);
       __m512 x1 = c < full ? _mm512_loadu_ps(x + c * kChunk + 16) : _mm512_maskz_loadu_ps(m_hi, x + c * kChunk + 16);
-      for (int b = 0; b < kGroup * kChunk * (int)esz; b += 128) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
+      for (int b = 0; b < kGroup * kChunk * (int)esz; b += 64) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
       for (int j = 0; j < kGroup; j++) {
         acc[j] = _mm512_fmadd_ps(x0, load16<BF16>(p), acc[j]);
         acc[j] = _mm512_fmadd_ps(x1, load16<BF16>(p + 16 * esz), acc[j]);
@@ -143,17 +146,22 @@ void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* 
           int64_t n1) {
   const size_t esz = BF16 ? 2 : 4;
   const int64_t K = w.cols, ld = w.ld, nchunks = ld / kChunk;
+  const int64_t rows_per_block = kGroup * CORELM_PREFILL_GROUPS;
   thread_local std::vector<float, AlignedAlloc<float>> block;
-  if ((int64_t)block.size() < kGroup * ld) block.resize(kGroup * ld);
-  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
-    const char* p = static_cast<const char*>(w.data()) + (size_t)g * nchunks * kGroup * kChunk * esz;
-    for (int64_t c = 0; c < nchunks; c++)
-      for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
-        _mm512_store_ps(block.data() + j * ld + c * kChunk, load16<BF16>(p));
-        _mm512_store_ps(block.data() + j * ld + c * kChunk + 16, load16<BF16>(p + 16 * esz));
-      }
-    const int64_t r0 = std::max(g * kGroup, n0), r1 = std::min((g + 1) * kGroup, n1);
-    const float* wb = block.data() + (r0 - g * kGroup) * ld;
+  if ((int64_t)block.size() < rows_per_block * ld) block.resize(rows_per_block * ld);
+  for (int64_t b0 = n0 / kGroup * kGroup; b0 < n1; b0 += rows_per_block) {
+    const int64_t b1 = std::min({b0 + rows_per_block, round_up(n1, kGroup), round_up(w.rows, kGroup)});
+    for (int64_t g = b0 / kGroup; g < b1 / kGroup; g++) {
+      const char* p = static_cast<const char*>(w.data()) + (size_t)g * nchunks * kGroup * kChunk * esz;
+      float* dst = block.data() + (g * kGroup - b0) * ld;
+      for (int64_t c = 0; c < nchunks; c++)
+        for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
+          _mm512_store_ps(dst + j * ld + c * kChunk, load16<BF16>(p));
+          _mm512_store_ps(dst + j * ld + c * kChunk + 16, load16<BF16>(p + 16 * esz));
+        }
+    }
+    const int64_t r0 = std::max(b0, n0), r1 = std::min(b1, n1);
+    const float* wb = block.data() + (r0 - b0) * ld;
     int64_t i = 0;
     for (; i + 4 <= m; i += 4) tile_row_strip<4>(x + i * ldx, ldx, wb, ld, K, y + i * ldy + r0, ldy, r1 - r0);
     switch (m - i) {
