@@ -19,3 +19,13 @@ except ImportError:  # pragma: no cover
 @pytest.fixture(scope="session")
 def data_dir():
     return DATA
+
+
+def corpus_tool():
+    """tools/make_corrupt_corpus.py as a module: its byte-level GGUF/safetensors builders serve the tests."""
+    import importlib.util
+    path = os.path.join(ROOT, "tools", "make_corrupt_corpus.py")
+    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,7 +1,6 @@
 """Every hostile file in tests/data/corrupt/ is refused with a ModelLoadError that names the problem,
 the valid_* files still load, and nothing crashes the process (checked in a subprocess, where a segfault,
 an abort or a runaway allocation would show up as a bad exit status)."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,15 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "tests", "data", "corrupt")
 
 
-def _load_tool():
-    path = os.path.join(REPO, "tools", "make_corrupt_corpus.py")
-    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import corpus_tool  # noqa: E402
 
-
-tool = _load_tool()
+tool = corpus_tool()
 CASES = tool.cases()
 
 

@@ -1,5 +1,4 @@
 """GGUF parsing, dequantization against scalar references, the llama q/k un-permutation, and GGUF -> LoadedModel."""
-import importlib.util
 import os
 import struct
 import sys
@@ -23,18 +22,12 @@ def _stories_dir():
     local = os.path.join(MODELS, "stories260K")
     if os.path.isfile(os.path.join(local, "stories260K.gguf")):
         return local
-    return "/work/shared/models/stories260K"
+    return os.path.join(MODELS, "stories260K")
 
 
-def _load_tool():
-    path = os.path.join(REPO, "tools", "make_corrupt_corpus.py")
-    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import corpus_tool  # noqa: E402
 
-
-tool = _load_tool()
+tool = corpus_tool()
 
 
 @pytest.fixture(autouse=True)

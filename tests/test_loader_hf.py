@@ -1,5 +1,4 @@
 """HF folders -> LoadedModel (config parsing, name mapping, checks), pickle refusal, and load_model dispatch."""
-import importlib.util
 import json
 import os
 import pickle
@@ -19,20 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, "tests", "data", "models")
 
 
-def _load_tool():
-    path = os.path.join(REPO, "tools", "make_corrupt_corpus.py")
-    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import corpus_tool  # noqa: E402
 
-
-tool = _load_tool()
+tool = corpus_tool()
 
 
 def _stories_dir():
     local = os.path.join(MODELS, "stories260K")
-    return local if os.path.isfile(os.path.join(local, "model.safetensors")) else "/work/shared/models/stories260K"
+    return local if os.path.isfile(os.path.join(local, "model.safetensors")) else os.path.join(MODELS, "stories260K")
 
 
 def _tiny(name):

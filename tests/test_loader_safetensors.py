@@ -1,5 +1,4 @@
 """safetensors: values and dtype conversion, header validation, sharded folders and their index."""
-import importlib.util
 import json
 import os
 
@@ -13,15 +12,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "tests", "data", "corrupt")
 
 
-def _load_tool():
-    path = os.path.join(REPO, "tools", "make_corrupt_corpus.py")
-    spec = importlib.util.spec_from_file_location("make_corrupt_corpus", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import corpus_tool  # noqa: E402
 
-
-tool = _load_tool()
+tool = corpus_tool()
 
 
 def _stories_safetensors():
