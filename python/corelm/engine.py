@@ -97,5 +97,6 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
     for name in names:
         model.set_weight(name, loaded.get_weight(name))
+        loaded.release_weight(name)
     model.finalize()
     return model

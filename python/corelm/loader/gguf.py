@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import ModelLoadError
+from .spec import ModelLoadError, release_mapped_range
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -150,6 +150,11 @@ class GGUFFile:
                                  f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
         out = decode(self.raw(name), info.numel)
         return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
+
+    def release(self, name: str) -> None:
+        info = self.tensors.get(name)
+        if info is not None:
+            release_mapped_range(self._buf, info.offset, info.nbytes)
 
     def _info(self, name: str) -> GGUFTensorInfo:
         try:
@@ -416,7 +421,7 @@ def load_gguf_model(path: str):
         gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
     template = g.metadata.get("tokenizer.chat_template")
     return LoadedModel(
-        spec=spec, get_weight=_gguf_getter(g, spec, names),
+        spec=spec, get_weight=_gguf_getter(g, spec, names), release_weight=lambda n: g.release(names.get(n, "")),
         tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
         source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))

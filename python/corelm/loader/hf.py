@@ -268,7 +268,8 @@ def load_hf_folder(folder: str) -> LoadedModel:
     names = _map_hf_names(spec, tensors, folder)
     check_weight_shapes(spec, {n: tensors.info(hf).shape for n, hf in names.items()}, folder)
     return LoadedModel(
-        spec=spec, get_weight=_hf_getter(tensors, names), tokenizer=load_tokenizer("from_hf_folder", folder, folder),
+        spec=spec, get_weight=_hf_getter(tensors, names), release_weight=lambda n: tensors.release(names.get(n, "")),
+        tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=_hf_chat_template(folder), generation_config=generation_config, source=folder,
         source_format="hf", description=_hf_description(tensors, names))
 

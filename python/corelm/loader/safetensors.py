@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import ModelLoadError
+from .spec import ModelLoadError, release_mapped_range
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000   # the spec's cap "to prevent parsing extremely large JSON"
 MAX_RANK = 16
@@ -89,6 +89,12 @@ class SafetensorsFile:
             if out.dtype != np.float32:
                 out = out.astype(np.float32)
         return out.reshape(info.shape)
+
+
+    def release(self, name: str) -> None:
+        info = self.tensors.get(name)
+        if info is not None:
+            release_mapped_range(self._buf, self.data_offset + info.begin, info.end - info.begin)
 
 
 def _map_file(path: str):
@@ -235,6 +241,11 @@ class SafetensorsCollection:
         if f is None:
             raise ModelLoadError(f"no tensor named {name!r} in {', '.join(x.path for x in self.files)}")
         return f.get(name)
+
+    def release(self, name: str) -> None:
+        f = self._where.get(name)
+        if f is not None:
+            f.release(name)
 
 
 def open_safetensors_folder(folder: str) -> SafetensorsCollection:

@@ -71,5 +71,23 @@ class LoadedModel:
     source_format: str = ""         # "hf" | "gguf"
     description: str = ""           # e.g. "GGUF Q4_1 (dequantized at load)"
 
+    # Called after a weight has been copied into the engine: drops the file pages it occupied from this
+    # process, so peak memory is the packed model, not the packed model plus the mapped file.
+    release_weight: Callable[[str], None] = lambda name: None
+
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
+
+
+def release_mapped_range(buf, offset: int, length: int) -> None:
+    """Tells the kernel this process no longer needs [offset, offset+length) of a read-only file
+    mapping. Safe on any range: the pages come back from the page cache if read again."""
+    import mmap
+    if not isinstance(buf, mmap.mmap) or length <= 0 or not hasattr(buf, "madvise"):
+        return
+    start = offset - offset % mmap.PAGESIZE
+    end = min(len(buf), offset + length)
+    try:
+        buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass
