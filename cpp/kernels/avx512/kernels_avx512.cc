@@ -113,32 +113,29 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
   }
 }
 
-// Prefill: each group of weight rows is first widened into a row-major fp32 block (cheap next to the
-// m-fold reuse that follows), then MR x 4 register tiles of pure fp32 FMAs sweep over it.
-template <int MR, int NR>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : tail_mask(K - k);
-    __m512 wv[NR];
-    for (int j = 0; j < NR; j++) wv[j] = _mm512_load_ps(w + j * ldw + k);  // zero-padded to ldw
-    for (int i = 0; i < MR; i++) {
-      __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-      for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NR; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
+// Prefill: a panel of 32 weight rows is widened to fp32 and transposed to [K][32] once, then
+// outer-product register tiles sweep it: per k, two vector loads of the panel and one broadcast of
+// each of MR activations feed 2*MR FMAs, with no horizontal sums. The panel stays in L2 while every
+// strip of MR activation rows passes over it.
+constexpr int64_t kPanel = 32;
 
 template <int MR>
-inline void tile_row_strip(const float* x, int64_t ldx, const float* wblock, int64_t ldw, int64_t K, float* y,
-                           int64_t ldy, int64_t nrows) {
-  int64_t j = 0;
-  for (; j + 4 <= nrows; j += 4) tile<MR, 4>(x, ldx, wblock + j * ldw, ldw, K, y + j, ldy);
-  for (; j < nrows; j++) tile<MR, 1>(x, ldx, wblock + j * ldw, ldw, K, y + j, ldy);
+inline void outer_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                       __mmask16 m0, __mmask16 m1) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m512 w0 = _mm512_load_ps(panel + k * kPanel), w1 = _mm512_load_ps(panel + k * kPanel + 16);
+    for (int i = 0; i < MR; i++) {
+      __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
+  }
 }
 
 template <bool BF16>
@@ -146,28 +143,44 @@ void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* 
           int64_t n1) {
   const size_t esz = BF16 ? 2 : 4;
   const int64_t K = w.cols, ld = w.ld, nchunks = ld / kChunk;
-  const int64_t rows_per_block = kGroup * CORELM_PREFILL_GROUPS;
-  thread_local std::vector<float, AlignedAlloc<float>> block;
-  if ((int64_t)block.size() < rows_per_block * ld) block.resize(rows_per_block * ld);
-  for (int64_t b0 = n0 / kGroup * kGroup; b0 < n1; b0 += rows_per_block) {
-    const int64_t b1 = std::min({b0 + rows_per_block, round_up(n1, kGroup), round_up(w.rows, kGroup)});
-    for (int64_t g = b0 / kGroup; g < b1 / kGroup; g++) {
-      const char* p = static_cast<const char*>(w.data()) + (size_t)g * nchunks * kGroup * kChunk * esz;
-      float* dst = block.data() + (g * kGroup - b0) * ld;
+  thread_local std::vector<float, AlignedAlloc<float>> block, panel;
+  if ((int64_t)block.size() < kPanel * ld) block.resize(kPanel * ld);
+  if ((int64_t)panel.size() < kPanel * ld) panel.resize(kPanel * ld);
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32((int)ld));
+  for (int64_t p0 = n0 / kGroup * kGroup; p0 < n1; p0 += kPanel) {
+    // widen the panel's groups (rows past the matrix are zero in the packing, or zeroed here)
+    for (int64_t g = 0; g < kPanel / kGroup; g++) {
+      float* dst = block.data() + g * kGroup * ld;
+      if (p0 + g * kGroup >= w.rows) {
+        std::memset(dst, 0, kGroup * ld * sizeof(float));
+        continue;
+      }
+      const char* src = static_cast<const char*>(w.data()) + (size_t)((p0 / kGroup) + g) * nchunks * kGroup * kChunk * esz;
       for (int64_t c = 0; c < nchunks; c++)
-        for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
-          _mm512_store_ps(dst + j * ld + c * kChunk, load16<BF16>(p));
-          _mm512_store_ps(dst + j * ld + c * kChunk + 16, load16<BF16>(p + 16 * esz));
+        for (int j = 0; j < kGroup; j++, src += kChunk * esz) {
+          _mm512_store_ps(dst + j * ld + c * kChunk, load16<BF16>(src));
+          _mm512_store_ps(dst + j * ld + c * kChunk + 16, load16<BF16>(src + 16 * esz));
         }
     }
-    const int64_t r0 = std::max(b0, n0), r1 = std::min(b1, n1);
-    const float* wb = block.data() + (r0 - b0) * ld;
+    // transpose [32][ld] -> [ld][32]
+    for (int64_t k = 0; k < K; k++) {
+      _mm512_store_ps(panel.data() + k * kPanel, _mm512_i32gather_ps(idx, block.data() + k, 4));
+      _mm512_store_ps(panel.data() + k * kPanel + 16, _mm512_i32gather_ps(idx, block.data() + 16 * ld + k, 4));
+    }
+    // this thread's rows of the panel: [r0, r1) relative to p0 are stored, the rest are not
+    const int64_t r0 = std::max(p0, n0) - p0, r1 = std::min(p0 + kPanel, n1) - p0;
+    const uint32_t keep = (uint32_t)(((uint64_t)1 << r1) - 1) & ~(uint32_t)(((uint64_t)1 << r0) - 1);
+    const __mmask16 m0 = (__mmask16)(keep & 0xffff), m1 = (__mmask16)(keep >> 16);
+    float* yp = y + p0;
     int64_t i = 0;
-    for (; i + 4 <= m; i += 4) tile_row_strip<4>(x + i * ldx, ldx, wb, ld, K, y + i * ldy + r0, ldy, r1 - r0);
+    for (; i + 6 <= m; i += 6) outer_tile<6>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1);
     switch (m - i) {
-      case 3: tile_row_strip<3>(x + i * ldx, ldx, wb, ld, K, y + i * ldy + r0, ldy, r1 - r0); break;
-      case 2: tile_row_strip<2>(x + i * ldx, ldx, wb, ld, K, y + i * ldy + r0, ldy, r1 - r0); break;
-      case 1: tile_row_strip<1>(x + i * ldx, ldx, wb, ld, K, y + i * ldy + r0, ldy, r1 - r0); break;
+      case 5: outer_tile<5>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 4: outer_tile<4>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 3: outer_tile<3>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 2: outer_tile<2>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 1: outer_tile<1>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
       default: break;
     }
   }
