@@ -360,14 +360,21 @@ def test_info_with_a_missing_model_is_a_user_error(capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# the real engine, end to end (skipped when the C++ core is not built)
+# the real engine, end to end
 
 def test_generate_with_the_real_engine(capsys):
-    pytest.importorskip("corelm._core")
-    if not os.path.isdir(STORIES):
-        pytest.skip("stories260K test model missing")
     argv = ["generate", STORIES, "-p", "Once upon a time", "-n", "8", "--temp", "0"]
     assert cli.main(argv) == 0
     first = capsys.readouterr().out
     assert cli.main(argv + ["--no-stream"]) == 0
     assert capsys.readouterr().out == first and first.strip()
+
+
+def test_chat_drops_oldest_turns_when_the_context_fills(monkeypatch, capsys):
+    """A long conversation with the real engine in a tiny context keeps answering."""
+    text = "Lily and Tom went to the park to play with a big red ball and a little dog. " * 2
+    stdin = "\n".join([text] * 5) + "\n"
+    assert run_chat(monkeypatch, stdin, STORIES, "-c", "160", "-n", "24", "--temp", "0", "--dtype", "fp32") == 0
+    out, err = capsys.readouterr()
+    assert "dropped the" in err and "error:" not in err
+    assert len([line for line in out.splitlines() if line.strip()]) == 5

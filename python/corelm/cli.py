@@ -295,8 +295,31 @@ class ChatREPL:
 
     # --- answering ---------------------------------------------------------------------------------
 
+    def _fit_history(self) -> None:
+        """Drops the oldest turns (never the system message or the new question) until the prompt
+        leaves room for an answer, as llama-cli's context shift does, instead of failing the turn."""
+        tok, limit = getattr(self.llm, "tokenizer", None), getattr(self.llm, "max_seq_len", None)
+        if tok is None or not isinstance(limit, int):
+            return
+        max_tokens = getattr(self.params, "max_tokens", None)
+        room = min(max_tokens or 512, limit // 4)
+        dropped = 0
+        while True:
+            prompt = tok.apply_chat_template(self.history, add_generation_prompt=True)
+            if len(tok.encode(prompt, add_special_tokens=False)) + room <= limit:
+                break
+            first = next((i for i, m in enumerate(self.history) if m["role"] != "system"), None)
+            if first is None or first >= len(self.history) - 1:
+                break  # only the new question is left: let the engine report that it is too long
+            del self.history[first]
+            dropped += 1
+        if dropped:
+            print(f"(dropped the {dropped} oldest message(s) to fit the context of {limit} tokens)",
+                  file=sys.stderr, flush=True)
+
     def _answer(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
+        self._fit_history()
         parts: List[str] = []
         stream = None
         try:
