@@ -10,8 +10,7 @@ from corelm.tokenizer.chat_template import MAX_TEMPLATE_BYTES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-STORIES_DIR = next(p for p in (os.path.join(HERE, "data", "models", "stories260K"),
-                               "/work/shared/models/stories260K") if os.path.isdir(p))
+STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
 SMOLLM2_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 QWEN2_GGUFS = (os.path.join(REPO, "models", "qwen2.5-coder-0.5b-instruct.gguf"),
                "/work/cache/models/qwen2.5-coder-0.5b-instruct.gguf")

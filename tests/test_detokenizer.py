@@ -10,8 +10,7 @@ from corelm.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-STORIES_DIR = next(p for p in (os.path.join(HERE, "data", "models", "stories260K"),
-                               "/work/shared/models/stories260K") if os.path.isdir(p))
+STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
 SMOLLM2_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 TEXTS = [

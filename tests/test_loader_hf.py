@@ -24,8 +24,7 @@ tool = corpus_tool()
 
 
 def _stories_dir():
-    local = os.path.join(MODELS, "stories260K")
-    return local if os.path.isfile(os.path.join(local, "model.safetensors")) else os.path.join(MODELS, "stories260K")
+    return os.path.join(MODELS, "stories260K")
 
 
 def _tiny(name):
@@ -389,8 +388,7 @@ def test_dispatch_errors(tmp_path):
 
 def test_gguf_detected_by_magic_without_extension(tmp_path):
     p = tmp_path / "model.bin.download"
-    shutil.copy(os.path.join(_stories_dir(), "stories260K.gguf") if os.path.isfile(
-        os.path.join(_stories_dir(), "stories260K.gguf")) else "/work/shared/models/stories260K/stories260K.gguf", p)
+    shutil.copy(os.path.join(_stories_dir(), "stories260K.gguf"), p)
     assert load_model(str(p)).source_format == "gguf"
 
 

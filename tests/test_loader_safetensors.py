@@ -18,8 +18,7 @@ tool = corpus_tool()
 
 
 def _stories_safetensors():
-    local = os.path.join(REPO, "tests", "data", "models", "stories260K", "model.safetensors")
-    return local if os.path.isfile(local) else "/work/shared/models/stories260K/model.safetensors"
+    return os.path.join(REPO, "tests", "data", "models", "stories260K", "model.safetensors")
 
 
 def test_valid_tiny_values():

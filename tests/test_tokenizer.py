@@ -19,7 +19,7 @@ def _first_existing(*paths):
     return next((p for p in paths if os.path.exists(p)), None)
 
 
-STORIES_DIR = _first_existing(os.path.join(HERE, "data", "models", "stories260K"), "/work/shared/models/stories260K")
+STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
 SMOLLM2_GGUF = _first_existing(os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
 QWEN2_GGUF = _first_existing(os.path.join(REPO, "models", "qwen2.5-coder-0.5b-instruct.gguf"),
                              "/work/cache/models/qwen2.5-coder-0.5b-instruct.gguf")
