@@ -20,7 +20,9 @@ import numpy as np
 
 from .engine import build_core_model, default_threads
 from .loader import load_model
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from . import sequence
+from .sequence import StreamChunk  # noqa: F401  (part of the API)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,50 +57,6 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     metrics: Dict[str, float] = field(default_factory=dict)
     finished: bool = True
-
-
-@dataclass
-class StreamChunk:
-    text: str                             # new text; "" while a multi-byte character or a possible stop string is pending
-    token_id: Optional[int]               # the token behind this chunk (None for the final flush)
-    finish_reason: Optional[str] = None   # set on the last chunk
-    stop_reason: Union[int, str, None] = None
-    logprob: Optional[float] = None
-    top_logprobs: Optional[List[Any]] = None
-
-
-class _StopStringFilter:
-    """Holds back just enough text to recognise a stop string that spans several tokens."""
-
-    def __init__(self, stops: List[str], include_stop: bool):
-        self.stops = stops
-        self.include = include_stop
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str):
-        """Returns (text safe to emit, matched stop string or None)."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, None
-        best = None
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
-            out = self.pending[: i + len(s)] if self.include else self.pending[:i]
-            self.pending = ""
-            return out, s
-        cut = max(0, len(self.pending) - self.hold)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class LLM:
@@ -180,49 +138,26 @@ class LLM:
         return self._stream_ids(prompt_ids, params)
 
     def _stream_ids(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        eos = [] if params.ignore_eos else self.eos_token_ids
-        stop_ids = set(params.stop_token_ids or []) | set(eos)
-        sampler = Sampler(params, self.spec.vocab_size, eos_token_ids=eos)
-        sampler.start(prompt_ids)
-        detok = self.tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
-        stops = _StopStringFilter(list(params.stop or []), params.include_stop_str_in_output)
-        budget = self.max_seq_len - len(prompt_ids)
-        max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        seq = sequence.Sequence(prompt_ids, params, self.tokenizer, self.spec.vocab_size, self.eos_token_ids,
+                       self.max_seq_len - len(prompt_ids))
         m = self.last_metrics = {"prompt_tokens": len(prompt_ids), "generated_tokens": 0}
         t0 = time.perf_counter()
         logits = self._prefill(prompt_ids)
         m["prompt_time_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        finish, reason, n = "abort", None, 0
         try:
             while True:
-                token = sampler.sample(logits)
-                n += 1
-                m["generated_tokens"] = n
-                lp = sampler.logprobs(logits, token) if params.logprobs is not None else None
-                if token in stop_ids and not (token in eos and n <= params.min_tokens):
-                    finish, reason = "stop", token
-                    text = "" if self.tokenizer.is_special(token) and params.skip_special_tokens else detok.add(token)
-                    tail = stops.feed(text + detok.flush())[0] + stops.flush()
-                    yield StreamChunk(tail, token, finish, reason, *(lp or (None, None)))
+                chunk = seq.step(logits)
+                m["generated_tokens"] = len(seq.output_ids)
+                yield chunk
+                if seq.finished:
                     return
-                text, matched = stops.feed(detok.add(token))
-                if matched is not None:
-                    finish, reason = "stop", matched
-                    yield StreamChunk(text, token, finish, reason, *(lp or (None, None)))
-                    return
-                if n >= max_new:
-                    finish = "length"
-                    text += stops.feed(detok.flush())[0] + stops.flush()
-                    yield StreamChunk(text, token, finish, None, *(lp or (None, None)))
-                    return
-                yield StreamChunk(text, token, None, None, *(lp or (None, None)))
-                pos = len(self._cached)
-                logits = self._forward([token], pos)
-                self._cached.append(token)
+                logits = self._forward([chunk.token_id], len(self._cached))
+                self._cached.append(chunk.token_id)
         finally:
+            seq.abort()  # no-op when it finished on its own
             m["generation_time_s"] = time.perf_counter() - t1
-            m["finish_reason"] = finish
+            m["finish_reason"] = seq.finish_reason
 
     def chat_stream(self, messages: List[Dict[str, Any]], params: Optional[SamplingParams] = None,
                     chat_template: Optional[str] = None) -> Iterator[StreamChunk]:
