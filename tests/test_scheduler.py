@@ -1,0 +1,59 @@
+"""The request-level engine interface (SerialEngine): every request ends exactly once, aborts work
+before and during generation, results equal LLM.generate's."""
+import os
+
+import pytest
+
+from conftest import MODELS
+
+import corelm
+from corelm import SamplingParams
+from corelm.scheduler import SerialEngine
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=2)
+
+
+def test_requests_finish_once_with_the_same_tokens_as_generate(llm):
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = {"a": "Once upon a time", "b": "The dog", "c": "Tom had a"}
+    engine = SerialEngine(llm)
+    for rid, p in prompts.items():
+        engine.add_request(rid, llm.encode_prompt(p), params)
+    chunks = engine.run_to_completion()
+    assert set(chunks) == set(prompts)
+    for rid, p in prompts.items():
+        finals = [c for c in chunks[rid] if c.finish_reason]
+        assert len(finals) == 1 and chunks[rid][-1] is finals[0]
+        expected = llm.generate(p, params)[0].outputs[0]
+        assert [c.token_id for c in chunks[rid]] == expected.token_ids
+        assert "".join(c.text for c in chunks[rid]) == expected.text
+
+
+def test_abort_waiting_and_running(llm):
+    engine = SerialEngine(llm)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("run", llm.encode_prompt("Once"), params)
+    engine.add_request("wait", llm.encode_prompt("Twice"), params)
+    first = engine.step()
+    assert first[0][0] == "run" and first[0][1].finish_reason is None
+    engine.abort_request("wait")
+    engine.abort_request("run")
+    chunks = engine.run_to_completion()
+    assert chunks == {"wait": chunks["wait"], "run": chunks["run"]}
+    assert chunks["wait"][-1].finish_reason == "abort" and chunks["run"][-1].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_requests_are_refused_up_front(llm):
+    engine = SerialEngine(llm)
+    with pytest.raises(ValueError):
+        engine.add_request("x", [1, 10**6], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.add_request("y", [], SamplingParams())
+    engine.add_request("z", [1, 5], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("z", [1, 5], SamplingParams(max_tokens=2))
+    assert engine.run_to_completion()["z"][-1].finish_reason in ("stop", "length")
