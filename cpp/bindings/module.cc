@@ -24,6 +24,13 @@ WeightType parse_weight_type(const std::string& s) {
   throw std::invalid_argument("weight type must be 'fp32' or 'bf16', got '" + s + "'");
 }
 
+KVType parse_kv_type(const std::string& s) {
+  if (s == "fp32" || s == "f32") return KVType::F32;
+  if (s == "bf16") return KVType::BF16;
+  if (s == "int8" || s == "i8") return KVType::I8;
+  throw std::invalid_argument("kv cache type must be 'fp32', 'bf16' or 'int8', got '" + s + "'");
+}
+
 const KernelTable& table(const std::string& isa) {
   const KernelTable* t = kernels_by_name(isa);
   if (!t) throw std::invalid_argument("kernel table '" + isa + "' is not available on this CPU");
@@ -57,6 +64,9 @@ ModelConfig config_from_dict(const py::dict& d) {
   c.rope_inv_freq = get<std::vector<float>>(d, "rope_inv_freq");
   c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
   c.n_threads = get<int>(d, "n_threads");
+  if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
+  if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
+  if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
   return c;
 }
 
@@ -109,6 +119,46 @@ PYBIND11_MODULE(_core, m) {
         return logits;
       }, py::arg("tokens"), py::arg("pos"), py::arg("all_logits") = false,
          "Run tokens at positions [pos, pos+len); returns the last token's logits, or all of them.")
+      .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                               py::list seqs) {
+        if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
+        // each entry: (n_tokens, pos, block_table, all_logits); the block tables stay alive in `tables`
+        std::vector<SeqSlice> slices;
+        std::vector<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> tables;
+        int64_t total = 0;
+        for (py::handle h : seqs) {
+          py::tuple e = py::reinterpret_borrow<py::tuple>(h);
+          if (e.size() != 4) throw std::invalid_argument("each sequence is (n_tokens, pos, block_table, all_logits)");
+          tables.push_back(e[2].cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>());
+          if (tables.back().ndim() != 1) throw std::invalid_argument("a block table must be 1-D");
+          SeqSlice s;
+          s.n_tokens = e[0].cast<int64_t>();
+          s.pos = e[1].cast<int64_t>();
+          s.blocks = tables.back().data();
+          s.n_blocks = tables.back().shape(0);
+          s.all_logits = e[3].cast<bool>();
+          if (s.n_tokens < 1) throw std::invalid_argument("every sequence in a batch needs at least one token");
+          total += s.n_tokens;
+          slices.push_back(s);
+        }
+        if (slices.empty()) throw std::invalid_argument("forward_batch needs at least one sequence");
+        if (total != tokens.shape(0)) throw std::invalid_argument("the sequences' n_tokens must add up to len(tokens)");
+        const int64_t rows = self.model.logit_rows(slices.data(), (int64_t)slices.size());
+        py::array_t<float> logits({rows, self.model.config().vocab_size});
+        const int32_t* tp = tokens.data();
+        float* lp = logits.mutable_data();
+        {
+          py::gil_scoped_release release;
+          std::lock_guard<std::mutex> lock(self.mu);
+          self.model.forward_batch(tp, slices.data(), (int64_t)slices.size(), lp);
+        }
+        return logits;
+      }, py::arg("tokens"), py::arg("seqs"),
+         "Run several sequences at once: seqs is a list of (n_tokens, pos, block_table, all_logits).")
+      .def_property_readonly("kv_block_size", [](PyModel& s) { return s.model.kv_cache().block_size(); })
+      .def_property_readonly("kv_blocks", [](PyModel& s) { return s.model.kv_cache().n_blocks(); })
+      .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
+      .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })

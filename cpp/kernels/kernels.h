@@ -43,6 +43,11 @@ struct KernelTable {
   float (*dot)(const float* a, const float* b, int64_t n);
   // y += a * x
   void (*axpy)(float* y, float a, const float* x, int64_t n);
+  // The same over keys/values stored as bf16 or int8 (the KV cache); int8 scales are applied by the caller.
+  float (*dot_bf16)(const float* a, const uint16_t* b, int64_t n);
+  float (*dot_i8)(const float* a, const int8_t* b, int64_t n);
+  void (*axpy_bf16)(float* y, float a, const uint16_t* x, int64_t n);
+  void (*axpy_i8)(float* y, float a, const int8_t* x, int64_t n);
   // x = exp(x - max) / sum, in place.
   void (*softmax)(float* x, int64_t n);
   // One row of W as fp32 (embedding lookup).

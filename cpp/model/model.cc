@@ -24,19 +24,21 @@ void ModelConfig::validate() const {
   require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
   require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");
   require(sliding_window >= 0, "sliding_window must be >= 0");
+  require(kv_block_size >= 1 && kv_block_size <= 4096, "kv_block_size must be in [1, 4096]");
+  require(kv_blocks >= 0 && kv_blocks <= (1 << 24), "kv_blocks must be in [0, 16M]");
   // Sizes used in index arithmetic must stay far from overflow.
   require(vocab_size < (1 << 24) && dim < (1 << 20) && ffn_dim < (1 << 22) && n_layers < 4096 &&
               n_heads < 4096 && head_dim < 4096,
           "model dimensions are implausibly large");
 }
 
-static std::shared_ptr<float> alloc_floats(size_t n) {
-  void* p = nullptr;
-  if (posix_memalign(&p, 64, std::max<size_t>(n, 16) * sizeof(float)) != 0) throw std::bad_alloc();
-  return std::shared_ptr<float>(static_cast<float*>(p), free);  // pages are touched only when used
+static int64_t default_kv_blocks(const ModelConfig& c) {
+  return c.kv_blocks > 0 ? c.kv_blocks : (c.max_seq_len + c.kv_block_size - 1) / c.kv_block_size;
 }
 
-Model::Model(const ModelConfig& cfg) : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads)) {
+Model::Model(const ModelConfig& cfg)
+    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads)),
+      kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;
   rope_cos_.resize(cfg_.max_seq_len * half);
@@ -47,9 +49,8 @@ Model::Model(const ModelConfig& cfg) : cfg_(cfg), kt_(kernels()), pool_((cfg.val
       rope_cos_[p * half + i] = (float)std::cos((double)angle);
       rope_sin_[p * half + i] = (float)std::sin((double)angle);
     }
-  size_t kv = (size_t)cfg_.n_layers * cfg_.n_kv_heads * cfg_.max_seq_len * cfg_.head_dim;
-  kcache_ = alloc_floats(kv);
-  vcache_ = alloc_floats(kv);
+  identity_blocks_.resize(kv_.n_blocks());
+  for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,38 +185,82 @@ void Model::ensure_scratch(int64_t n) {
   hb_.assign(T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
   scores_.assign(nth * cfg_.max_seq_len, 0.f);
+  out_rows_.assign(T * cfg_.dim, 0.f);
+  tok_seq_.assign(T, 0);
+  tok_pos_.assign(T, 0);
   scratch_tokens_ = T;
 }
 
 void Model::forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits) {
-  require(ready_, "model weights are incomplete: call finalize() after setting every weight");
   require(n >= 1, "forward needs at least one token");
-  require(pos >= 0 && pos <= cfg_.max_seq_len && n <= cfg_.max_seq_len - pos,
-          "tokens at positions " + std::to_string(pos) + ".." + std::to_string(pos + n - 1) +
-              " do not fit the context of " + std::to_string(cfg_.max_seq_len) + " tokens");
-  for (int64_t i = 0; i < n; i++)
-    require(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
-            "token id " + std::to_string(tokens[i]) + " is outside the vocabulary of " + std::to_string(cfg_.vocab_size));
   for (int64_t c0 = 0; c0 < n; c0 += kMaxChunk) {
-    int64_t c = std::min(kMaxChunk, n - c0);
-    bool last = c0 + c == n;
-    float* out = all_logits ? logits + c0 * cfg_.vocab_size : logits;
-    run_chunk(tokens + c0, c, pos + c0, all_logits, (all_logits || last) ? out : nullptr);
+    SeqSlice s;
+    s.n_tokens = std::min(kMaxChunk, n - c0);
+    s.pos = pos + c0;
+    s.blocks = identity_blocks_.data();
+    s.n_blocks = (int64_t)identity_blocks_.size();
+    s.all_logits = all_logits;
+    bool last = c0 + s.n_tokens == n;
+    check_batch(tokens + c0, &s, 1);
+    if (all_logits || last)
+      run(tokens + c0, &s, 1, all_logits ? logits + c0 * cfg_.vocab_size : logits);
+    else
+      run(tokens + c0, &s, 1, nullptr);  // an inner chunk of a prompt: only its KV-cache entries are needed
   }
 }
 
-void Model::run_chunk(const int32_t* tokens, int64_t T, int64_t pos, bool all_logits, float* logits) {
+int64_t Model::logit_rows(const SeqSlice* seqs, int64_t n_seqs) const {
+  int64_t rows = 0;
+  for (int64_t i = 0; i < n_seqs; i++) rows += seqs[i].all_logits ? seqs[i].n_tokens : 1;
+  return rows;
+}
+
+void Model::forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+  require(n_seqs >= 1, "forward_batch needs at least one sequence");
+  check_batch(tokens, seqs, n_seqs);
+  run(tokens, seqs, n_seqs, logits);
+}
+
+void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const {
+  require(ready_, "model weights are incomplete: call finalize() after setting every weight");
+  const int64_t B = kv_.block_size();
+  int64_t t = 0;
+  for (int64_t i = 0; i < n_seqs; i++) {
+    const SeqSlice& s = seqs[i];
+    require(s.n_tokens >= 1, "every sequence in a batch needs at least one token");
+    const int64_t end = s.pos + s.n_tokens;  // one past the last position
+    require(s.pos >= 0 && s.pos <= cfg_.max_seq_len && s.n_tokens <= cfg_.max_seq_len - s.pos,
+            "tokens at positions " + std::to_string(s.pos) + ".." + std::to_string(end - 1) +
+                " do not fit the context of " + std::to_string(cfg_.max_seq_len) + " tokens");
+    require(s.blocks && s.n_blocks * B >= end, "the sequence's block table is too short for position " +
+                                                   std::to_string(end - 1));
+    for (int64_t b = 0; b < (end + B - 1) / B; b++)
+      require(s.blocks[b] >= 0 && s.blocks[b] < kv_.n_blocks(),
+              "block id " + std::to_string(s.blocks[b]) + " is outside the KV cache of " +
+                  std::to_string(kv_.n_blocks()) + " blocks");
+    for (int64_t j = 0; j < s.n_tokens; j++, t++)
+      require(tokens[t] >= 0 && tokens[t] < cfg_.vocab_size,
+              "token id " + std::to_string(tokens[t]) + " is outside the vocabulary of " +
+                  std::to_string(cfg_.vocab_size));
+  }
+}
+
+void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+  int64_t T = 0;
+  for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
   ensure_scratch(T);
+  for (int64_t i = 0, t = 0; i < n_seqs; i++)
+    for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
   const KernelTable& k = kt_;
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, half = hd / 2, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
-  const int64_t f = cfg_.ffn_dim, qkv_dim = (nh + 2 * nkv) * hd;
+  const int64_t f = cfg_.ffn_dim, qkv_dim = (nh + 2 * nkv) * hd, B = kv_.block_size();
   float* x = x_.data();
   for (int64_t t = 0; t < T; t++) k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
 
   // Each thread normalizes every token into its own buffer, so no barrier is needed before a matmul.
-  auto norm_rows = [&](int tid, const std::vector<float>& w, int64_t t0) -> float* {
+  auto norm_rows = [&](int tid, const std::vector<float>& w) -> float* {
     float* xb = xb_.data() + (size_t)tid * scratch_tokens_ * d;
-    for (int64_t t = t0; t < T; t++) k.rmsnorm(xb + t * d, x + t * d, w.data(), d, cfg_.norm_eps);
+    for (int64_t t = 0; t < T; t++) k.rmsnorm(xb + t * d, x + t * d, w.data(), d, cfg_.norm_eps);
     return xb;
   };
   // y = in @ W^T, then x += y, each thread on its own slice of output columns.
@@ -237,14 +282,16 @@ void Model::run_chunk(const int32_t* tokens, int64_t T, int64_t pos, bool all_lo
       int64_t h0, h1;
       split_range(nh + 2 * nkv, tid, nth, 1, &h0, &h1);
       if (h0 >= h1) return;
-      float* xb = norm_rows(tid, L.attn_norm, 0);
+      float* xb = norm_rows(tid, L.attn_norm);
       k.matmul(xb, T, d, L.wqkv, qkv_.data(), qkv_dim, h0 * hd, h1 * hd);
       for (int64_t t = 0; t < T; t++) {
-        const int64_t p = pos + t;
+        const int64_t p = tok_pos_[t];
+        const SeqSlice& s = seqs[tok_seq_[t]];
         const float* cs = rope_cos_.data() + p * half;
         const float* sn = rope_sin_.data() + p * half;
+        float* row = qkv_.data() + t * qkv_dim;
         for (int64_t h = h0; h < h1; h++) {
-          float* v = qkv_.data() + t * qkv_dim + h * hd;
+          float* v = row + h * hd;
           if (!L.bqkv.empty())
             for (int64_t i = 0; i < hd; i++) v[i] += L.bqkv[h * hd + i];
           if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
@@ -254,46 +301,49 @@ void Model::run_chunk(const int32_t* tokens, int64_t T, int64_t pos, bool all_lo
               v[i + half] = b * cs[i] + a * sn[i];
             }
           }
-          if (h >= nh && h < nh + nkv) std::memcpy(k_cache(l, h - nh) + p * hd, v, hd * sizeof(float));
-          if (h >= nh + nkv) std::memcpy(v_cache(l, h - nh - nkv) + p * hd, v, hd * sizeof(float));
+          if (h >= nh)  // keys and values go to the cache by the thread that produced them
+            kv_.store(l, s.blocks[p / B], p % B, h < nh + nkv ? h - nh : h - nh - nkv, h >= nh + nkv, v);
         }
       }
     });
-    attention(l, T, pos);
+    attention(l, seqs, T);
     matmul_residual(att_.data(), nh * hd, L.wo);
     // MLP: norm, fused gate/up projection and SiLU(gate) * up, split by whole gate/up block pairs
     pool_.parallel([&](int tid, int nth) {
-      const int64_t B = kGateUpBlock, nblocks = (f + B - 1) / B;
+      const int64_t GB = kGateUpBlock, nblocks = (f + GB - 1) / GB;
       int64_t b0, b1;
       split_range(nblocks, tid, nth, 1, &b0, &b1);
       if (b0 >= b1) return;
-      float* xb = norm_rows(tid, L.ffn_norm, 0);
-      int64_t r0 = 2 * b0 * B, r1 = std::min(2 * b1 * B, 2 * f);
+      float* xb = norm_rows(tid, L.ffn_norm);
+      int64_t r0 = 2 * b0 * GB, r1 = std::min(2 * b1 * GB, 2 * f);
       k.matmul(xb, T, d, L.w_gate_up, hb_.data(), 2 * f, r0, r1);
       for (int64_t t = 0; t < T; t++)
         for (int64_t b = b0; b < b1; b++) {
-          int64_t c = std::min(B, f - b * B);
-          const float* g = hb_.data() + t * 2 * f + 2 * b * B;
-          k.silu_mul(act_.data() + t * f + b * B, g, g + c, c);
+          int64_t c = std::min(GB, f - b * GB);
+          const float* g = hb_.data() + t * 2 * f + 2 * b * GB;
+          k.silu_mul(act_.data() + t * f + b * GB, g, g + c, c);
         }
     });
     matmul_residual(act_.data(), f, L.w_down);
   }
 
-  if (!logits) return;  // an inner chunk of a prompt: only its KV-cache entries are needed
-  const int64_t t0 = all_logits ? 0 : T - 1, rows = T - t0;
+  if (!logits) return;
+  // the rows whose logits are wanted, normalized, then one matmul over the vocabulary
+  int64_t rows = 0;
+  for (int64_t i = 0, t = 0; i < n_seqs; t += seqs[i].n_tokens, i++) {
+    const int64_t first = seqs[i].all_logits ? t : t + seqs[i].n_tokens - 1;
+    for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
+      k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
+  }
   pool_.parallel([&](int tid, int nth) {
     int64_t n0, n1;
     split_range(cfg_.vocab_size, tid, nth, 16, &n0, &n1);
-    if (n0 >= n1) return;
-    float* xb = norm_rows(tid, norm_, t0);
-    k.matmul(xb + t0 * d, rows, d, lm_head_, logits, cfg_.vocab_size, n0, n1);
+    if (n0 < n1) k.matmul(out_rows_.data(), rows, d, lm_head_, logits, cfg_.vocab_size, n0, n1);
   });
 }
 
-// Causal (optionally sliding-window) grouped-query attention for T new tokens at [pos, pos + T).
-void Model::attention(int64_t l, int64_t T, int64_t pos) {
-  const KernelTable& k = kt_;
+// Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.
+void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
   const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
   const int64_t qkv_dim = (nh + 2 * nkv) * hd;
   const float scale = 1.f / std::sqrt((float)hd);
@@ -302,17 +352,10 @@ void Model::attention(int64_t l, int64_t T, int64_t pos) {
     // Tasks are (token, head) pairs dealt round-robin: later tokens see more keys, so striding
     // balances the causal triangle across threads.
     for (int64_t task = tid; task < T * nh; task += nth) {
-      const int64_t t = task / nh, h = task % nh, g = h / group, p = pos + t;
+      const int64_t t = task / nh, h = task % nh, p = tok_pos_[t];
       const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
-      const float* q = qkv_.data() + t * qkv_dim + h * hd;
-      const float* kc = k_cache(l, g);
-      const float* vc = v_cache(l, g);
-      const int64_t n = p - start + 1;
-      for (int64_t j = 0; j < n; j++) s[j] = k.dot(q, kc + (start + j) * hd, hd) * scale;
-      k.softmax(s, n);
-      float* out = att_.data() + t * nh * hd + h * hd;
-      std::memset(out, 0, hd * sizeof(float));
-      for (int64_t j = 0; j < n; j++) k.axpy(out, s[j], vc + (start + j) * hd, hd);
+      kv_.attend(kt_, l, h / group, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h * hd, scale, s,
+                 att_.data() + t * nh * hd + h * hd);
     }
   });
 }

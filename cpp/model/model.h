@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/kv_cache.h"
 #include "runtime/thread_pool.h"
 
 namespace corelm {
@@ -29,6 +30,9 @@ struct ModelConfig {
   std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
   WeightType weight_type = WeightType::F32;
   int n_threads = 1;
+  KVType kv_type = KVType::F32;
+  int64_t kv_block_size = 16;      // tokens per KV block
+  int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -42,6 +46,16 @@ struct LayerWeights {
   PackedMatrix w_down;                     // [dim, ffn_dim]
 };
 
+// One sequence's part of a batched forward: n_tokens new tokens at positions [pos, pos + n_tokens),
+// whose keys/values go to (and are read from) the blocks of its block table.
+struct SeqSlice {
+  int64_t n_tokens = 0;
+  int64_t pos = 0;
+  const int32_t* blocks = nullptr;  // block table: position p lives in blocks[p / block_size]
+  int64_t n_blocks = 0;
+  bool all_logits = false;          // logits for every new token, or only the last
+};
+
 class Model {
  public:
   explicit Model(const ModelConfig& cfg);
@@ -51,9 +65,17 @@ class Model {
   void finalize();  // throws if any weight is missing
   bool ready() const { return ready_; }
 
-  // Runs tokens[0..n) at positions [pos, pos + n), writing their keys and values into the cache.
-  // Writes the logits of the last token ([vocab]) or, with all_logits, of every token ([n][vocab]).
+  // Runs tokens[0..n) at positions [pos, pos + n) of the single default sequence (blocks 0, 1, 2, ...),
+  // writing their keys and values into the cache. Writes the logits of the last token ([vocab]) or,
+  // with all_logits, of every token ([n][vocab]).
   void forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
+
+  // Runs several sequences in one pass: matrix products over all their tokens together, attention per
+  // sequence. tokens holds each sequence's new tokens in order; logits gets, per sequence, one row
+  // (or n_tokens rows with all_logits) of [vocab].
+  void forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
+  int64_t logit_rows(const SeqSlice* seqs, int64_t n_seqs) const;
+  const KVCache& kv_cache() const { return kv_; }
 
   const ModelConfig& config() const { return cfg_; }
   const KernelTable& kernel_table() const { return kt_; }
@@ -63,15 +85,10 @@ class Model {
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
 
  private:
-  void run_chunk(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
-  void attention(int64_t layer, int64_t n, int64_t pos);
+  void check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const;
+  void run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
+  void attention(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
   void ensure_scratch(int64_t n);
-  float* k_cache(int64_t layer, int64_t kv_head) {
-    return kcache_.get() + ((layer * cfg_.n_kv_heads + kv_head) * cfg_.max_seq_len) * cfg_.head_dim;
-  }
-  float* v_cache(int64_t layer, int64_t kv_head) {
-    return vcache_.get() + ((layer * cfg_.n_kv_heads + kv_head) * cfg_.max_seq_len) * cfg_.head_dim;
-  }
 
   ModelConfig cfg_;
   const KernelTable& kt_;
@@ -85,7 +102,8 @@ class Model {
   std::map<std::string, std::vector<float>> pending_;  // wq/wk/wv/w_gate/w_up until fused
 
   std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
-  std::shared_ptr<float> kcache_, vcache_;   // [n_layers][n_kv_heads][max_seq_len][head_dim]
+  KVCache kv_;
+  std::vector<int32_t> identity_blocks_;     // the default sequence's block table: 0, 1, 2, ...
 
   // Scratch for one chunk of at most scratch_tokens_ tokens ("the wave of activations").
   int64_t scratch_tokens_ = 0;
@@ -97,6 +115,8 @@ class Model {
   std::vector<float> hb_;       // [T][2 * ffn_dim] gate/up interleaved
   std::vector<float> act_;      // [T][ffn_dim]
   std::vector<float> scores_;   // [n_threads][max_seq_len]
+  std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position
+  std::vector<float> out_rows_;  // [rows][dim] normalized rows whose logits are wanted
 };
 
 }  // namespace corelm

@@ -220,6 +220,38 @@ void axpy(float* y, float a, const float* x, int64_t n) {
   }
 }
 
+// 16 cached bf16 or int8 values as fp32 (masked for the tail).
+inline __m512 load_kv16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 load_kv16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+template <class T>
+float dot_kv(const float* a, const T* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), load_kv16(b + i, m), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <class T>
+void axpy_kv(float* y, float a, const T* x, int64_t n) {
+  __m512 av = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, load_kv16(x + i, m), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+float dot_bf16(const float* a, const uint16_t* b, int64_t n) { return dot_kv(a, b, n); }
+float dot_i8(const float* a, const int8_t* b, int64_t n) { return dot_kv(a, b, n); }
+void axpy_bf16(float* y, float a, const uint16_t* x, int64_t n) { axpy_kv(y, a, x, n); }
+void axpy_i8(float* y, float a, const int8_t* x, int64_t n) { axpy_kv(y, a, x, n); }
+
 void rmsnorm(float* out, const float* x, const float* weight, int64_t n, float eps) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -304,6 +336,6 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, softmax, row_to_f32};
+const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32};
 
 }  // namespace corelm

@@ -63,6 +63,26 @@ void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; i++) acc += a[i] * bf16_to_f32(b[i]);
+  return acc;
+}
+
+float dot_i8(const float* a, const int8_t* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; i++) acc += a[i] * (float)b[i];
+  return acc;
+}
+
+void axpy_bf16(float* y, float a, const uint16_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
+}
+
+void axpy_i8(float* y, float a, const int8_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] += a * (float)x[i];
+}
+
 void softmax(float* x, int64_t n) {
   float mx = x[0];
   for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
@@ -78,6 +98,6 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, softmax, row_to_f32};
+const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32};
 
 }  // namespace corelm

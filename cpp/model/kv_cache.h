@@ -1,0 +1,45 @@
+// The KV cache in fixed-size blocks (PagedAttention's layout): a sequence's positions map to blocks
+// through its block table, so sequences of any length share one pool and identical prefixes can share
+// blocks. Keys and values are stored in fp32, bf16 or int8 with one scale per token per head
+// (xFasterTransformer's int8 cache).
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "kernels/kernels.h"
+
+namespace corelm {
+
+enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
+const char* kv_type_name(KVType t);
+
+class KVCache {
+ public:
+  KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size, KVType type);
+
+  int64_t n_blocks() const { return n_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  KVType type() const { return type_; }
+  size_t bytes() const;  // reserved (pages are touched only when used)
+
+  // Stores one token's key (or, with value, its value) for one kv head at (block, slot).
+  void store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x);
+
+  // out[head_dim] = softmax(scale * q . K[j]) . V[j] over positions j in [start, end] of a sequence whose
+  // positions live in `blocks` (block table). `scores` needs end - start + 1 floats.
+  void attend(const KernelTable& kt, int64_t layer, int64_t kv_head, const int32_t* blocks, int64_t start,
+              int64_t end, const float* q, float scale, float* scores, float* out) const;
+
+ private:
+  size_t index(int64_t layer, int64_t block, int64_t kv_head, int64_t slot) const {
+    return (((size_t)layer * n_blocks_ + block) * n_kv_heads_ + kv_head) * block_size_ + slot;  // token row
+  }
+
+  int64_t n_layers_, n_kv_heads_, head_dim_, n_blocks_, block_size_;
+  KVType type_;
+  size_t esz_;
+  std::shared_ptr<void> k_, v_;            // [layer][block][kv_head][slot][head_dim]
+  std::shared_ptr<void> k_scale_, v_scale_;  // [layer][block][kv_head][slot] (int8 only)
+};
+
+}  // namespace corelm
