@@ -77,8 +77,30 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int) -> 
                 rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads))
 
 
+KV_DTYPES = ("fp32", "bf16", "int8")
+KV_BLOCK_SIZE = 16
+
+
+def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb: Optional[float]) -> int:
+    """Blocks in the KV pool. The default budget holds 8 full-context sequences, capped at 4 GiB;
+    pages are reserved, not touched, so unused capacity costs no memory."""
+    esz = {"fp32": 4, "bf16": 2, "int8": 1}[kv_dtype]
+    per_token = spec.num_layers * spec.num_kv_heads * (2 * spec.head_dim * esz + (8 if kv_dtype == "int8" else 0))
+    per_block = per_token * KV_BLOCK_SIZE
+    one_seq = -(-max_seq_len // KV_BLOCK_SIZE)
+    if kv_cache_gb is None:
+        return max(one_seq, min(8 * one_seq, (4 << 30) // per_block))
+    if not (isinstance(kv_cache_gb, (int, float)) and kv_cache_gb > 0 and math.isfinite(kv_cache_gb)):
+        raise ValueError(f"kv_cache_gb must be a positive number, got {kv_cache_gb!r}.")
+    blocks = int(kv_cache_gb * (1 << 30)) // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_gb={kv_cache_gb} holds no KV block ({per_block} bytes each).")
+    return blocks
+
+
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
-                     max_seq_len: Optional[int] = None, progress: bool = False):
+                     max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
+                     kv_cache_gb: Optional[float] = None):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor."""
     from . import _core
@@ -90,7 +112,12 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         max_seq_len = min(int(spec.max_position_embeddings or 2048), 4096)
     if int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
-    model = _core.Model(core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len)))
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
+    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len))
+    config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
+                  kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
+    model = _core.Model(config)
     names = list(loaded.weight_names())
     if progress:
         from tqdm import tqdm

@@ -6,11 +6,14 @@
         print(chunk.text, end="")
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))
 
-One sequence runs at a time; its KV cache is kept between calls and reused for the longest common
-prefix of the next prompt (a multi-turn chat re-reads only the new turn).
+Every request goes through one continuous-batching engine (corelm.scheduler.BatchEngine) over a
+paged KV cache; full KV blocks stay in a prefix cache, so a multi-turn chat re-reads only the new turn
+and prompts that share a prefix share its blocks.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ import numpy as np
 from .engine import build_core_model, default_threads
 from .loader import load_model
 from .sampling import SamplingParams
-from . import sequence
+from .scheduler import BatchEngine
 from .sequence import StreamChunk  # noqa: F401  (part of the API)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,21 +64,25 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: Optional[str] = None, threads: Optional[int] = None, dtype: str = "auto",
-                 max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False):
+                 max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
+                 kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 256):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         self._core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
-                                      progress=progress)
+                                      progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb)
         self.threads = self._core.n_threads
         self.dtype = self._core.weight_type
         self.max_seq_len = self._core.max_seq_len
         self.load_time_s = time.perf_counter() - t0
-        self._cached: List[int] = []      # tokens whose keys/values sit in the KV cache, in order
+        self._request_ids = itertools.count()
+        self._inbox: Dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.last_metrics: Dict[str, float] = {}
         self.eos_token_ids = self._eos_ids()
+        self.engine = BatchEngine(self, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)
 
     # -- model facts --------------------------------------------------------------------------------
     def _eos_ids(self) -> List[int]:
@@ -86,8 +93,8 @@ class LLM:
         return sorted({int(i) for i in ids if isinstance(i, (int, np.integer)) and 0 <= i < self.spec.vocab_size})
 
     def reset(self) -> None:
-        """Forget the KV cache (the next prompt is read from scratch)."""
-        self._cached = []
+        """Forget the prefix cache (the next prompt is read from scratch)."""
+        self.engine.clear_prefix_cache()
 
     def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None) -> str:
@@ -104,21 +111,6 @@ class LLM:
         return ids
 
     # -- the generation loop ------------------------------------------------------------------------
-    def _forward(self, ids: List[int], pos: int) -> np.ndarray:
-        return self._core.forward(np.asarray(ids, dtype=np.int32), pos, False)
-
-    def _prefill(self, prompt_ids: List[int]) -> np.ndarray:
-        """Logits after the prompt, reusing the cached prefix; at least one token is always run."""
-        common = 0
-        limit = min(len(self._cached), len(prompt_ids) - 1)
-        while common < limit and self._cached[common] == prompt_ids[common]:
-            common += 1
-        self._cached = self._cached[:common]
-        logits = self._forward(prompt_ids[common:], common)
-        self._cached = list(prompt_ids)
-        self.last_metrics["cached_prompt_tokens"] = common
-        return logits
-
     def _check_prompt(self, prompt_ids: List[int]) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens to start from).")
@@ -137,27 +129,47 @@ class LLM:
         params.validate_against_vocab(self.spec.vocab_size)
         return self._stream_ids(prompt_ids, params)
 
+    def _pump(self) -> None:
+        """Runs one engine step and files each chunk under its request (several callers may be
+        waiting on the same engine: streams consumed in turn, generate)."""
+        for rid, chunk in self.engine.step():
+            self._inbox[rid].append(chunk)
+
+    def _next_chunk(self, rid: str) -> StreamChunk:
+        box = self._inbox[rid]
+        while not box:
+            self._pump()
+        return box.popleft()
+
     def _stream_ids(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        seq = sequence.Sequence(prompt_ids, params, self.tokenizer, self.spec.vocab_size, self.eos_token_ids,
-                       self.max_seq_len - len(prompt_ids))
+        """Runs one request through the engine until it finishes. Closing the generator aborts the
+        request, which releases its KV blocks at the next step."""
+        rid = f"stream-{next(self._request_ids)}"
+        self.engine.add_request(rid, prompt_ids, params)
         m = self.last_metrics = {"prompt_tokens": len(prompt_ids), "generated_tokens": 0}
         t0 = time.perf_counter()
-        logits = self._prefill(prompt_ids)
-        m["prompt_time_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
+        t1, finish = None, None
         try:
-            while True:
-                chunk = seq.step(logits)
-                m["generated_tokens"] = len(seq.output_ids)
+            while finish is None:
+                chunk = self._next_chunk(rid)
+                if t1 is None:
+                    t1 = time.perf_counter()
+                    m["prompt_time_s"] = t1 - t0
+                    m["cached_prompt_tokens"] = self.engine.cached_prompt_tokens(rid)
+                if chunk.token_id is not None:
+                    m["generated_tokens"] += 1
+                finish = chunk.finish_reason
                 yield chunk
-                if seq.finished:
-                    return
-                logits = self._forward([chunk.token_id], len(self._cached))
-                self._cached.append(chunk.token_id)
         finally:
-            seq.abort()  # no-op when it finished on its own
-            m["generation_time_s"] = time.perf_counter() - t1
-            m["finish_reason"] = seq.finish_reason
+            if finish is None:
+                self.engine.abort_request(rid)
+                while self._next_chunk(rid).finish_reason is None:
+                    pass
+                finish = "abort"
+            self._inbox.pop(rid, None)
+            m.setdefault("prompt_time_s", time.perf_counter() - t0)
+            m["generation_time_s"] = time.perf_counter() - (t1 or t0)
+            m["finish_reason"] = finish
 
     def chat_stream(self, messages: List[Dict[str, Any]], params: Optional[SamplingParams] = None,
                     chat_template: Optional[str] = None) -> Iterator[StreamChunk]:
@@ -166,24 +178,10 @@ class LLM:
         return self.stream(ids, params)
 
     # -- whole completions --------------------------------------------------------------------------
-    def _complete(self, prompt_ids: List[int], params: SamplingParams, index: int) -> CompletionOutput:
-        text, ids, finish, reason = [], [], None, None
-        logprobs, cum = ([] if params.logprobs is not None else None), 0.0
-        for chunk in self._stream_ids(prompt_ids, params):
-            text.append(chunk.text)
-            if chunk.token_id is not None:
-                ids.append(chunk.token_id)
-                if logprobs is not None:
-                    cum += chunk.logprob
-                    logprobs.append({"token_id": chunk.token_id, "logprob": chunk.logprob, "top": chunk.top_logprobs})
-            finish, reason = chunk.finish_reason, chunk.stop_reason
-        return CompletionOutput(index, "".join(text), ids, finish, reason,
-                                cum if logprobs is not None else None, logprobs)
-
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], params: Optional[SamplingParams] = None,
                  use_tqdm: bool = False) -> List[RequestOutput]:
         """Completes every prompt (a string, a list of token ids, or a list of either) and returns one
-        RequestOutput per prompt, in input order."""
+        RequestOutput per prompt, in input order. All prompts go to the continuous batcher at once."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
@@ -191,18 +189,54 @@ class LLM:
         for ids in encoded:
             self._check_prompt(ids)
         params.validate_against_vocab(self.spec.vocab_size)
-        iterator = enumerate(zip(prompts, encoded))
-        if use_tqdm:
-            from tqdm import tqdm
-            iterator = tqdm(iterator, total=len(encoded), desc="generating", unit="prompt")
-        results = []
-        for _, (prompt, ids) in iterator:
-            outs = []
+        base = next(self._request_ids)
+        rids = []
+        for i, ids in enumerate(encoded):
             for k in range(params.n):
                 p = params if params.seed is None or k == 0 else _with_seed(params, params.seed + k)
-                outs.append(self._complete(ids, p, k))
-            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids, outs,
-                                         dict(self.last_metrics)))
+                rid = f"gen-{base}-{i}-{k}"
+                self.engine.add_request(rid, ids, p, seq_index=k)
+                rids.append(rid)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(rids), desc="generating", unit="req")
+        chunks: Dict[str, List[StreamChunk]] = {rid: [] for rid in rids}
+        t0 = time.perf_counter()
+        try:
+            pending = set(rids)
+            while pending:
+                self._pump()
+                for rid in list(pending):
+                    box = self._inbox[rid]
+                    while box:
+                        chunk = box.popleft()
+                        chunks[rid].append(chunk)
+                        if chunk.finish_reason is not None:
+                            pending.discard(rid)
+                            if progress is not None:
+                                progress.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            for rid in rids:
+                self._inbox.pop(rid, None)
+            if progress is not None:
+                progress.close()
+        elapsed = time.perf_counter() - t0
+        results = []
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            outs = [_completion(k, chunks[f"gen-{base}-{i}-{k}"], params) for k in range(params.n)]
+            cached = max(self.engine.cached_prompt_tokens(f"gen-{base}-{i}-{k}") for k in range(params.n))
+            metrics = {"prompt_tokens": len(ids), "cached_prompt_tokens": cached,
+                       "generated_tokens": sum(len(o.token_ids) for o in outs), "batch_time_s": elapsed}
+            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids, outs, metrics))
+        self.last_metrics = {"prompt_tokens": sum(len(e) for e in encoded),
+                             "cached_prompt_tokens": sum(r.metrics["cached_prompt_tokens"] for r in results),
+                             "generated_tokens": sum(r.metrics["generated_tokens"] for r in results),
+                             "generation_time_s": elapsed}
         return results
 
     def chat(self, messages, params: Optional[SamplingParams] = None,
@@ -212,6 +246,20 @@ class LLM:
         prompts = [self.tokenizer.encode(self.apply_chat_template(c, True, chat_template), add_special_tokens=False)
                    for c in conversations]
         return self.generate(prompts, params)
+
+
+def _completion(index: int, chunks: List[StreamChunk], params: SamplingParams) -> CompletionOutput:
+    text, ids, finish, reason = [], [], None, None
+    logprobs, cum = ([] if params.logprobs is not None else None), 0.0
+    for chunk in chunks:
+        text.append(chunk.text)
+        if chunk.token_id is not None:
+            ids.append(chunk.token_id)
+            if logprobs is not None and chunk.logprob is not None:
+                cum += chunk.logprob
+                logprobs.append({"token_id": chunk.token_id, "logprob": chunk.logprob, "top": chunk.top_logprobs})
+        finish, reason = chunk.finish_reason, chunk.stop_reason
+    return CompletionOutput(index, "".join(text), ids, finish, reason, cum if logprobs is not None else None, logprobs)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

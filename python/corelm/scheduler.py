@@ -14,11 +14,14 @@ the same interface runs many per step.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+
 from .sampling import SamplingParams
-from .sequence import StreamChunk
+from .sequence import Sequence, StreamChunk
 
 
 class SerialEngine:
@@ -85,6 +88,283 @@ class SerialEngine:
 
     def run_to_completion(self) -> Dict[str, List[StreamChunk]]:
         """Steps until every request has finished; returns each request's chunks."""
+        chunks: Dict[str, List[StreamChunk]] = collections.defaultdict(list)
+        while self.has_unfinished_requests():
+            for rid, chunk in self.step():
+                chunks[rid].append(chunk)
+        return dict(chunks)
+
+
+# --------------------------------------------------------------------------------------------------
+# Continuous batching over a paged KV cache
+
+log = logging.getLogger("corelm")
+
+
+class BlockManager:
+    """KV blocks of a fixed number of tokens: a free list, reference counts, and a prefix cache that
+    maps a full block's contents (hashed together with everything before it) to the block holding
+    its keys and values, so requests that share a prompt prefix share its blocks."""
+
+    def __init__(self, n_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free: "collections.deque[int]" = collections.deque(range(n_blocks))
+        self.refs = [0] * n_blocks
+        self.cached: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # hash -> block (LRU order)
+        self.hash_of: Dict[int, int] = {}                                             # block -> hash
+
+    @property
+    def num_free(self) -> int:
+        """Blocks available now: truly free plus cached ones nobody uses (evictable)."""
+        return len(self.free) + sum(1 for b in self.cached.values() if self.refs[b] == 0)
+
+    def allocate(self) -> Optional[int]:
+        if self.free:
+            b = self.free.popleft()
+        else:
+            victim = next((h for h, b in self.cached.items() if self.refs[b] == 0), None)
+            if victim is None:
+                return None
+            b = self.cached.pop(victim)
+            del self.hash_of[b]
+        self.refs[b] = 1
+        return b
+
+    def release(self, blocks: List[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0 and b not in self.hash_of:
+                self.free.append(b)
+
+    @staticmethod
+    def chain_hash(prev: int, tokens: Tuple[int, ...]) -> int:
+        return hash((prev, tokens))
+
+    def match_prefix(self, token_ids: List[int]) -> List[int]:
+        """The cached blocks holding the longest run of full blocks of token_ids (references taken)."""
+        blocks, h = [], 0
+        for i in range(len(token_ids) // self.block_size):
+            h = self.chain_hash(h, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            b = self.cached.get(h)
+            if b is None:
+                break
+            self.cached.move_to_end(h)
+            self.refs[b] += 1
+            blocks.append(b)
+        return blocks
+
+    def register(self, block: int, h: int) -> None:
+        """Offers a full, computed block to the prefix cache (the first copy of a prefix wins)."""
+        if block not in self.hash_of and h not in self.cached:
+            self.cached[h] = block
+            self.hash_of[block] = h
+
+    def clear_cache(self) -> None:
+        for b in list(self.hash_of):
+            del self.hash_of[b]
+            if self.refs[b] == 0:
+                self.free.append(b)
+        self.cached.clear()
+
+
+class _Request:
+    def __init__(self, rid: str, prompt_ids: List[int], params: SamplingParams, seq: Sequence):
+        self.rid = rid
+        self.tokens = list(prompt_ids)  # prompt, then every sampled token
+        self.params = params
+        self.seq = seq
+        self.blocks: List[int] = []
+        self.hashes: List[int] = []     # chain hash of each full block so far
+        self.n_computed = 0             # tokens whose keys/values are in the cache
+
+
+class BatchEngine:
+    """Continuous batching: every step runs one forward pass over all running sequences (one token
+    each) plus chunks of prompts being read, so requests join and leave at every step and a long
+    prompt never stalls the streams already running. When the KV budget runs out, the newest running
+    request is preempted (its blocks freed) and recomputed later."""
+
+    def __init__(self, llm, max_num_seqs: int = 64, max_batch_tokens: int = 256):
+        self.llm = llm
+        self.core = llm._core
+        self.block_size = self.core.kv_block_size
+        self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(max_batch_tokens, 1)
+        self._lock = threading.Lock()
+        self._waiting: "collections.deque[_Request]" = collections.deque()
+        self._running: List[_Request] = []
+        self._aborted: List[str] = []
+        self._ids: set = set()
+        self.num_preemptions = 0
+        self.last_step_tokens = 0
+        self._cached_prompt: Dict[str, int] = {}   # request -> prompt tokens found in the prefix cache
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add_request(self, request_id: str, prompt_ids: List[int], params: SamplingParams,
+                    seq_index: int = 0) -> None:
+        ids = self.llm.encode_prompt(prompt_ids)
+        self.llm._check_prompt(ids)
+        params.validate_against_vocab(self.llm.spec.vocab_size)
+        if self._blocks_needed(len(ids) + 1) > self.core.kv_blocks:
+            raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({self.core.kv_blocks}); "
+                             f"raise kv_cache_gb.")
+        seq = Sequence(ids, params, self.llm.tokenizer, self.llm.spec.vocab_size, self.llm.eos_token_ids,
+                       self.llm.max_seq_len - len(ids), seq_index=seq_index)
+        with self._lock:
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._ids.add(request_id)
+            self._waiting.append(_Request(request_id, ids, params, seq))
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._aborted)
+
+    def clear_prefix_cache(self) -> None:
+        self.blocks.clear_cache()
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        """How many of the request's prompt tokens came from the prefix cache (asked once)."""
+        return self._cached_prompt.pop(request_id, 0)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def _blocks_needed(self, n_tokens: int) -> int:
+        return (n_tokens + self.block_size - 1) // self.block_size
+
+    def _finish(self, r: _Request) -> None:
+        self.blocks.release(r.blocks)
+        r.blocks = []
+        self._ids.discard(r.rid)
+
+    def _preempt(self, r: _Request) -> None:
+        """Frees a running request's blocks; it goes back to the front of the queue and is recomputed."""
+        self.num_preemptions += 1
+        log.warning("KV cache full: request %s preempted, it will be recomputed (raise kv_cache_gb to avoid this)",
+                    r.rid)
+        self._running.remove(r)
+        self.blocks.release(r.blocks)
+        r.blocks, r.hashes, r.n_computed = [], [], 0
+        self._waiting.appendleft(r)
+
+    def _grow(self, r: _Request, n_tokens: int) -> bool:
+        """Gives r enough blocks for n_tokens; False if the pool is exhausted."""
+        while len(r.blocks) < self._blocks_needed(n_tokens):
+            b = self.blocks.allocate()
+            if b is None:
+                return False
+            r.blocks.append(b)
+        return True
+
+    def _admit(self, r: _Request) -> None:
+        # reuse cached full blocks of the prompt, except that the last prompt token is always run
+        r.blocks = self.blocks.match_prefix(r.tokens[:-1])
+        h = 0
+        for i in range(len(r.blocks)):
+            h = BlockManager.chain_hash(h, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
+            r.hashes.append(h)
+        r.n_computed = len(r.blocks) * self.block_size
+        self._cached_prompt[r.rid] = r.n_computed
+
+    def _schedule(self) -> List[Tuple[_Request, int]]:
+        """Which requests run this step and how many of their tokens."""
+        plan: List[Tuple[_Request, int]] = []
+        budget = self.max_batch_tokens
+        # running requests first, oldest first; preempt the newest when blocks run out
+        for r in list(self._running):
+            if r not in self._running:
+                continue  # preempted below
+            n = min(len(r.tokens) - r.n_computed, budget)
+            if n <= 0:
+                continue
+            while not self._grow(r, r.n_computed + n):
+                victim = next((v for v in reversed(self._running) if v is not r and all(v is not p for p, _ in plan)),
+                              None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+            if len(r.blocks) < self._blocks_needed(r.n_computed + n):
+                self._preempt(r)
+                continue
+            plan.append((r, n))
+            budget -= n
+            if budget == 0:
+                return plan
+        # then new requests while there is room
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            r = self._waiting[0]
+            if not r.blocks and r.n_computed == 0:
+                self._admit(r)
+            n = min(len(r.tokens) - r.n_computed, budget)
+            if not self._grow(r, r.n_computed + n):
+                self.blocks.release(r.blocks)
+                r.blocks, r.hashes, r.n_computed = [], [], 0
+                break  # wait for blocks to free up
+            self._waiting.popleft()
+            self._running.append(r)
+            plan.append((r, n))
+            budget -= n
+        return plan
+
+    def step(self) -> List[Tuple[str, StreamChunk]]:
+        out: List[Tuple[str, StreamChunk]] = []
+        with self._lock:
+            aborted, self._aborted = self._aborted, []
+            for rid in aborted:
+                r = next((x for x in list(self._waiting) + self._running if x.rid == rid), None)
+                if r is None:
+                    continue
+                (self._waiting if r in self._waiting else self._running).remove(r)
+                r.seq.abort()
+                self._finish(r)
+                out.append((rid, StreamChunk("", None, "abort")))
+            plan = self._schedule()
+        if not plan:
+            if self._waiting and not self._running:
+                r = self._waiting.popleft()  # cannot ever fit: fail it rather than spin
+                r.seq.abort()
+                self._finish(r)
+                out.append((r.rid, StreamChunk("", None, "abort")))
+            return out
+        tokens, slices = [], []
+        for r, n in plan:
+            tokens.extend(r.tokens[r.n_computed:r.n_computed + n])
+            slices.append((n, r.n_computed, np.asarray(r.blocks, dtype=np.int32), False))
+        self.last_step_tokens = len(tokens)
+        logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
+        for i, (r, n) in enumerate(plan):
+            r.n_computed += n
+            self._register_full_blocks(r)
+            if r.n_computed < len(r.tokens):
+                continue  # still reading its prompt
+            chunk = r.seq.step(logits[i])
+            r.tokens.append(chunk.token_id)
+            out.append((r.rid, chunk))
+            if r.seq.finished:
+                self._running.remove(r)
+                self._finish(r)
+        return out
+
+    def _register_full_blocks(self, r: _Request) -> None:
+        while len(r.hashes) < r.n_computed // self.block_size:
+            i = len(r.hashes)
+            prev = r.hashes[-1] if r.hashes else 0
+            h = BlockManager.chain_hash(prev, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
+            r.hashes.append(h)
+            self.blocks.register(r.blocks[i], h)
+
+    def run_to_completion(self) -> Dict[str, List[StreamChunk]]:
         chunks: Dict[str, List[StreamChunk]] = collections.defaultdict(list)
         while self.has_unfinished_requests():
             for rid, chunk in self.step():
