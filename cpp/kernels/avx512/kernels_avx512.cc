@@ -36,6 +36,7 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 // a core's bandwidth; one stream gets close to all of it). K is padded to 32 and rows to 8 with zeros.
 constexpr int64_t kGroup = 8, kChunk = 32;
 constexpr int kPrefetchBytes = 1024;
+constexpr int64_t kSmallBatch = 8;  // up to this many rows of x, stream weights like GEMV (measured crossover)
 #ifndef CORELM_PREFILL_GROUPS
 #define CORELM_PREFILL_GROUPS 2
 #endif  // ahead of the hardware prefetcher, measured best of 512..2048
@@ -110,6 +111,56 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
       }
     }
     store_group(acc, y, g * kGroup, n0, n1);
+  }
+}
+
+// Small batches (a few sequences decoding together): the GEMV stream, with each 8-row group reused for
+// MR activation rows at a time while it is still in L1/L2, so weights come from memory once per step.
+template <bool BF16, int MR>
+void gemv_rows(const float* x, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t g) {
+  const size_t esz = BF16 ? 2 : 4;
+  const int64_t K = w.cols, nchunks = w.ld / kChunk, full = K / kChunk;
+  const __mmask16 m_lo = K % kChunk >= 16 ? (__mmask16)0xffff : tail_mask(K % 16);
+  const __mmask16 m_hi = K % kChunk > 16 ? tail_mask(K % kChunk - 16) : (__mmask16)0;
+  const char* p = static_cast<const char*>(w.data()) + (size_t)g * nchunks * kGroup * kChunk * esz;
+  __m512 acc[MR][kGroup];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < kGroup; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nchunks; c++) {
+    __m512 x0[MR], x1[MR];
+    for (int i = 0; i < MR; i++) {
+      const float* xr = x + i * ldx + c * kChunk;
+      x0[i] = c < full ? _mm512_loadu_ps(xr) : _mm512_maskz_loadu_ps(m_lo, xr);
+      x1[i] = c < full ? _mm512_loadu_ps(xr + 16) : _mm512_maskz_loadu_ps(m_hi, xr + 16);
+    }
+    for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
+      __m512 w0 = load16<BF16>(p), w1 = load16<BF16>(p + 16 * esz);
+      for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(x1[i], w1, _mm512_fmadd_ps(x0[i], w0, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; i++) store_group(acc[i], y + i * ldy, g * kGroup, 0, w.rows);
+}
+
+template <bool BF16>
+void gemv_batch(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                int64_t n1) {
+  thread_local std::vector<float> tmp;
+  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+    // rows of this group outside [n0, n1) belong to another thread: compute into scratch, copy ours
+    const bool whole = g * kGroup >= n0 && (g + 1) * kGroup <= n1;
+    float* out = y;
+    int64_t ld = ldy;
+    if (!whole) {
+      tmp.resize((size_t)m * (w.rows + kGroup));
+      out = tmp.data();
+      ld = w.rows + kGroup;
+    }
+    int64_t i = 0;
+    for (; i + 2 <= m; i += 2) gemv_rows<BF16, 2>(x + i * ldx, ldx, w, out + i * ld, ld, g);
+    if (i < m) gemv_rows<BF16, 1>(x + i * ldx, ldx, w, out + i * ld, ld, g);
+    if (!whole)
+      for (int64_t r = std::max(g * kGroup, n0); r < std::min((g + 1) * kGroup, n1); r++)
+        for (int64_t k = 0; k < m; k++) y[k * ldy + r] = tmp[k * ld + r];
   }
 }
 
@@ -193,6 +244,8 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
     bf16 ? gemv<true>(x, w, y, n0, n1) : gemv<false>(x, w, y, n0, n1);
+  else if (m <= kSmallBatch)
+    bf16 ? gemv_batch<true>(x, m, ldx, w, y, ldy, n0, n1) : gemv_batch<false>(x, m, ldx, w, y, ldy, n0, n1);
   else
     bf16 ? gemm<true>(x, m, ldx, w, y, ldy, n0, n1) : gemm<false>(x, m, ldx, w, y, ldy, n0, n1);
 }
