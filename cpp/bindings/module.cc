@@ -14,6 +14,11 @@
 namespace py = pybind11;
 using namespace corelm;
 
+namespace corelm {
+py::dict amx_info();                 // bindings/amx.cc
+void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
+}
+
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 namespace {
@@ -83,6 +88,7 @@ PYBIND11_MODULE(_core, m) {
     for (const char* op : {"matmul_fp32", "matmul_bf16", "attention", "rmsnorm", "silu_mul"}) k[op] = chosen;
     d["kernels"] = k;
     d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
+    d["amx"] = amx_info();
     return d;
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
 
@@ -116,6 +122,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })
       .def_property_readonly("weight_type",
                              [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); });
+
+  register_amx(m);
 
   // Single kernels, for tests against the scalar reference.
   m.def("kernel_tables", &available_kernel_tables);

@@ -537,6 +537,10 @@ def format_info(info: Dict[str, Any]) -> str:
         lines.append("Kernels:   " + ", ".join(f"{op}={isa}" for op, isa in info["kernels"].items()))
     else:
         lines.append(f"Kernels:   {info.get('core_error', '-')}")
+    amx = (info.get("core") or {}).get("amx")
+    if amx is not None:
+        lines.append("AMX:       " + ("available (AMX-BF16/INT8 GEMM kernels, not yet used by the forward pass)"
+                                      if amx.get("available") else f"absent ({amx.get('reason') or '?'})"))
     model = info.get("model")
     if model:
         lines += [
