@@ -4,9 +4,15 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <chrono>
+#include <functional>
+#include <random>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 #include "kernels/amx/amx.h"
+#include "kernels/kernels.h"
 
 namespace py = pybind11;
 using namespace corelm;
@@ -14,6 +20,7 @@ using namespace corelm;
 namespace corelm {
 py::dict amx_info();
 void register_amx(py::module_& m);
+void register_amx_bench(py::module_& m);
 }  // namespace corelm
 
 namespace {
@@ -49,6 +56,7 @@ py::dict corelm::amx_info() {
 }
 
 void corelm::register_amx(py::module_& m) {
+  register_amx_bench(m);
   m.def("amx_available", &amx::available,
         "True when CPUID, XCR0 and the OS permission (arch_prctl) allow the real AMX kernels.");
   m.def("amx_info", &amx_info, "AMX detection details and the reason when it is unavailable.");
@@ -128,4 +136,82 @@ void corelm::register_amx(py::module_& m) {
     return out;
   }, py::arg("op"), py::arg("c"), py::arg("a"), py::arg("b"), py::arg("emulated") = true,
      "One TDPBSSD/TDPBF16PS on byte tiles C [rows, colsb], A, B; returns the new C bytes.");
+}
+
+// Micro-benchmark: one GEMM y[m][n] = x[m][k] . W[n][k]^T, weights packed once, timed over repeated
+// calls on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16, amx_int8
+// (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_fp32" / "<table>_bf16".
+void corelm::register_amx_bench(py::module_& m) {
+  m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads) {
+    if (M < 1 || N < 1 || K < 1 || threads < 1) throw std::invalid_argument("bad shape or thread count");
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd;
+    std::vector<float> x(M * K), w(N * K), y(M * N);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : w) v = nd(rng);
+    std::vector<int8_t> xq(M * K), wq(N * K);
+    for (auto& v : xq) v = (int8_t)(rng() % 255 - 127);
+    for (auto& v : wq) v = (int8_t)(rng() % 255 - 127);
+    std::vector<float> xs(M, 0.01f), ws(N, 0.01f);
+
+    std::function<void(int64_t, int64_t)> run;  // columns [n0, n1)
+    amx::AmxMatrix pa;
+    PackedMatrix pk;
+    const KernelTable* kt = nullptr;
+    if (kind == "amx_bf16" || kind == "amx_int8") need_native(false);
+    if (kind == "amx_bf16" || kind == "amx_bf16_emulated") {
+      pa = amx::pack_bf16(w.data(), N, K);
+      bool emu = kind == "amx_bf16_emulated";
+      run = [&, emu](int64_t n0, int64_t n1) {
+        if (emu) amx::emulated::bf16_gemm(x.data(), M, K, pa, y.data(), N, n0, n1);
+#if defined(CORELM_HAVE_AMX_BUILD)
+        else amx::native::bf16_gemm(x.data(), M, K, pa, y.data(), N, n0, n1);
+#endif
+      };
+    } else if (kind == "amx_int8") {
+      pa = amx::pack_int8(wq.data(), ws.data(), N, K, 0);
+      run = [&](int64_t n0, int64_t n1) {
+#if defined(CORELM_HAVE_AMX_BUILD)
+        amx::native::int8_gemm(xq.data(), M, K, xs.data(), pa, y.data(), N, n0, n1);
+#endif
+      };
+    } else {
+      const size_t us = kind.rfind('_');
+      if (us == std::string::npos) throw std::invalid_argument("unknown kind " + kind);
+      kt = kernels_by_name(kind.substr(0, us));
+      const std::string wt = kind.substr(us + 1);
+      if (!kt || (wt != "fp32" && wt != "bf16")) throw std::invalid_argument("unknown or unavailable kind " + kind);
+      pk = kt->pack(w.data(), N, K, wt == "bf16" ? WeightType::BF16 : WeightType::F32);
+      run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
+    }
+    const int64_t tiles = (N + 15) / 16;
+    auto once = [&] {
+      if (threads == 1) { run(0, N); return; }
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; t++) {
+        const int64_t n0 = std::min(N, tiles * t / threads * 16), n1 = std::min(N, tiles * (t + 1) / threads * 16);
+        pool.emplace_back([&, n0, n1] { if (n0 < n1) run(n0, n1); });
+      }
+      for (auto& th : pool) th.join();
+    };
+    py::gil_scoped_release release;
+    once();  // warm-up: first touch, tile permission, caches
+    using clk = std::chrono::steady_clock;
+    int64_t iters = 0;
+    const auto t0 = clk::now();
+    double elapsed = 0;
+    do {
+      once();
+      iters++;
+      elapsed = std::chrono::duration<double>(clk::now() - t0).count();
+    } while (elapsed < seconds);
+    py::gil_scoped_acquire acquire;
+    py::dict d;
+    d["kind"] = kind;
+    d["ms"] = 1e3 * elapsed / iters;
+    d["gflops"] = 2.0 * M * N * K * iters / elapsed / 1e9;
+    d["iters"] = iters;
+    d["threads"] = threads;
+    return d;
+  }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1);
 }
