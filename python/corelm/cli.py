@@ -44,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: physical cores)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own)")
