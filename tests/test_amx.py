@@ -118,6 +118,15 @@ def test_tdpbf16ps_hardware_on_exact_examples():
         np.testing.assert_array_equal(out.view(np.float32)[0], w @ x)
 
 
+@needs_amx
+def test_tdpbf16ps_hardware_summation_order():
+    """The SDM writes one rounded FMA per product; the Sapphire Rapids hardware sums an instruction's
+    products first, then adds them to C. Either order is accepted; this records which one runs here."""
+    e = 2.0 ** -24
+    hw = dpbf16([1.0], [1.0, 0.0] * 16, [e, 0.0] * 16, b_rows=16, emulated=False)[0, 0]
+    assert hw in (np.float32(1.0), np.float32(1.0 + 16 * e))
+
+
 def test_emulation_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="A.colsb != 4 \\* B.rows"):
         _core.amx_tile_dp("tdpbssd", np.zeros((1, 4), np.uint8), np.zeros((1, 8), np.uint8),
