@@ -229,6 +229,41 @@ def test_int8_gemm_scaled(emulated, m, n, k, group):
     np.testing.assert_allclose(y, ref, rtol=2e-6 * ng, atol=1e-6 * np.abs(ref).max())
 
 
+def quantize_reference(x, group):
+    m, k = x.shape
+    g = k if group == 0 else group
+    xg = x.reshape(m, k // g, g)
+    amax = np.abs(xg).max(axis=2)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xg * inv[:, :, None]), -127, 127).astype(np.int8).reshape(m, k)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+@pytest.mark.parametrize("m,k,group", [(1, 1, 0), (3, 100, 0), (5, 256, 64), (2, 192, 0)])
+def test_quantize_rows(m, k, group):
+    x = normal((m, k)) * 3
+    x[0, : min(k, 64 if group else k)] = 0.0  # an all-zero group gets scale 0
+    q, s = _core.amx_quantize_rows(x, group)
+    q_ref, s_ref = quantize_reference(x, group)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(s, s_ref)
+    g = k if group == 0 else group
+    err = np.abs(q.reshape(m, -1, g) * s[:, :, None] - x.reshape(m, -1, g))
+    assert np.all(err <= s[:, :, None] * 0.5 * (1 + 1e-6) + 1e-30)
+
+
+@pytest.mark.parametrize("emulated", [True, pytest.param(False, marks=needs_amx)])
+@pytest.mark.parametrize("group", [0, 64])
+def test_int8_gemm_from_fp32(emulated, group):
+    """fp32 x and W through the int8 formats end to end: close to the fp32 product."""
+    x, w = normal((33, 256)), normal((40, 256))
+    xq, xs = _core.amx_quantize_rows(x, group)
+    wq, ws = _core.amx_quantize_rows(w, group)
+    y = _core.kernel_amx_int8_gemm(xq, wq, emulated, xs, ws, group)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.mean((y - ref) ** 2) / np.mean(ref ** 2) < 1e-3
+
+
 def test_int8_gemm_rejects_bad_groups():
     xq, wq = int8((2, 100)), int8((3, 100))
     with pytest.raises(ValueError):
@@ -242,6 +277,28 @@ def test_int8_gemm_rejects_bad_groups():
 def test_int8_gemm_real_vs_emulated(m, n, k):
     xq, wq = int8((m, k)), int8((n, k))
     np.testing.assert_array_equal(_core.kernel_amx_int8_gemm(xq, wq, False), _core.kernel_amx_int8_gemm(xq, wq, True))
+
+
+@pytest.mark.parametrize("emulated", [True, pytest.param(False, marks=needs_amx)])
+@pytest.mark.parametrize("n0,n1", [(0, 16), (16, 31), (16, 64), (32, 33), (48, 70), (64, 70), (0, 0)])
+def test_column_ranges(emulated, n0, n1):
+    """The callers split N across threads in whole 16-column tiles: a range computes exactly its columns."""
+    x, w = normal((19, 70)), normal((70, 70))
+    y = _core.kernel_amx_bf16_gemm(x, w, emulated, n0, n1)
+    full = _core.kernel_amx_bf16_gemm(x, w, emulated)
+    np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
+    assert not y[:, :n0].any() and not y[:, n1:].any()
+    xq, wq = int8((19, 70)), int8((70, 70))
+    yq = _core.kernel_amx_int8_gemm(xq, wq, emulated, n0=n0, n1=n1)
+    np.testing.assert_array_equal(yq[:, n0:n1], (xq.astype(np.int64) @ wq.astype(np.int64).T)[:, n0:n1])
+    assert not yq[:, :n0].any() and not yq[:, n1:].any()
+
+
+def test_column_range_must_start_on_a_tile():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _core.kernel_amx_bf16_gemm(normal((2, 8)), normal((40, 8)), True, 8, 40)
+    with pytest.raises(ValueError):
+        _core.kernel_amx_int8_gemm(int8((2, 8)), int8((40, 8)), True, n0=0, n1=41)
 
 
 def test_amx_info_reports_a_reason():

@@ -61,39 +61,44 @@ void corelm::register_amx(py::module_& m) {
         "True when CPUID, XCR0 and the OS permission (arch_prctl) allow the real AMX kernels.");
   m.def("amx_info", &amx_info, "AMX detection details and the reason when it is unavailable.");
 
-  m.def("kernel_amx_bf16_gemm", [](FloatArray x, FloatArray w, bool emulated) {
+  m.def("kernel_amx_bf16_gemm", [](FloatArray x, FloatArray w, bool emulated, int64_t n0, int64_t n1) {
     if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1) || w.shape(0) < 1 || w.shape(1) < 1)
       throw std::invalid_argument("kernel_amx_bf16_gemm needs x [M, K] and w [N, K]");
     need_native(emulated);
     const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
+    if (n1 < 0) n1 = N;
     amx::AmxMatrix pw = amx::pack_bf16(w.data(), N, K);
     py::array_t<float> y({M, N});
+    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.0f);  // columns outside [n0, n1) stay 0
     {
       py::gil_scoped_release release;
-      if (emulated) amx::emulated::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
+      if (emulated) amx::emulated::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
 #if defined(CORELM_HAVE_AMX_BUILD)
-      else amx::native::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
+      else amx::native::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
 #endif
     }
     return y;
-  }, py::arg("x"), py::arg("w"), py::arg("emulated"),
-     "y = bf16(x) . bf16(w)^T with fp32 accumulation, on the AMX-BF16 kernel (emulated or real).");
+  }, py::arg("x"), py::arg("w"), py::arg("emulated"), py::arg("n0") = 0, py::arg("n1") = -1,
+     "y = bf16(x) . bf16(w)^T with fp32 accumulation, on the AMX-BF16 kernel (emulated or real); only columns "
+     "[n0, n1) are computed (n0 a multiple of 16), the rest are 0.");
 
   m.def("kernel_amx_int8_gemm", [](Int8Array xq, Int8Array wq, bool emulated, py::object xs_obj,
-                                   py::object ws_obj, int64_t group) -> py::object {
+                                   py::object ws_obj, int64_t group, int64_t n0, int64_t n1) -> py::object {
     if (xq.ndim() != 2 || wq.ndim() != 2 || xq.shape(1) != wq.shape(1) || wq.shape(0) < 1 || wq.shape(1) < 1)
       throw std::invalid_argument("kernel_amx_int8_gemm needs xq [M, K] and wq [N, K] (int8)");
     need_native(emulated);
     const int64_t M = xq.shape(0), N = wq.shape(0), K = wq.shape(1);
     if (xs_obj.is_none() != ws_obj.is_none()) throw std::invalid_argument("give both scales or neither");
+    if (n1 < 0) n1 = N;
     if (xs_obj.is_none()) {  // raw int32 sums
       std::vector<float> ones(N, 1.0f);
       amx::AmxMatrix pw = amx::pack_int8(wq.data(), ones.data(), N, K, 0);
       py::array_t<int32_t> y({M, N});
+      std::fill(y.mutable_data(), y.mutable_data() + M * N, 0);
       py::gil_scoped_release release;
-      if (emulated) amx::emulated::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, 0, N);
+      if (emulated) amx::emulated::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, n0, n1);
 #if defined(CORELM_HAVE_AMX_BUILD)
-      else amx::native::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, 0, N);
+      else amx::native::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, n0, n1);
 #endif
       return std::move(y);
     }
@@ -104,16 +109,29 @@ void corelm::register_amx(py::module_& m) {
       throw std::invalid_argument("scales must be xs [M, K/group] and ws [N, K/group]");
     amx::AmxMatrix pw = amx::pack_int8(wq.data(), ws.data(), N, K, group);
     py::array_t<float> y({M, N});
+    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.0f);
     py::gil_scoped_release release;
-    if (emulated) amx::emulated::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, 0, N);
+    if (emulated) amx::emulated::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, n0, n1);
 #if defined(CORELM_HAVE_AMX_BUILD)
-    else amx::native::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, 0, N);
+    else amx::native::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, n0, n1);
 #endif
     return std::move(y);
   }, py::arg("xq"), py::arg("wq"), py::arg("emulated"), py::arg("xs") = py::none(), py::arg("ws") = py::none(),
-     py::arg("group") = 0,
+     py::arg("group") = 0, py::arg("n0") = 0, py::arg("n1") = -1,
      "int8 x int8 GEMM on the AMX-INT8 kernel: int32 sums, or fp32 sum_g xs[m,g]*ws[n,g]*sum_{k in g} when "
      "scales are given (group = K values per scale; 0 = one scale per row).");
+
+  m.def("amx_quantize_rows", [](FloatArray x, int64_t group) {
+    if (x.ndim() != 2 || x.shape(1) < 1) throw std::invalid_argument("amx_quantize_rows needs x [M, K]");
+    const int64_t M = x.shape(0), K = x.shape(1);
+    const int64_t G = group == 0 ? 1 : (group > 0 && K % group == 0 ? K / group : 0);
+    if (G == 0) throw std::invalid_argument("the scale group must divide K");
+    py::array_t<int8_t> q({M, K});
+    py::array_t<float> s({M, G});
+    amx::quantize_rows_s8(x.data(), M, K, K, group, q.mutable_data(), s.mutable_data());
+    return py::make_tuple(q, s);
+  }, py::arg("x"), py::arg("group") = 0,
+     "The AMX-INT8 activation format: (q int8 [M, K], scales [M, K/group]), x ~ q * scale per row/group.");
 
   m.def("amx_tile_dp", [](const std::string& op, U8Array c, U8Array a, U8Array b, bool emulated) {
     if (op != "tdpbssd" && op != "tdpbf16ps") throw std::invalid_argument("op must be 'tdpbssd' or 'tdpbf16ps'");

@@ -48,6 +48,11 @@ AmxMatrix pack_bf16(const float* w, int64_t n, int64_t k);
 // wq: int8 [n][k] row-major; scales: float [n][k/group] (group == k or 0: one per row).
 AmxMatrix pack_int8(const int8_t* wq, const float* scales, int64_t n, int64_t k, int64_t group);
 
+// The INT8 activation format: symmetric int8 per row, or per `group` K values of a row (group == 0 or K:
+// one scale per row): scales[i][g] = absmax / 127, q = x / scale rounded to nearest even (0 for an all-zero
+// group, scale 0). q is [m][k] row-major, scales [m][k / group].
+void quantize_rows_s8(const float* x, int64_t m, int64_t k, int64_t ldx, int64_t group, int8_t* q, float* scales);
+
 struct Status {
   bool cpu = false;         // CPUID: AMX-TILE, AMX-INT8 and AMX-BF16
   bool os = false;          // XCR0: XTILECFG and XTILEDATA state enabled

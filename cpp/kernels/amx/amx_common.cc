@@ -2,6 +2,7 @@
 // the run-time checks: CPUID, XCR0 and the Linux permission for the tile-data state.
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -73,6 +74,24 @@ AmxMatrix pack_int8(const int8_t* wq, const float* scales, int64_t n, int64_t k,
   std::memset(s, 0, sbytes);
   std::memcpy(s, scales, (size_t)n * p.n_groups * sizeof(float));
   return p;
+}
+
+void quantize_rows_s8(const float* x, int64_t m, int64_t k, int64_t ldx, int64_t group, int8_t* q, float* scales) {
+  if (group == 0) group = k;
+  if (group <= 0 || k % group != 0) throw std::invalid_argument("AMX int8: the scale group must divide K");
+  const int64_t ng = k / group;
+  for (int64_t i = 0; i < m; i++) {
+    for (int64_t g = 0; g < ng; g++) {
+      const float* src = x + i * ldx + g * group;
+      int8_t* dst = q + i * k + g * group;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < group; j++) amax = std::max(amax, std::fabs(src[j]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int64_t j = 0; j < group; j++)
+        dst[j] = (int8_t)std::max(-127.0f, std::min(127.0f, std::nearbyint(src[j] * inv)));
+      scales[i * ng + g] = amax / 127.0f;
+    }
+  }
 }
 
 static Status detect() {
