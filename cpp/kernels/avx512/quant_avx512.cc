@@ -171,6 +171,11 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
     __m256 macc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, qs += QSB) {
       for (int o = 0; o < QSB; o += 64) _mm_prefetch((const char*)qs + kPrefetchBytes + o, _MM_HINT_T0);
+      if ((b & 3) == 0) {  // the next group's scales (and minimums), a line per 4 blocks: a second
+        _mm_prefetch((const char*)(dp + gs / 2 + b * kGroup), _MM_HINT_T0);  // stream the
+        if constexpr (T == WeightType::Q4M)                                  // hardware misses
+          _mm_prefetch((const char*)(mp + gs / 2 + b * kGroup), _MM_HINT_T0);
+      }
       __m512i wv[4];
       load_w<T>(qs, wv);
       __m512i acc = _mm512_set1_epi32(qx.corr[b]);
