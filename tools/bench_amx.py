@@ -14,10 +14,15 @@ The shape default is the Qwen2.5-0.5B FFN up/gate projection (dim 896, ffn 4864)
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
-from corelm import _core
+try:
+    from corelm import _core
+except ImportError:  # a source checkout with an in-place build
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+    from corelm import _core
 
 
 def main(argv=None) -> int:
