@@ -9,10 +9,16 @@
 #include <stdexcept>
 
 #include "kernels/kernels.h"
+#include "kernels/quant_formats.h"
 #include "model/model.h"
 
 namespace py = pybind11;
 using namespace corelm;
+
+namespace corelm {
+py::dict amx_info();                 // bindings/amx.cc
+void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
+}
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
@@ -21,7 +27,10 @@ namespace {
 WeightType parse_weight_type(const std::string& s) {
   if (s == "fp32" || s == "f32") return WeightType::F32;
   if (s == "bf16") return WeightType::BF16;
-  throw std::invalid_argument("weight type must be 'fp32' or 'bf16', got '" + s + "'");
+  if (s == "q8") return WeightType::Q8;
+  if (s == "q4") return WeightType::Q4;
+  if (s == "q4m") return WeightType::Q4M;
+  throw std::invalid_argument("weight type must be 'fp32', 'bf16', 'q8', 'q4' or 'q4m', got '" + s + "'");
 }
 
 KVType parse_kv_type(const std::string& s) {
@@ -93,6 +102,7 @@ PYBIND11_MODULE(_core, m) {
     for (const char* op : {"matmul_fp32", "matmul_bf16", "attention", "rmsnorm", "silu_mul"}) k[op] = chosen;
     d["kernels"] = k;
     d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
+    d["amx"] = amx_info();
     return d;
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
 
@@ -102,6 +112,13 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.set_weight(name, a.data(), shape_of(a));
       }, py::arg("name"), py::arg("array"))
+      .def("set_weight_raw", [](PyModel& self, const std::string& name, const std::string& ggml_type,
+                                py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw,
+                                std::vector<int64_t> shape) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        self.model.set_weight_raw(name, quant::type_of_ggml(ggml_type), raw.data(), (size_t)raw.size(), shape);
+      }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
+         "Takes a matrix as raw GGUF Q8_0/Q4_0/Q4_1 blocks (uint8), repacked without dequantizing.")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
       .def("forward", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                          int64_t pos, bool all_logits) {
@@ -167,6 +184,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("weight_type",
                              [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); });
 
+  register_amx(m);
+
   // Single kernels, for tests against the scalar reference.
   m.def("kernel_tables", &available_kernel_tables);
   m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype) {
@@ -178,6 +197,34 @@ PYBIND11_MODULE(_core, m) {
     py::array_t<float> y({M, N});
     kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
     return y;
+  });
+  using RawArray = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+  auto pack_raw = [](const KernelTable& kt, RawArray raw, const std::string& ggml_type, int64_t rows, int64_t cols) {
+    WeightType t = quant::type_of_ggml(ggml_type);
+    if (rows < 1 || cols < 1) throw std::invalid_argument("bad matrix shape");
+    quant::check_raw(t, (size_t)raw.size(), rows, cols);
+    return kt.pack_raw(t, raw.data(), rows, cols);
+  };
+  m.def("kernel_matmul_raw", [pack_raw](const std::string& isa, FloatArray x, RawArray raw, const std::string& ggml_type,
+                                        int64_t rows, int64_t cols) {
+    if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("kernel_matmul_raw needs x [M, cols]");
+    const KernelTable& kt = table(isa);
+    PackedMatrix pw = pack_raw(kt, raw, ggml_type, rows, cols);
+    py::array_t<float> y({(int64_t)x.shape(0), rows});
+    kt.matmul(x.data(), x.shape(0), cols, pw, y.mutable_data(), rows, 0, rows);
+    return y;
+  });
+  m.def("kernel_raw_to_f32", [pack_raw](const std::string& isa, RawArray raw, const std::string& ggml_type, int64_t rows,
+                                        int64_t cols) {
+    const KernelTable& kt = table(isa);
+    PackedMatrix pw = pack_raw(kt, raw, ggml_type, rows, cols);
+    py::array_t<float> y({rows, cols});
+    for (int64_t r = 0; r < rows; r++) kt.row_to_f32(pw, r, y.mutable_data() + r * cols);
+    return y;
+  }, "Every row of raw GGUF blocks packed by a table, read back with row_to_f32.");
+  m.def("kernel_packed_bytes", [](const std::string& isa, FloatArray w, const std::string& wtype) {
+    if (w.ndim() != 2) throw std::invalid_argument("w must be 2-D");
+    return table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype)).bytes();
   });
   m.def("kernel_rmsnorm", [](const std::string& isa, FloatArray x, FloatArray w, float eps) {
     if (x.ndim() != 1 || w.ndim() != 1 || x.shape(0) != w.shape(0)) throw std::invalid_argument("shape mismatch");

@@ -12,7 +12,15 @@
 
 namespace corelm {
 
-const char* weight_type_name(WeightType t) { return t == WeightType::BF16 ? "bf16" : "fp32"; }
+const char* weight_type_name(WeightType t) {
+  switch (t) {
+    case WeightType::BF16: return "bf16";
+    case WeightType::Q8: return "q8";
+    case WeightType::Q4: return "q4";
+    case WeightType::Q4M: return "q4m";
+    default: return "fp32";
+  }
+}
 
 std::shared_ptr<void> aligned_buffer(size_t bytes) {
   void* p = nullptr;

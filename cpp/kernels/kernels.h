@@ -9,7 +9,8 @@
 
 namespace corelm {
 
-enum class WeightType : int { F32 = 0, BF16 = 1 };
+// Q8/Q4/Q4M: blocks of 32 along K with fp16 scales, see kernels/quant_formats.h.
+enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
 const char* weight_type_name(WeightType t);
 
 struct KernelTable;
@@ -52,6 +53,8 @@ struct KernelTable {
   void (*softmax)(float* x, int64_t n);
   // One row of W as fp32 (embedding lookup).
   void (*row_to_f32)(const PackedMatrix& w, int64_t row, float* out);
+  // Raw GGUF Q8_0/Q4_0/Q4_1 blocks ([rows][cols/32] blocks) repacked as Q8/Q4/Q4M, no float round trip.
+  PackedMatrix (*pack_raw)(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
 };
 
 extern const KernelTable kScalarKernels;

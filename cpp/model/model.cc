@@ -1,5 +1,7 @@
 #include "model/model.h"
 
+#include "kernels/quant_formats.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -68,6 +70,7 @@ static void check_shape(const std::string& name, const std::vector<int64_t>& got
 
 void Model::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   require(!ready_, "weights can't change after finalize()");
+  if (!pending_raw_.empty()) raw_partners_to_f32(name);
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
   auto vec = [&](int64_t n) { return std::vector<float>(data, data + n); };
   if (name == "tok_embeddings") {
@@ -144,6 +147,102 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
   }
 }
 
+// The matrices fused with `name` (q/k/v, gate/up), itself included; empty for any other weight.
+static std::vector<std::string> fused_partners(const std::string& name) {
+  size_t dot = name.rfind('.');
+  if (name.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
+  const std::string prefix = name.substr(0, dot + 1), part = name.substr(dot + 1);
+  if (part == "wq" || part == "wk" || part == "wv") return {prefix + "wq", prefix + "wk", prefix + "wv"};
+  if (part == "w_gate" || part == "w_up") return {prefix + "w_gate", prefix + "w_up"};
+  return {};
+}
+
+// A float partner arrived: its pending raw partners are dequantized so they fuse as fp32.
+void Model::raw_partners_to_f32(const std::string& name) {
+  for (const std::string& p : fused_partners(name)) {
+    auto it = pending_raw_.find(p);
+    if (it == pending_raw_.end()) continue;
+    const int64_t cols = cfg_.dim;  // every fused matrix has dim columns
+    const int64_t rows = (int64_t)(it->second.second.size() / quant::ggml_block_bytes(it->second.first) / (cols / 32));
+    std::vector<float> f((size_t)rows * cols);
+    quant::dequantize_ggml(it->second.first, it->second.second.data(), rows, cols, f.data());
+    pending_raw_.erase(it);
+    set_weight(p, f.data(), {rows, cols});
+  }
+}
+
+void Model::set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
+                           const std::vector<int64_t>& shape) {
+  require(!ready_, "weights can't change after finalize()");
+  require(quant::is_quant(type), "raw weights must be Q8_0, Q4_0 or Q4_1 blocks");
+  require(shape.size() == 2, "raw weight " + name + " must be a matrix");
+  quant::check_raw(type, nbytes, shape[0], shape[1]);
+  if (name.rfind("layers.", 0) == 0) {
+    size_t dot = name.find('.', 7);
+    std::string idx = dot == std::string::npos ? "" : name.substr(7, dot - 7);
+    require(!idx.empty() && idx.size() <= 6 && std::all_of(idx.begin(), idx.end(), ::isdigit) &&
+                std::stoll(idx) < cfg_.n_layers, "unknown weight " + name);
+  }
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
+  const int64_t f = cfg_.ffn_dim;
+  auto as_f32 = [&] {  // a weight this path does not fuse raw
+    std::vector<float> v((size_t)shape[0] * shape[1]);
+    quant::dequantize_ggml(type, raw, shape[0], shape[1], v.data());
+    set_weight(name, v.data(), shape);
+  };
+  const std::vector<std::string> partners = fused_partners(name);
+  const std::string part = name.substr(name.rfind('.') + 1);
+  if (name == "tok_embeddings" || name == "lm_head" || part == "wo" || part == "w_down") {
+    if (name == "lm_head") require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
+    std::vector<int64_t> want = name == "tok_embeddings" || name == "lm_head" ? std::vector<int64_t>{cfg_.vocab_size, d}
+                                : part == "wo" ? std::vector<int64_t>{d, q_rows} : std::vector<int64_t>{d, f};
+    if (name.rfind("layers.", 0) == 0) {
+      std::string idx = name.substr(7, name.find('.', 7) - 7);
+      check_shape(name, shape, want);
+      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1]);
+      LayerWeights& L = layers_[std::stoll(idx)];
+      (part == "wo" ? L.wo : L.w_down) = m;
+    } else {
+      check_shape(name, shape, want);
+      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1]);
+      (name == "tok_embeddings" ? tok_embeddings_ : lm_head_) = m;
+      if (name == "tok_embeddings" && cfg_.tie_embeddings) lm_head_ = m;
+    }
+    return;
+  }
+  if (partners.empty()) return as_f32();  // norms, biases: set_weight reports what is wrong
+  check_shape(name, shape, {part == "wq" ? q_rows : part == "wk" || part == "wv" ? kv_rows : f, d});
+  for (const std::string& p : partners)
+    if (p != name && (pending_.count(p) || (pending_raw_.count(p) && pending_raw_[p].first != type))) {
+      raw_partners_to_f32(name);  // partners of another type: everything fuses as fp32
+      return as_f32();
+    }
+  pending_raw_[name] = {type, std::vector<uint8_t>(raw, raw + nbytes)};
+  for (const std::string& p : partners)
+    if (!pending_raw_.count(p)) return;
+  // All partners are raw blocks of one type: concatenate (q, k, v) or interleave (gate/up) whole rows.
+  const size_t row_bytes = (size_t)(d / 32) * quant::ggml_block_bytes(type);
+  std::vector<uint8_t> fused;
+  int64_t rows = 0;
+  if (partners.size() == 3) {
+    for (const std::string& p : partners) fused.insert(fused.end(), pending_raw_[p].second.begin(), pending_raw_[p].second.end());
+    rows = q_rows + 2 * kv_rows;
+  } else {
+    const std::vector<uint8_t>&g = pending_raw_[partners[0]].second, &u = pending_raw_[partners[1]].second;
+    fused.reserve(2 * g.size());
+    for (int64_t b = 0; b < f; b += kGateUpBlock) {
+      int64_t c = std::min(kGateUpBlock, f - b);
+      fused.insert(fused.end(), g.begin() + b * row_bytes, g.begin() + (b + c) * row_bytes);
+      fused.insert(fused.end(), u.begin() + b * row_bytes, u.begin() + (b + c) * row_bytes);
+    }
+    rows = 2 * f;
+  }
+  size_t dot = name.find('.', 7);
+  LayerWeights& L = layers_[std::stoll(name.substr(7, dot - 7))];
+  (partners.size() == 3 ? L.wqkv : L.w_gate_up) = kt_.pack_raw(type, fused.data(), rows, d);
+  for (const std::string& p : partners) pending_raw_.erase(p);
+}
+
 void Model::finalize() {
   auto missing = [](const std::string& what) { throw std::invalid_argument("missing weight " + what); };
   if (!tok_embeddings_.storage) missing("tok_embeddings");
@@ -161,6 +260,7 @@ void Model::finalize() {
     if (cfg_.attention_bias && L.bqkv.empty()) missing(p + "bq/bk/bv");
   }
   pending_.clear();
+  pending_raw_.clear();
   ready_ = true;
 }
 

@@ -62,6 +62,10 @@ class Model {
 
   // Takes one weight by internal name (see docs/architecture.md) as a row-major fp32 array.
   void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape);
+  // Takes a matrix as raw GGUF blocks (type Q8, Q4 or Q4M for Q8_0, Q4_0, Q4_1) and repacks them
+  // without a float round trip; fused partners of different types meet as fp32 instead.
+  void set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
+                      const std::vector<int64_t>& shape);
   void finalize();  // throws if any weight is missing
   bool ready() const { return ready_; }
 
@@ -100,6 +104,8 @@ class Model {
   std::vector<float> norm_;      // [dim]
   std::vector<LayerWeights> layers_;
   std::map<std::string, std::vector<float>> pending_;  // wq/wk/wv/w_gate/w_up until fused
+  std::map<std::string, std::pair<WeightType, std::vector<uint8_t>>> pending_raw_;  // the same, raw blocks
+  void raw_partners_to_f32(const std::string& name);
 
   std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
   KVCache kv_;

@@ -1,4 +1,5 @@
-"""The `corelm` command line: `chat` (a multi-turn REPL), `generate` (one completion) and `info`.
+"""The `corelm` command line: `chat` (a multi-turn REPL), `generate` (one completion), `info` and
+`serve` (an OpenAI-compatible HTTP server, corelm.server).
 
     corelm chat                                  # the embedded default model, streaming replies
     corelm generate model.gguf -p "Once upon a time" -n 64 --temp 0
@@ -44,7 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: physical cores)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own)")
@@ -101,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", default=None, metavar="MODEL")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_info)
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                                       "and /metrics (needs the serve extra: pip install 'corelm[serve]').")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--api-key", default=os.environ.get("CORELM_API_KEY"), metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (default: $CORELM_API_KEY, else none)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id in /v1/models and responses (default: the model's file name)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                       help="refuse request bodies larger than this (default: %(default)s)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -537,6 +553,10 @@ def format_info(info: Dict[str, Any]) -> str:
         lines.append("Kernels:   " + ", ".join(f"{op}={isa}" for op, isa in info["kernels"].items()))
     else:
         lines.append(f"Kernels:   {info.get('core_error', '-')}")
+    amx = (info.get("core") or {}).get("amx")
+    if amx is not None:
+        lines.append("AMX:       " + ("available (AMX-BF16/INT8 GEMM kernels, not yet used by the forward pass)"
+                                      if amx.get("available") else f"absent ({amx.get('reason') or '?'})"))
     model = info.get("model")
     if model:
         lines += [
@@ -556,6 +576,26 @@ def cmd_info(args: argparse.Namespace) -> int:
         info["model"] = model_info(args.model)
     print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# serve
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}.")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+    try:
+        from . import server
+    except ImportError as e:
+        print(f"error: corelm serve needs FastAPI and uvicorn: pip install 'corelm[serve]' ({e})", file=sys.stderr)
+        return 1
+    name = args.served_model_name or server.model_name_for(args.model)
+    return server.run(lambda: llm_from_args(args), name, host=args.host, port=args.port, api_key=args.api_key,
+                      max_body_bytes=args.max_body_bytes, log_level=args.log_level)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ import numpy as np
 
 from .loader.spec import LoadedModel, ModelLoadError, ModelSpec
 
-DTYPES = ("auto", "bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32", "q8", "q4")
+# GGUF block types kept as they are (repacked, never dequantized) under each dtype.
+RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0",)}
 
 
 def default_threads() -> int:
@@ -32,7 +34,7 @@ def default_threads() -> int:
 
 def resolve_dtype(dtype: str) -> str:
     """"auto" is bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads),
-    otherwise fp32."""
+    otherwise fp32. "q8" and "q4" quantize matrices at load (blocks of 32 with an fp16 scale)."""
     from . import _core
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -122,8 +124,14 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if progress:
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
+    get_raw = getattr(loaded, "get_raw_weight", None)
+    keep_raw = RAW_TYPES.get(dtype, ())
     for name in names:
-        model.set_weight(name, loaded.get_weight(name))
+        raw = get_raw(name) if get_raw is not None and keep_raw else None
+        if raw is not None and raw[0] in keep_raw:   # quantized GGUF blocks: repacked, no float round trip
+            model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
+        else:
+            model.set_weight(name, loaded.get_weight(name))
         loaded.release_weight(name)
     model.finalize()
     return model

@@ -7,26 +7,15 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/avx512/panel_gemm.h"
 #include "kernels/kernels.h"
+#include "kernels/quant_formats.h"
 
 namespace corelm {
 namespace {
 
-template <class T>
-struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads
-  using value_type = T;
-  AlignedAlloc() = default;
-  template <class U>
-  AlignedAlloc(const AlignedAlloc<U>&) {}
-  T* allocate(size_t n) {
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, n * sizeof(T)) != 0) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t) { free(p); }
-  bool operator==(const AlignedAlloc&) const { return true; }
-  bool operator!=(const AlignedAlloc&) const { return false; }
-};
+using avx512::AlignedAlloc;
+using avx512::kPanel;
 
 inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
@@ -44,6 +33,7 @@ constexpr int64_t kSmallBatch = 8;  // up to this many rows of x, stream weights
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  if (quant::is_quant(type)) return quant::avx512_pack(src, rows, cols, type);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -164,42 +154,18 @@ void gemv_batch(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, f
   }
 }
 
-// Prefill: a panel of 32 weight rows is widened to fp32 and transposed to [K][32] once, then
-// outer-product register tiles sweep it: per k, two vector loads of the panel and one broadcast of
-// each of MR activations feed 2*MR FMAs, with no horizontal sums. The panel stays in L2 while every
-// strip of MR activation rows passes over it.
-constexpr int64_t kPanel = 32;
-
-template <int MR>
-inline void outer_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                       __mmask16 m0, __mmask16 m1) {
-  __m512 acc[MR][2];
-  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k++) {
-    __m512 w0 = _mm512_load_ps(panel + k * kPanel), w1 = _mm512_load_ps(panel + k * kPanel + 16);
-    for (int i = 0; i < MR; i++) {
-      __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < MR; i++) {
-    _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
-    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
-  }
-}
-
+// Prefill: each panel of 32 weight rows is widened to fp32 and transposed to [K][32] once, then
+// avx512::panel_gemm sweeps it with outer-product tiles (panel_gemm.h).
 template <bool BF16>
 void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
           int64_t n1) {
   const size_t esz = BF16 ? 2 : 4;
   const int64_t K = w.cols, ld = w.ld, nchunks = ld / kChunk;
-  thread_local std::vector<float, AlignedAlloc<float>> block, panel;
+  thread_local std::vector<float, AlignedAlloc<float>> block;
   if ((int64_t)block.size() < kPanel * ld) block.resize(kPanel * ld);
-  if ((int64_t)panel.size() < kPanel * ld) panel.resize(kPanel * ld);
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32((int)ld));
-  for (int64_t p0 = n0 / kGroup * kGroup; p0 < n1; p0 += kPanel) {
+  avx512::panel_gemm(x, m, ldx, K, ld, y, ldy, n0, n1, [&](int64_t p0, float* panel) {
     // widen the panel's groups (rows past the matrix are zero in the packing, or zeroed here)
     for (int64_t g = 0; g < kPanel / kGroup; g++) {
       float* dst = block.data() + g * kGroup * ld;
@@ -216,31 +182,17 @@ void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* 
     }
     // transpose [32][ld] -> [ld][32]
     for (int64_t k = 0; k < K; k++) {
-      _mm512_store_ps(panel.data() + k * kPanel, _mm512_i32gather_ps(idx, block.data() + k, 4));
-      _mm512_store_ps(panel.data() + k * kPanel + 16, _mm512_i32gather_ps(idx, block.data() + 16 * ld + k, 4));
+      _mm512_store_ps(panel + k * kPanel, _mm512_i32gather_ps(idx, block.data() + k, 4));
+      _mm512_store_ps(panel + k * kPanel + 16, _mm512_i32gather_ps(idx, block.data() + 16 * ld + k, 4));
     }
-    // this thread's rows of the panel: [r0, r1) relative to p0 are stored, the rest are not
-    const int64_t r0 = std::max(p0, n0) - p0, r1 = std::min(p0 + kPanel, n1) - p0;
-    const uint32_t keep = (uint32_t)(((uint64_t)1 << r1) - 1) & ~(uint32_t)(((uint64_t)1 << r0) - 1);
-    const __mmask16 m0 = (__mmask16)(keep & 0xffff), m1 = (__mmask16)(keep >> 16);
-    float* yp = y + p0;
-    int64_t i = 0;
-    for (; i + 6 <= m; i += 6) outer_tile<6>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1);
-    switch (m - i) {
-      case 5: outer_tile<5>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 4: outer_tile<4>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 3: outer_tile<3>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 2: outer_tile<2>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 1: outer_tile<1>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      default: break;
-    }
-  }
+  });
 }
 
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
+  if (quant::is_quant(w.type)) return quant::avx512_matmul(x, m, ldx, w, y, ldy, n0, n1);
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
     bf16 ? gemv<true>(x, w, y, n0, n1) : gemv<false>(x, w, y, n0, n1);
@@ -373,6 +325,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (quant::is_quant(w.type)) return quant::avx512_row_to_f32(w, row, out);
   const size_t esz = w.type == WeightType::BF16 ? 2 : 4;
   const int64_t nchunks = w.ld / kChunk;
   const char* p = static_cast<const char*>(w.data()) +
@@ -389,6 +342,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32};
+const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8,
+                                    axpy_bf16, axpy_i8, softmax, row_to_f32, quant::avx512_pack_raw};
 
 }  // namespace corelm

@@ -3,12 +3,14 @@
 #include <cstring>
 
 #include "kernels/kernels.h"
+#include "kernels/quant_formats.h"
 
 namespace corelm {
 namespace {
 
 // Layout: plain row-major, ld = cols.
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  if (quant::is_quant(type)) return quant::scalar_pack(src, rows, cols, type);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -34,6 +36,7 @@ inline float weight_at(const PackedMatrix& w, int64_t row, int64_t col) {
 
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
+  if (quant::is_quant(w.type)) return quant::scalar_matmul(x, m, ldx, w, y, ldy, n0, n1);
   for (int64_t i = 0; i < m; i++)
     for (int64_t n = n0; n < n1; n++) {
       float acc = 0.f;
@@ -93,11 +96,13 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (quant::is_quant(w.type)) return quant::scalar_row_to_f32(w, row, out);
   for (int64_t k = 0; k < w.cols; k++) out[k] = weight_at(w, row, k);
 }
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32};
+const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8,
+                                    axpy_bf16, axpy_i8, softmax, row_to_f32, quant::scalar_pack_raw};
 
 }  // namespace corelm

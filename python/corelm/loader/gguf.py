@@ -422,6 +422,7 @@ def load_gguf_model(path: str):
     template = g.metadata.get("tokenizer.chat_template")
     return LoadedModel(
         spec=spec, get_weight=_gguf_getter(g, spec, names), release_weight=lambda n: g.release(names.get(n, "")),
+        get_raw_weight=_gguf_raw_getter(g, spec, names),
         tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
         source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))
@@ -551,6 +552,27 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
             w = unpermute_rope_rows(w, heads[kind])
         return np.ascontiguousarray(w, dtype=np.float32)
     return get_weight
+
+
+RAW_GGML_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, str]):
+    """(type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise. Llama q/k
+    rows are un-permuted as whole rows of blocks (the permutation only moves rows)."""
+    heads = {"wq": spec.num_heads, "wk": spec.num_kv_heads}
+
+    def get_raw_weight(name: str):
+        info = g.tensors.get(names.get(name, ""))
+        if info is None or info.type_name not in RAW_GGML_TYPES or len(info.shape) != 2:
+            return None
+        rows, cols = info.shape
+        raw = g.raw(names[name]).reshape(rows, -1)
+        kind = name.rsplit(".", 1)[-1]
+        if spec.arch == "llama" and kind in heads:
+            raw = unpermute_rope_rows(raw, heads[kind])
+        return info.type_name, np.ascontiguousarray(raw), (rows, cols)
+    return get_raw_weight
 
 
 def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:

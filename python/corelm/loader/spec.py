@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -74,6 +74,10 @@ class LoadedModel:
     # Called after a weight has been copied into the engine: drops the file pages it occupied from this
     # process, so peak memory is the packed model, not the packed model plus the mapped file.
     release_weight: Callable[[str], None] = lambda name: None
+
+    # Optional (GGUF): (ggml type name, uint8 bytes, shape) of a matrix stored as quantized blocks
+    # (Q8_0, Q4_0, Q4_1), rows already in get_weight's order; None for anything else.
+    get_raw_weight: Optional[Callable[[str], Optional[Tuple[str, np.ndarray, Tuple[int, ...]]]]] = None
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()

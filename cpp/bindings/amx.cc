@@ -1,0 +1,235 @@
+// Python entry points of the AMX kernels (corelm._core.amx_*, kernel_amx_*): availability, the
+// GEMMs on either the emulated or the real build, and single tile instructions for testing the
+// emulation. Registered from module.cc by register_amx().
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "kernels/amx/amx.h"
+#include "kernels/kernels.h"
+
+namespace py = pybind11;
+using namespace corelm;
+
+namespace corelm {
+py::dict amx_info();
+void register_amx(py::module_& m);
+void register_amx_bench(py::module_& m);
+}  // namespace corelm
+
+namespace {
+
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using Int8Array = py::array_t<int8_t, py::array::c_style | py::array::forcecast>;
+using U8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+void need_native(bool emulated) {
+  if (emulated) return;
+  if (!amx::available())
+    throw std::runtime_error("AMX is not available on this machine: " + amx::status().reason);
+}
+
+}  // namespace
+
+py::dict corelm::amx_info() {
+  const amx::Status& s = amx::status();
+  py::dict d;
+  d["available"] = amx::available();
+  d["cpu"] = s.cpu;
+  d["os"] = s.os;
+  d["permission"] = s.permission;
+  d["compiled"] = s.compiled;
+  d["reason"] = s.reason;
+  // Which kernel serves each weight format in the forward pass. AMX is a tested GEMM, not yet wired
+  // into the model (bf16 activations in prefill are a separate decision).
+  py::dict serves;
+  serves["bf16_gemm"] = amx::available() ? "amx (kernel entry point only)" : "emulated only";
+  serves["int8_gemm"] = amx::available() ? "amx (kernel entry point only)" : "emulated only";
+  d["kernels"] = serves;
+  return d;
+}
+
+void corelm::register_amx(py::module_& m) {
+  register_amx_bench(m);
+  m.def("amx_available", &amx::available,
+        "True when CPUID, XCR0 and the OS permission (arch_prctl) allow the real AMX kernels.");
+  m.def("amx_info", &amx_info, "AMX detection details and the reason when it is unavailable.");
+
+  m.def("kernel_amx_bf16_gemm", [](FloatArray x, FloatArray w, bool emulated, int64_t n0, int64_t n1) {
+    if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1) || w.shape(0) < 1 || w.shape(1) < 1)
+      throw std::invalid_argument("kernel_amx_bf16_gemm needs x [M, K] and w [N, K]");
+    need_native(emulated);
+    const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
+    if (n1 < 0) n1 = N;
+    amx::AmxMatrix pw = amx::pack_bf16(w.data(), N, K);
+    py::array_t<float> y({M, N});
+    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.0f);  // columns outside [n0, n1) stay 0
+    {
+      py::gil_scoped_release release;
+      if (emulated) amx::emulated::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+#if defined(CORELM_HAVE_AMX_BUILD)
+      else amx::native::bf16_gemm(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+#endif
+    }
+    return y;
+  }, py::arg("x"), py::arg("w"), py::arg("emulated"), py::arg("n0") = 0, py::arg("n1") = -1,
+     "y = bf16(x) . bf16(w)^T with fp32 accumulation, on the AMX-BF16 kernel (emulated or real); only columns "
+     "[n0, n1) are computed (n0 a multiple of 16), the rest are 0.");
+
+  m.def("kernel_amx_int8_gemm", [](Int8Array xq, Int8Array wq, bool emulated, py::object xs_obj,
+                                   py::object ws_obj, int64_t group, int64_t n0, int64_t n1) -> py::object {
+    if (xq.ndim() != 2 || wq.ndim() != 2 || xq.shape(1) != wq.shape(1) || wq.shape(0) < 1 || wq.shape(1) < 1)
+      throw std::invalid_argument("kernel_amx_int8_gemm needs xq [M, K] and wq [N, K] (int8)");
+    need_native(emulated);
+    const int64_t M = xq.shape(0), N = wq.shape(0), K = wq.shape(1);
+    if (xs_obj.is_none() != ws_obj.is_none()) throw std::invalid_argument("give both scales or neither");
+    if (n1 < 0) n1 = N;
+    if (xs_obj.is_none()) {  // raw int32 sums
+      std::vector<float> ones(N, 1.0f);
+      amx::AmxMatrix pw = amx::pack_int8(wq.data(), ones.data(), N, K, 0);
+      py::array_t<int32_t> y({M, N});
+      std::fill(y.mutable_data(), y.mutable_data() + M * N, 0);
+      py::gil_scoped_release release;
+      if (emulated) amx::emulated::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+#if defined(CORELM_HAVE_AMX_BUILD)
+      else amx::native::int8_gemm_i32(xq.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+#endif
+      return std::move(y);
+    }
+    FloatArray xs = xs_obj.cast<FloatArray>(), ws = ws_obj.cast<FloatArray>();
+    const int64_t G = group == 0 ? 1 : K / group;
+    if (xs.ndim() != 2 || ws.ndim() != 2 || xs.shape(0) != M || ws.shape(0) != N || xs.shape(1) != G ||
+        ws.shape(1) != G)
+      throw std::invalid_argument("scales must be xs [M, K/group] and ws [N, K/group]");
+    amx::AmxMatrix pw = amx::pack_int8(wq.data(), ws.data(), N, K, group);
+    py::array_t<float> y({M, N});
+    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.0f);
+    py::gil_scoped_release release;
+    if (emulated) amx::emulated::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, n0, n1);
+#if defined(CORELM_HAVE_AMX_BUILD)
+    else amx::native::int8_gemm(xq.data(), M, K, xs.data(), pw, y.mutable_data(), N, n0, n1);
+#endif
+    return std::move(y);
+  }, py::arg("xq"), py::arg("wq"), py::arg("emulated"), py::arg("xs") = py::none(), py::arg("ws") = py::none(),
+     py::arg("group") = 0, py::arg("n0") = 0, py::arg("n1") = -1,
+     "int8 x int8 GEMM on the AMX-INT8 kernel: int32 sums, or fp32 sum_g xs[m,g]*ws[n,g]*sum_{k in g} when "
+     "scales are given (group = K values per scale; 0 = one scale per row).");
+
+  m.def("amx_quantize_rows", [](FloatArray x, int64_t group) {
+    if (x.ndim() != 2 || x.shape(1) < 1) throw std::invalid_argument("amx_quantize_rows needs x [M, K]");
+    const int64_t M = x.shape(0), K = x.shape(1);
+    const int64_t G = group == 0 ? 1 : (group > 0 && K % group == 0 ? K / group : 0);
+    if (G == 0) throw std::invalid_argument("the scale group must divide K");
+    py::array_t<int8_t> q({M, K});
+    py::array_t<float> s({M, G});
+    amx::quantize_rows_s8(x.data(), M, K, K, group, q.mutable_data(), s.mutable_data());
+    return py::make_tuple(q, s);
+  }, py::arg("x"), py::arg("group") = 0,
+     "The AMX-INT8 activation format: (q int8 [M, K], scales [M, K/group]), x ~ q * scale per row/group.");
+
+  m.def("amx_tile_dp", [](const std::string& op, U8Array c, U8Array a, U8Array b, bool emulated) {
+    if (op != "tdpbssd" && op != "tdpbf16ps") throw std::invalid_argument("op must be 'tdpbssd' or 'tdpbf16ps'");
+    if (c.ndim() != 2 || a.ndim() != 2 || b.ndim() != 2) throw std::invalid_argument("tiles are 2-D byte arrays");
+    const int rc = (int)c.shape(0), cbc = (int)c.shape(1), ra = (int)a.shape(0), cba = (int)a.shape(1);
+    const int rb = (int)b.shape(0), cbb = (int)b.shape(1);
+    if (!emulated) {  // the hardware raises SIGILL on these; the emulation reports them as errors
+      need_native(false);
+      bool ok = rc >= 1 && rc <= 16 && ra >= 1 && ra <= 16 && rb >= 1 && rb <= 16 && cbc >= 4 && cbc <= 64 &&
+                cba >= 4 && cba <= 64 && cbb >= 4 && cbb <= 64 && ra == rc && cba == 4 * rb && cbb == cbc &&
+                cbc % 4 == 0;
+      if (!ok) throw std::invalid_argument("tile shapes the instruction would reject");
+    }
+    py::array_t<uint8_t> out({rc, cbc});
+    std::memcpy(out.mutable_data(), c.data(), (size_t)rc * cbc);
+    if (emulated) amx::emulated::single_dp(op == "tdpbssd", out.mutable_data(), rc, cbc, a.data(), ra, cba, b.data(), rb, cbb);
+#if defined(CORELM_HAVE_AMX_BUILD)
+    else amx::native::single_dp(op == "tdpbssd", out.mutable_data(), rc, cbc, a.data(), ra, cba, b.data(), rb, cbb);
+#endif
+    return out;
+  }, py::arg("op"), py::arg("c"), py::arg("a"), py::arg("b"), py::arg("emulated") = true,
+     "One TDPBSSD/TDPBF16PS on byte tiles C [rows, colsb], A, B; returns the new C bytes.");
+}
+
+// Micro-benchmark: one GEMM y[m][n] = x[m][k] . W[n][k]^T, weights packed once, timed over repeated
+// calls on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16, amx_int8
+// (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_fp32" / "<table>_bf16".
+void corelm::register_amx_bench(py::module_& m) {
+  m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads) {
+    if (M < 1 || N < 1 || K < 1 || threads < 1) throw std::invalid_argument("bad shape or thread count");
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd;
+    std::vector<float> x(M * K), w(N * K), y(M * N);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : w) v = nd(rng);
+    std::vector<int8_t> xq(M * K), wq(N * K);
+    for (auto& v : xq) v = (int8_t)(rng() % 255 - 127);
+    for (auto& v : wq) v = (int8_t)(rng() % 255 - 127);
+    std::vector<float> xs(M, 0.01f), ws(N, 0.01f);
+
+    std::function<void(int64_t, int64_t)> run;  // columns [n0, n1)
+    amx::AmxMatrix pa;
+    PackedMatrix pk;
+    const KernelTable* kt = nullptr;
+    if (kind == "amx_bf16" || kind == "amx_int8") need_native(false);
+    if (kind == "amx_bf16" || kind == "amx_bf16_emulated") {
+      pa = amx::pack_bf16(w.data(), N, K);
+      bool emu = kind == "amx_bf16_emulated";
+      run = [&, emu](int64_t n0, int64_t n1) {
+        if (emu) amx::emulated::bf16_gemm(x.data(), M, K, pa, y.data(), N, n0, n1);
+#if defined(CORELM_HAVE_AMX_BUILD)
+        else amx::native::bf16_gemm(x.data(), M, K, pa, y.data(), N, n0, n1);
+#endif
+      };
+    } else if (kind == "amx_int8") {
+      pa = amx::pack_int8(wq.data(), ws.data(), N, K, 0);
+      run = [&](int64_t n0, int64_t n1) {
+#if defined(CORELM_HAVE_AMX_BUILD)
+        amx::native::int8_gemm(xq.data(), M, K, xs.data(), pa, y.data(), N, n0, n1);
+#endif
+      };
+    } else {
+      const size_t us = kind.rfind('_');
+      if (us == std::string::npos) throw std::invalid_argument("unknown kind " + kind);
+      kt = kernels_by_name(kind.substr(0, us));
+      const std::string wt = kind.substr(us + 1);
+      if (!kt || (wt != "fp32" && wt != "bf16")) throw std::invalid_argument("unknown or unavailable kind " + kind);
+      pk = kt->pack(w.data(), N, K, wt == "bf16" ? WeightType::BF16 : WeightType::F32);
+      run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
+    }
+    const int64_t tiles = (N + 15) / 16;
+    auto once = [&] {
+      if (threads == 1) { run(0, N); return; }
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; t++) {
+        const int64_t n0 = std::min(N, tiles * t / threads * 16), n1 = std::min(N, tiles * (t + 1) / threads * 16);
+        pool.emplace_back([&, n0, n1] { if (n0 < n1) run(n0, n1); });
+      }
+      for (auto& th : pool) th.join();
+    };
+    py::gil_scoped_release release;
+    once();  // warm-up: first touch, tile permission, caches
+    using clk = std::chrono::steady_clock;
+    int64_t iters = 0;
+    const auto t0 = clk::now();
+    double elapsed = 0;
+    do {
+      once();
+      iters++;
+      elapsed = std::chrono::duration<double>(clk::now() - t0).count();
+    } while (elapsed < seconds);
+    py::gil_scoped_acquire acquire;
+    py::dict d;
+    d["kind"] = kind;
+    d["ms"] = 1e3 * elapsed / iters;
+    d["gflops"] = 2.0 * M * N * K * iters / elapsed / 1e9;
+    d["iters"] = iters;
+    d["threads"] = threads;
+    return d;
+  }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1);
+}

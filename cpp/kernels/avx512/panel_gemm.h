@@ -1,0 +1,83 @@
+// Prefill through fp32 panels, shared by every AVX-512 weight format: a format's fill() writes a
+// panel of 32 weight rows as fp32, transposed to [K][32] (rows past the matrix zero), then
+// outer-product register tiles sweep it: per k, two vector loads of the panel and one broadcast of
+// each of MR activations feed 2*MR FMAs, with no horizontal sums. The panel stays in L2 while every
+// strip of MR activation rows passes over it. Include only from files built with AVX-512 flags.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+namespace corelm {
+namespace avx512 {
+
+template <class T>
+struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads
+  using value_type = T;
+  AlignedAlloc() = default;
+  template <class U>
+  AlignedAlloc(const AlignedAlloc<U>&) {}
+  T* allocate(size_t n) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, n * sizeof(T)) != 0) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { free(p); }
+  bool operator==(const AlignedAlloc&) const { return true; }
+  bool operator!=(const AlignedAlloc&) const { return false; }
+};
+
+constexpr int64_t kPanel = 32;
+
+template <int MR>
+inline void outer_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                       __mmask16 m0, __mmask16 m1) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m512 w0 = _mm512_load_ps(panel + k * kPanel), w1 = _mm512_load_ps(panel + k * kPanel + 16);
+    for (int i = 0; i < MR; i++) {
+      __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    _mm512_mask_storeu_ps(y + i * ldy, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, acc[i][1]);
+  }
+}
+
+// y[i][n] for i < m, n in [n0, n1), panels starting at the 8-row group that holds n0.
+// fill(p0, panel) writes rows [p0, p0 + 32) as panel[k * 32 + r] for k < ld (ld = K rounded up to 32).
+template <class Fill>
+void panel_gemm(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t ld, float* y, int64_t ldy, int64_t n0,
+                int64_t n1, Fill fill) {
+  thread_local std::vector<float, AlignedAlloc<float>> panel;
+  if ((int64_t)panel.size() < kPanel * ld) panel.resize(kPanel * ld);
+  for (int64_t p0 = n0 / 8 * 8; p0 < n1; p0 += kPanel) {
+    fill(p0, panel.data());
+    // this thread's rows of the panel: [r0, r1) relative to p0 are stored, the rest are not
+    const int64_t r0 = std::max(p0, n0) - p0, r1 = std::min(p0 + kPanel, n1) - p0;
+    const uint32_t keep = (uint32_t)(((uint64_t)1 << r1) - 1) & ~(uint32_t)(((uint64_t)1 << r0) - 1);
+    const __mmask16 m0 = (__mmask16)(keep & 0xffff), m1 = (__mmask16)(keep >> 16);
+    float* yp = y + p0;
+    int64_t i = 0;
+    for (; i + 6 <= m; i += 6) outer_tile<6>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1);
+    switch (m - i) {
+      case 5: outer_tile<5>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 4: outer_tile<4>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 3: outer_tile<3>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 2: outer_tile<2>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      case 1: outer_tile<1>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace avx512
+}  // namespace corelm

@@ -1,0 +1,307 @@
+// AVX-512 kernels for the block-quantized formats (Q8, Q4, Q4M; arithmetic in quant_formats.h).
+//
+// Layout: rows in groups of 8; a group is one contiguous record (so decode reads one stream):
+//   qs[nb][QSB]  the 8 rows' quants of each 32-column block (QSB = 256 bytes for Q8, 128 for Q4/Q4M)
+//   d[nb][8]     fp16 scales of the 8 rows, block by block
+//   m[nb][8]     fp16 minimums (Q4M only)
+// padded to 64 bytes; rows past the matrix are zero blocks. Within a block, the 256 quant bytes are
+// four vectors W_t (t = 0..3) whose 32-bit lane l holds row l%8, columns 8t + 4*(l/8) + 0..3. So one
+// VPDPBUSD of W_t against an activation vector holding columns 8t..8t+3 in lanes 0..7 and
+// 8t+4..8t+7 in lanes 8..15 adds four products to every row's two partial sums at once, and the
+// per-row scale is a broadcast of 8 values to both halves: no horizontal sums inside the loop.
+// Q8 stores q + 128 (VPDPBUSD multiplies unsigned weights by signed activations; the 128*sum(xq)
+// this adds is taken back once per block). Q4/Q4M store the u4 quants of W_{2u} in the low and of
+// W_{2u+1} in the high nibbles of vector u; Q4 subtracts 8*sum(xq) per block, Q4M adds m*dx*sum(xq).
+//
+// Decode quantizes the activations once per call (bit-identical to quant::quantize_activations) and
+// lays them out in the lane order above, then streams the groups. Prefill dequantizes panels of 32
+// rows into fp32 and runs the shared fp32 outer-product tiles (panel_gemm.h).
+#include <immintrin.h>
+
+#include <cstdlib>
+
+#include "kernels/avx512/panel_gemm.h"
+#include "kernels/quant_formats.h"
+
+namespace corelm {
+namespace quant {
+namespace {
+
+constexpr int64_t kGroup = 8;
+constexpr int kPrefetchBytes = 1024;
+
+inline int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }
+inline int64_t nblocks(const PackedMatrix& w) { return w.ld / kBlock; }
+inline int64_t group_stride(WeightType t, int64_t nb) {
+  return (nb * qs_bytes(t) + nb * 16 * (t == WeightType::Q4M ? 2 : 1) + 63) / 64 * 64;
+}
+
+// Where column k of row j (of 8) sits among the 256 quant bytes of a block: vector t, byte c.
+inline void position(int j, int k, int* t, int* c) {
+  *t = k / 8;
+  *c = 4 * (j + 8 * ((k % 8) / 4)) + k % 4;
+}
+
+inline void put_block(WeightType type, uint8_t* qs, int j, const int8_t* q) {
+  for (int k = 0; k < 32; k++) {
+    int t, c;
+    position(j, k, &t, &c);
+    if (type == WeightType::Q8)
+      qs[64 * t + c] = (uint8_t)(q[k] + 128);
+    else
+      qs[64 * (t / 2) + c] |= (uint8_t)((q[k] & 0x0f) << (4 * (t % 2)));
+  }
+}
+
+inline int get_quant(WeightType type, const uint8_t* qs, int j, int k) {
+  int t, c;
+  position(j, k, &t, &c);
+  if (type == WeightType::Q8) return (int)qs[64 * t + c] - 128;
+  return (qs[64 * (t / 2) + c] >> (4 * (t % 2))) & 0x0f;
+}
+
+PackedMatrix empty_matrix(WeightType t, int64_t rows, int64_t cols) {
+  return new_matrix(t, rows, cols, &kAvx512Kernels, [&](int64_t ld) {
+    return (size_t)((rows + kGroup - 1) / kGroup) * group_stride(t, ld / kBlock);
+  });
+}
+
+// Row r's block b: the quant record, and the d and m entries.
+struct RowBlock {
+  uint8_t* qs;
+  uint16_t* d;
+  uint16_t* m;
+};
+inline RowBlock row_block(const PackedMatrix& w, int64_t r, int64_t b) {
+  const int64_t nb = nblocks(w);
+  uint8_t* g = static_cast<uint8_t*>(w.storage.get()) + (size_t)(r / kGroup) * group_stride(w.type, nb);
+  uint16_t* d = reinterpret_cast<uint16_t*>(g + nb * qs_bytes(w.type));
+  return {g + b * qs_bytes(w.type), d + b * kGroup + r % kGroup, d + nb * kGroup + b * kGroup + r % kGroup};
+}
+
+// ---------------------------------------------------------------------------------------------
+// VPDPBUSD: acc += sum of 4 (u8 a * s8 b) per 32-bit lane. VNNI by inline assembly (this file is
+// built without -mavx512vnni so nothing else can use it); without VNNI, the same sum from
+// VPMADDUBSW on nibbles (no int16 saturation: 2 * 15 * 128 fits) and VPMADDWD.
+template <bool VNNI>
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (VNNI) {
+    __asm__("vpdpbusd %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+    return acc;
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(a, m4), b), _mm512_set1_epi16(1));
+    __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), b),
+                                   _mm512_set1_epi16(16));
+    return _mm512_add_epi32(acc, _mm512_add_epi32(lo, hi));
+  }
+}
+
+bool use_vnni() {
+  static const bool v = cpu_features().os_avx512 && cpu_features().avx512_vnni && !std::getenv("CORELM_NO_VNNI");
+  return v;
+}
+
+// Activations quantized per block, in W_t lane order: xv[4b + t] lanes 0..7 = columns 8t..8t+3,
+// lanes 8..15 = 8t+4..8t+7 of block b. corr[b] is added to both halves of each row's sum.
+struct QuantX {
+  std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xv;  // [nb][4][16]
+  std::vector<float> dx, dxs;
+  std::vector<int32_t> corr;
+};
+
+void quantize_x(const float* x, int64_t K, int64_t nb, WeightType type, QuantX* qx) {
+  qx->xv.resize(64 * nb);
+  qx->dx.resize(nb), qx->dxs.resize(nb), qx->corr.resize(nb);
+  const int half_corr = type == WeightType::Q8 ? -64 : type == WeightType::Q4 ? -4 : 0;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t k = b * kBlock, left = K - k;
+    const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
+    __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 idv = _mm512_set1_ps(id);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    __m512i bytes = _mm512_castsi256_si512(_mm256_setr_m128i(_mm512_cvtepi32_epi8(q0), _mm512_cvtepi32_epi8(q1)));
+    for (int t = 0; t < 4; t++) {
+      const __m512i idx = _mm512_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                            2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1);
+      _mm512_store_si512((void*)(qx->xv.data() + 16 * (4 * b + t)), _mm512_permutexvar_epi32(idx, bytes));
+    }
+    qx->dx[b] = d;
+    qx->dxs[b] = d * (float)s;
+    qx->corr[b] = half_corr * s;
+  }
+}
+
+inline __m512 scales8x2(const uint16_t* p) {  // 8 fp16 -> both halves of a vector
+  return _mm512_broadcast_f32x8(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// The four W_t vectors of one block.
+template <WeightType T>
+inline void load_w(const uint8_t* qs, __m512i w[4]) {
+  if constexpr (T == WeightType::Q8) {
+    for (int t = 0; t < 4; t++) w[t] = _mm512_load_si512((const void*)(qs + 64 * t));
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int u = 0; u < 2; u++) {
+      __m512i p = _mm512_load_si512((const void*)(qs + 64 * u));
+      w[2 * u] = _mm512_and_si512(p, m4);
+      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+    }
+  }
+}
+
+template <WeightType T, bool VNNI>
+void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  const int64_t nb = nblocks(w), gs = group_stride(T, nb), QSB = qs_bytes(T);
+  thread_local QuantX qx;
+  quantize_x(x, w.cols, nb, T, &qx);
+  const int32_t* xv = qx.xv.data();
+  const uint8_t* base = static_cast<const uint8_t*>(w.data());
+  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+    const uint8_t* qs = base + (size_t)g * gs;
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(qs + nb * QSB);
+    const uint16_t* mp = dp + nb * kGroup;
+    __m512 facc0 = _mm512_setzero_ps(), facc1 = _mm512_setzero_ps();
+    __m256 macc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, qs += QSB) {
+      for (int o = 0; o < QSB; o += 64) _mm_prefetch((const char*)qs + kPrefetchBytes + o, _MM_HINT_T0);
+      if ((b & 3) == 0) {  // the next group's scales (and minimums), a line per 4 blocks: a second
+        _mm_prefetch((const char*)(dp + gs / 2 + b * kGroup), _MM_HINT_T0);  // stream the
+        if constexpr (T == WeightType::Q4M)                                  // hardware misses
+          _mm_prefetch((const char*)(mp + gs / 2 + b * kGroup), _MM_HINT_T0);
+      }
+      __m512i wv[4];
+      load_w<T>(qs, wv);
+      __m512i acc = _mm512_set1_epi32(qx.corr[b]);
+      for (int t = 0; t < 4; t++) acc = dpbusd<VNNI>(acc, wv[t], _mm512_load_si512((const void*)(xv + 16 * (4 * b + t))));
+      const __m512 s = _mm512_mul_ps(scales8x2(dp + b * kGroup), _mm512_set1_ps(qx.dx[b]));
+      if (b & 1)
+        facc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, facc1);
+      else
+        facc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, facc0);
+      if constexpr (T == WeightType::Q4M)
+        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b * kGroup))),
+                               _mm256_set1_ps(qx.dxs[b]), macc);
+    }
+    const __m512 f = _mm512_add_ps(facc0, facc1);
+    __m256 r = _mm256_add_ps(_mm512_castps512_ps256(f), _mm512_extractf32x8_ps(f, 1));
+    if constexpr (T == WeightType::Q4M) r = _mm256_add_ps(r, macc);
+    const int64_t r0 = g * kGroup;
+    if (r0 >= n0 && r0 + kGroup <= n1) {
+      _mm256_storeu_ps(y + r0, r);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, r);
+      for (int j = 0; j < kGroup; j++)
+        if (r0 + j >= n0 && r0 + j < n1) y[r0 + j] = tmp[j];
+    }
+  }
+}
+
+// Dequantizes 8 rows (group g) into panel columns col0..col0+7: panel[k * 32 + col0 + j].
+template <WeightType T>
+void dequant_group_to_panel(const PackedMatrix& w, int64_t g, float* panel, int col0) {
+  const int64_t nb = nblocks(w), QSB = qs_bytes(T);
+  const uint8_t* qs = static_cast<const uint8_t*>(w.data()) + (size_t)g * group_stride(T, nb);
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(qs + nb * QSB);
+  const uint16_t* mp = dp + nb * kGroup;
+  const __m512i ff = _mm512_set1_epi32(0xff);
+  for (int64_t b = 0; b < nb; b++, qs += QSB) {
+    __m512i wv[4];
+    load_w<T>(qs, wv);
+    const __m512 s = scales8x2(dp + b * kGroup);
+    const __m512 bias = T == WeightType::Q8 ? _mm512_mul_ps(s, _mm512_set1_ps(-128.f))
+                        : T == WeightType::Q4 ? _mm512_mul_ps(s, _mm512_set1_ps(-8.f))
+                                              : scales8x2(mp + b * kGroup);
+    float* out = panel + b * kBlock * avx512::kPanel + col0;
+    for (int t = 0; t < 4; t++)
+      for (int i = 0; i < 4; i++) {
+        __m512i u = _mm512_and_si512(_mm512_srli_epi32(wv[t], 8 * i), ff);
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), s, bias);
+        _mm256_storeu_ps(out + (8 * t + i) * avx512::kPanel, _mm512_castps512_ps256(v));
+        _mm256_storeu_ps(out + (8 * t + 4 + i) * avx512::kPanel, _mm512_extractf32x8_ps(v, 1));
+      }
+  }
+}
+
+template <WeightType T>
+void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+          int64_t n1) {
+  const int64_t groups = (w.rows + kGroup - 1) / kGroup;
+  avx512::panel_gemm(x, m, ldx, w.cols, w.ld, y, ldy, n0, n1, [&](int64_t p0, float* panel) {
+    for (int gi = 0; gi < 4; gi++) {
+      const int64_t g = p0 / kGroup + gi;
+      if (g < groups) {
+        dequant_group_to_panel<T>(w, g, panel, 8 * gi);
+      } else {
+        for (int64_t k = 0; k < w.ld; k++) _mm256_storeu_ps(panel + k * avx512::kPanel + 8 * gi, _mm256_setzero_ps());
+      }
+    }
+  });
+}
+
+template <WeightType T>
+void matmul_t(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+              int64_t n1) {
+  if (m > 1) return gemm<T>(x, m, ldx, w, y, ldy, n0, n1);
+  if (use_vnni())
+    gemv<T, true>(x, w, y, n0, n1);
+  else
+    gemv<T, false>(x, w, y, n0, n1);
+}
+
+}  // namespace
+
+PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  PackedMatrix m = empty_matrix(type, rows, cols);
+  for (int64_t r = 0; r < rows; r++)
+    quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
+      RowBlock rb = row_block(m, r, b);
+      put_block(type, rb.qs, (int)(r % kGroup), q);
+      *rb.d = d16;
+      if (type == WeightType::Q4M) *rb.m = m16;
+    });
+  return m;
+}
+
+PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols) {
+  PackedMatrix m = empty_matrix(type, rows, cols);
+  const int64_t nb = cols / kBlock;
+  const size_t bb = ggml_block_bytes(type);
+  int8_t q[32];
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t b = 0; b < nb; b++) {
+      uint16_t d16 = 0, m16 = 0;
+      decode_ggml_block(type, raw + ((size_t)r * nb + b) * bb, q, &d16, &m16);
+      RowBlock rb = row_block(m, r, b);
+      put_block(type, rb.qs, (int)(r % kGroup), q);
+      *rb.d = d16;
+      if (type == WeightType::Q4M) *rb.m = m16;
+    }
+  return m;
+}
+
+void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  for (int64_t b = 0; b * kBlock < w.cols; b++) {
+    RowBlock rb = row_block(w, row, b);
+    const float d = f16_to_f32(*rb.d), mn = w.type == WeightType::Q4M ? f16_to_f32(*rb.m) : 0.f;
+    for (int64_t k = 0; k < kBlock && b * kBlock + k < w.cols; k++)
+      out[b * kBlock + k] = dequant_value(w.type, get_quant(w.type, rb.qs, (int)(row % kGroup), (int)k), d, mn);
+  }
+}
+
+void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1) {
+  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(x, m, ldx, w, y, ldy, n0, n1);
+  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(x, m, ldx, w, y, ldy, n0, n1);
+  return matmul_t<WeightType::Q4M>(x, m, ldx, w, y, ldy, n0, n1);
+}
+
+}  // namespace quant
+}  // namespace corelm

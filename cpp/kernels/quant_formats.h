@@ -1,0 +1,229 @@
+// Block-quantized weight formats (Q8, Q4, Q4M): the arithmetic every kernel table agrees on.
+// Blocks are 32 weights along K (a row's last block is zero-padded), each with an fp16 scale:
+//   Q8:  w = d * q,        q int8 in [-127, 127]  (ggml Q8_0: d = absmax/127, q = round(x/d))
+//   Q4:  w = d * (q - 8),  q u4 in [0, 15]        (ggml Q4_0: d = max/-8 with max the signed value
+//                                                  of largest |x|, q = min(15, trunc(x/d + 8.5)))
+//   Q4M: w = d * q + m,    q u4 in [0, 15]        (ggml Q4_1: d = (max-min)/15, m = min,
+//                                                  q = min(15, trunc((x-min)/d + 0.5)))
+// The quantizers follow ggml's reference code (fp32 d for rounding, fp16 d stored), so a GGUF
+// Q8_0/Q4_0/Q4_1 block re-quantized from its own dequantized values gives back the same block.
+//
+// matmul semantics (every table): with m == 1 (decode) the activation row is quantized per block of
+// 32 like ggml's Q8_0 but with an fp32 scale: dx = absmax/127, xq = round-to-nearest-even(x * (1/dx))
+// (0 when absmax is 0), and y[n] = sum over blocks of dw*dx*sum(wq*xq) (+ m*dx*sum(xq) for Q4M),
+// i.e. the dot of the dequantized weights with the dequantized activations. With m > 1 (prefill)
+// the dequantized weights meet the fp32 activations.
+//
+// This header is included by baseline-ISA code and by the ISA files; keep it plain C++.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/kernels.h"
+
+namespace corelm {
+namespace quant {
+
+constexpr int64_t kBlock = 32;
+
+inline bool is_quant(WeightType t) { return t == WeightType::Q8 || t == WeightType::Q4 || t == WeightType::Q4M; }
+
+// A zeroed matrix of `type` with ld = cols rounded up to whole blocks; bytes_for(ld) sizes it.
+template <class Bytes>
+inline PackedMatrix new_matrix(WeightType type, int64_t rows, int64_t cols, const KernelTable* by, Bytes bytes_for) {
+  PackedMatrix m;
+  m.type = type;
+  m.rows = rows;
+  m.cols = cols;
+  m.ld = (cols + kBlock - 1) / kBlock * kBlock;
+  m.nbytes = bytes_for(m.ld);
+  m.packed_by = by;
+  m.storage = aligned_buffer(m.nbytes);
+  std::memset(m.storage.get(), 0, m.nbytes);
+  return m;
+}
+
+// ggml block sizes of the raw formats, which are also the scalar table's blocks.
+inline size_t ggml_block_bytes(WeightType t) {
+  return t == WeightType::Q8 ? 34 : t == WeightType::Q4 ? 18 : t == WeightType::Q4M ? 20 : 0;
+}
+
+// "Q8_0" -> Q8, "Q4_0" -> Q4, "Q4_1" -> Q4M.
+inline WeightType type_of_ggml(const std::string& name) {
+  if (name == "Q8_0") return WeightType::Q8;
+  if (name == "Q4_0") return WeightType::Q4;
+  if (name == "Q4_1") return WeightType::Q4M;
+  throw std::invalid_argument("raw weights must be GGUF Q8_0, Q4_0 or Q4_1 blocks, got '" + name + "'");
+}
+
+// IEEE half <-> float, round to nearest even (as F16C and ggml's software fallback).
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do { man <<= 1; e++; } while (!(man & 0x400u));
+      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;                      // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00u;                     // overflow (>= 65520) -> inf
+  if (a < 0x38800000u) {                                           // subnormal or zero half
+    if (a < 0x33000000u) return sign;                              // below half of the smallest subnormal
+    const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
+    const int shift = 126 - (int)e;                                // 14..24
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return sign | (uint16_t)q;
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u);                      // round mantissa to 10 bits
+  return sign | (uint16_t)((r - 0x38000000u) >> 13);
+}
+
+// One block of 32 floats -> q values (Q8: int8 as stored; Q4/Q4M: 0..15), d and m as fp16.
+inline void quantize_block(WeightType t, const float* x, int8_t* q, uint16_t* d16, uint16_t* m16) {
+  if (t == WeightType::Q8) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < 32; j++) q[j] = (int8_t)std::round(x[j] * id);
+    *d16 = f32_to_f16(d);
+  } else if (t == WeightType::Q4) {
+    float amax = 0.f, mx = 0.f;
+    for (int j = 0; j < 32; j++)
+      if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), mx = x[j];
+    const float d = mx / -8.f, id = d != 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < 32; j++) {
+      int v = (int)(int8_t)(x[j] * id + 8.5f);
+      q[j] = (int8_t)(v < 15 ? v : 15);
+    }
+    *d16 = f32_to_f16(d);
+  } else {
+    float mn = x[0], mx = x[0];
+    for (int j = 1; j < 32; j++) mn = std::fmin(mn, x[j]), mx = std::fmax(mx, x[j]);
+    const float d = (mx - mn) / 15.f, id = d != 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < 32; j++) {
+      int v = (int)(int8_t)((x[j] - mn) * id + 0.5f);
+      q[j] = (int8_t)(v < 15 ? v : 15);
+    }
+    *d16 = f32_to_f16(d);
+    *m16 = f32_to_f16(mn);
+  }
+}
+
+// Quantizes row `src` (cols floats) block by block, zero-padding the last block, calling
+// emit(block_index, q[32], d16, m16) for each.
+template <class Emit>
+inline void quantize_row(WeightType t, const float* src, int64_t cols, Emit emit) {
+  float buf[32];
+  int8_t q[32];
+  for (int64_t b = 0; b * kBlock < cols; b++) {
+    const int64_t n = cols - b * kBlock < kBlock ? cols - b * kBlock : kBlock;
+    std::memset(buf, 0, sizeof buf);
+    std::memcpy(buf, src + b * kBlock, n * sizeof(float));
+    uint16_t d16 = 0, m16 = 0;
+    quantize_block(t, buf, q, &d16, &m16);
+    emit(b, q, d16, m16);
+  }
+}
+
+// One raw ggml block -> the same q values, d and m (no float arithmetic: bytes are moved).
+inline void decode_ggml_block(WeightType t, const uint8_t* blk, int8_t* q, uint16_t* d16, uint16_t* m16) {
+  std::memcpy(d16, blk, 2);
+  if (t == WeightType::Q8) {
+    std::memcpy(q, blk + 2, 32);
+    return;
+  }
+  const uint8_t* qs = blk + 2;
+  if (t == WeightType::Q4M) {
+    std::memcpy(m16, blk + 2, 2);
+    qs += 2;
+  }
+  for (int j = 0; j < 16; j++) {  // element j in the low nibble of qs[j], j + 16 in the high nibble
+    q[j] = (int8_t)(qs[j] & 0x0f);
+    q[j + 16] = (int8_t)(qs[j] >> 4);
+  }
+}
+
+inline float dequant_value(WeightType t, int q, float d, float m) {
+  return t == WeightType::Q8 ? d * (float)q : t == WeightType::Q4 ? d * (float)(q - 8) : d * (float)q + m;
+}
+
+// Raw ggml blocks [rows][cols/32] -> fp32 row-major (for fusing matrices of different raw types).
+inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int64_t cols, float* out) {
+  const size_t bb = ggml_block_bytes(t);
+  int8_t q[32];
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t b = 0; b < cols / kBlock; b++) {
+      uint16_t d16 = 0, m16 = 0;
+      decode_ggml_block(t, raw + (r * (cols / kBlock) + b) * bb, q, &d16, &m16);
+      const float d = f16_to_f32(d16), m = f16_to_f32(m16);
+      for (int j = 0; j < 32; j++) out[r * cols + b * kBlock + j] = dequant_value(t, q[j], d, m);
+    }
+}
+
+// The activation quantizer of the m == 1 path (reference; ISA versions must give the same bytes).
+// x has n floats; xq gets round_up(n, 32) int8 values, dx and sxq one entry per block.
+inline void quantize_activations(const float* x, int64_t n, int8_t* xq, float* dx, int32_t* sxq) {
+  for (int64_t b = 0; b * kBlock < n; b++) {
+    float amax = 0.f;
+    for (int64_t j = b * kBlock; j < n && j < (b + 1) * kBlock; j++) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int32_t s = 0;
+    for (int64_t j = b * kBlock; j < (b + 1) * kBlock; j++) {
+      int v = j < n ? (int)std::nearbyint(x[j] * id) : 0;
+      xq[j] = (int8_t)v;
+      s += v;
+    }
+    dx[b] = d;
+    sxq[b] = s;
+  }
+}
+
+// Validates a raw buffer's size for rows x cols of type t; cols must be a multiple of 32.
+inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
+  if (cols % kBlock != 0) throw std::invalid_argument("raw quantized rows must have a multiple of 32 columns");
+  if (nbytes != (size_t)rows * (cols / kBlock) * ggml_block_bytes(t))
+    throw std::invalid_argument("raw buffer has " + std::to_string(nbytes) + " bytes, expected " +
+                                std::to_string((size_t)rows * (cols / kBlock) * ggml_block_bytes(t)));
+}
+
+}  // namespace quant
+}  // namespace corelm
+
+// The quantized halves of the kernel tables (each table's pack/matmul/row_to_f32 hands Q types here).
+namespace corelm {
+namespace quant {
+PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
+void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1);
+void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+#if defined(CORELM_HAVE_X86)
+PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
+void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1);
+void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+#endif
+}  // namespace quant
+}  // namespace corelm

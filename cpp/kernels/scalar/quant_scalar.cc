@@ -1,0 +1,103 @@
+// Reference kernels for the block-quantized formats. Layout: row-major ggml blocks, i.e. row r holds
+// ceil(cols/32) blocks of block_q8_0 {fp16 d; int8 qs[32]}, block_q4_0 {fp16 d; u8 qs[16]} or
+// block_q4_1 {fp16 d; fp16 m; u8 qs[16]} (element j in the low nibble of qs[j], j+16 in the high
+// one), so a GGUF tensor is already in this layout. ld = padded columns.
+#include <vector>
+
+#include "kernels/quant_formats.h"
+
+namespace corelm {
+namespace quant {
+namespace {
+
+void encode_block(WeightType t, const int8_t* q, uint16_t d16, uint16_t m16, uint8_t* blk) {
+  std::memcpy(blk, &d16, 2);
+  if (t == WeightType::Q8) {
+    std::memcpy(blk + 2, q, 32);
+    return;
+  }
+  uint8_t* qs = blk + 2;
+  if (t == WeightType::Q4M) {
+    std::memcpy(blk + 2, &m16, 2);
+    qs += 2;
+  }
+  for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4));
+}
+
+PackedMatrix empty_matrix(WeightType t, int64_t rows, int64_t cols) {
+  return new_matrix(t, rows, cols, &kScalarKernels,
+                    [&](int64_t ld) { return (size_t)rows * (ld / kBlock) * ggml_block_bytes(t); });
+}
+
+const uint8_t* block_at(const PackedMatrix& w, int64_t row, int64_t b) {
+  const int64_t nb = w.ld / kBlock;
+  return static_cast<const uint8_t*>(w.data()) + ((size_t)row * nb + b) * ggml_block_bytes(w.type);
+}
+
+}  // namespace
+
+PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  PackedMatrix m = empty_matrix(type, rows, cols);
+  const size_t bb = ggml_block_bytes(type);
+  uint8_t* dst = static_cast<uint8_t*>(m.storage.get());
+  for (int64_t r = 0; r < rows; r++)
+    quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
+      encode_block(type, q, d16, m16, dst + ((size_t)r * (m.ld / kBlock) + b) * bb);
+    });
+  return m;
+}
+
+PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols) {
+  check_raw(type, (size_t)rows * (cols / kBlock) * ggml_block_bytes(type), rows, cols);
+  PackedMatrix m = empty_matrix(type, rows, cols);
+  std::memcpy(m.storage.get(), raw, m.nbytes);
+  return m;
+}
+
+void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  int8_t q[32];
+  for (int64_t b = 0; b * kBlock < w.cols; b++) {
+    uint16_t d16 = 0, m16 = 0;
+    decode_ggml_block(w.type, block_at(w, row, b), q, &d16, &m16);
+    const float d = f16_to_f32(d16), mn = f16_to_f32(m16);
+    for (int64_t j = 0; j < kBlock && b * kBlock + j < w.cols; j++) out[b * kBlock + j] = dequant_value(w.type, q[j], d, mn);
+  }
+}
+
+void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1) {
+  const int64_t K = w.cols, nb = w.ld / kBlock;
+  if (n1 > w.rows) n1 = w.rows;
+  if (m == 1) {  // quantized activations, integer block dots
+    std::vector<int8_t> xq(w.ld);
+    std::vector<float> dx(nb);
+    std::vector<int32_t> sxq(nb);
+    quantize_activations(x, K, xq.data(), dx.data(), sxq.data());
+    int8_t q[32];
+    for (int64_t n = n0; n < n1; n++) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; b++) {
+        uint16_t d16 = 0, m16 = 0;
+        decode_ggml_block(w.type, block_at(w, n, b), q, &d16, &m16);
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += (int32_t)(w.type == WeightType::Q4 ? q[j] - 8 : q[j]) * xq[b * kBlock + j];
+        acc += f16_to_f32(d16) * dx[b] * (float)s;
+        if (w.type == WeightType::Q4M) acc += f16_to_f32(m16) * dx[b] * (float)sxq[b];
+      }
+      y[n] = acc;
+    }
+    return;
+  }
+  std::vector<float> row(K);
+  for (int64_t n = n0; n < n1; n++) {  // fp32 activations against the dequantized weights
+    scalar_row_to_f32(w, n, row.data());
+    for (int64_t i = 0; i < m; i++) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; k++) acc += x[i * ldx + k] * row[k];
+      y[i * ldy + n] = acc;
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace corelm

@@ -1,0 +1,59 @@
+"""An OpenAI-compatible HTTP server (`corelm serve`), on FastAPI and uvicorn (`pip install corelm[serve]`).
+
+    GET  /health                503 {"error": ...} while the model loads, then 200 {"status": "ok"}
+    GET  /metrics               Prometheus text: requests, tokens, queue length, tokens/s
+    GET  /v1/models
+    POST /v1/completions        prompt: str | [str] | [int] | [[int]]
+    POST /v1/chat/completions   messages through the model's chat template
+
+The model loads in a background thread after the server starts listening. One engine thread steps
+the request-level engine (runner.make_engine) for every client; a client that disconnects has its
+requests aborted. Errors use OpenAI's envelope {"error": {"message", "type", "param", "code"}} with
+fixed messages that never echo user text.
+
+    from corelm.server import create_app
+    app = create_app(lambda: corelm.LLM(path), model_name="my-model")   # any ASGI server runs it
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+from .app import DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
+from .runner import make_engine  # noqa: F401
+
+
+def model_name_for(model: Optional[str]) -> str:
+    """The id served in /v1/models: the file or folder name without a .gguf suffix."""
+    if model is None:
+        from ..llm import DEFAULT_MODEL_FILE
+        model = DEFAULT_MODEL_FILE
+    name = os.path.basename(os.path.normpath(model))
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", port: int = 8000,
+        api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        log_level: str = "info") -> int:
+    """Serves until Ctrl-C. Returns 1 when the model failed to load (the server then stops), else 0."""
+    import uvicorn
+
+    failed = []
+    server_box = []
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        if server_box:
+            server_box[0].should_exit = True
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    app = create_app(load_llm, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                     on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    server.run()
+    if failed:
+        raise failed[0]
+    return 0

@@ -1,0 +1,208 @@
+"""The engine thread: one background thread steps the engine while it has work and sleeps otherwise;
+each request's chunks go to its asyncio queue through loop.call_soon_threadsafe.
+
+Only the request-level engine interface is used (add_request, abort_request, step,
+has_unfinished_requests, num_waiting, num_running), so SerialEngine and a batching engine are
+interchangeable; `make_engine` is the one place that picks one.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from ..sampling import SamplingParams
+from ..sequence import StreamChunk
+
+log = logging.getLogger("corelm.server")
+
+
+def make_engine(llm):
+    """The engine the server drives. The one place to swap in a continuous-batching engine."""
+    from ..scheduler import SerialEngine
+    return SerialEngine(llm)
+
+
+class EngineFailed(Exception):
+    """Delivered to a request's queue when the engine raised while stepping it."""
+
+
+@dataclass
+class Metrics:
+    """Counters for GET /metrics (Prometheus text format), updated from both threads under a lock."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: Dict[Tuple[str, int], int] = field(default_factory=lambda: collections.defaultdict(int))
+    finished: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    engine_steps: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    window: Deque[Tuple[float, int]] = field(default_factory=collections.deque)   # (time, tokens) per step
+    window_s: float = 10.0
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def tokens_per_second(self, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            while self.window and self.window[0][0] < now - self.window_s:
+                self.window.popleft()
+            return sum(n for _, n in self.window) / self.window_s
+
+    def render(self, waiting: int, running: int, model_loaded: bool) -> str:
+        tps = self.tokens_per_second()
+        lines: List[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: List[Tuple[str, Any]]) -> None:
+            lines.append(f"# HELP corelm_{name} {help_}")
+            lines.append(f"# TYPE corelm_{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"corelm_{name}{labels} {value}")
+
+        with self.lock:
+            metric("http_requests_total", "counter", "HTTP requests by endpoint and status code.",
+                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+            metric("requests_finished_total", "counter",
+                   "Generation requests finished, by finish reason (abort: cancelled, e.g. the client left).",
+                   [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
+            metric("prompt_tokens_total", "counter", "Prompt tokens read.", [("", self.prompt_tokens)])
+            metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
+            metric("engine_steps_total", "counter", "Engine steps run.", [("", self.engine_steps)])
+            metric("time_to_first_token_seconds", "summary", "Time from request to first token.",
+                   [("_sum", round(self.ttft_sum, 6)), ("_count", self.ttft_count)])
+        metric("requests_waiting", "gauge", "Requests queued in the engine.", [("", waiting)])
+        metric("requests_running", "gauge", "Requests being generated.", [("", running)])
+        metric("generation_tokens_per_second", "gauge",
+               f"Tokens generated per second over the last {self.window_s:g} s.", [("", round(tps, 3))])
+        metric("model_loaded", "gauge", "1 once the model is loaded.", [("", int(model_loaded))])
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class _Target:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[Tuple[int, Any]]"
+    index: int                      # the choice index the chunks belong to
+    started: float                  # monotonic time of add_request
+    first_token: bool = False
+
+
+class EngineRunner:
+    def __init__(self, engine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._targets: Dict[str, _Target] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="corelm-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            for rid in list(self._targets):
+                self.engine.abort_request(rid)
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_requests(self) -> int:
+        with self._cv:
+            return len(self._targets)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._cv:
+            return bool(self._targets) or self.engine.has_unfinished_requests()
+
+    def add(self, request_id: str, prompt_ids: List[int], params: SamplingParams,
+            queue: "asyncio.Queue", index: int = 0) -> None:
+        """From the event loop. Raises ValueError (from the engine's validation) without queueing."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self.engine.add_request(request_id, prompt_ids, params)
+            self._targets[request_id] = _Target(loop, queue, index, time.monotonic())
+            self._cv.notify()
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(prompt_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request that has not finished; its last chunk (finish_reason "abort") is dropped."""
+        with self._cv:
+            if request_id in self._targets:
+                self.engine.abort_request(request_id)
+                self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self.engine.has_unfinished_requests():
+                    self._cv.wait()
+                if self._stopping and not self.engine.has_unfinished_requests():
+                    return
+            try:
+                out = self.engine.step()
+            except Exception:  # a bug in the engine: fail what was in flight, keep serving
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all()
+                continue
+            self._deliver(out)
+
+    def _deliver(self, out: List[Tuple[str, StreamChunk]]) -> None:
+        now = time.monotonic()
+        tokens = 0
+        ttfts: List[float] = []
+        finished: List[str] = []
+        with self._cv:
+            for rid, chunk in out:
+                target = self._targets.get(rid)
+                if chunk.token_id is not None:
+                    tokens += 1
+                if chunk.finish_reason is not None:
+                    self._targets.pop(rid, None)
+                    finished.append(chunk.finish_reason)
+                if target is None:
+                    continue
+                if chunk.token_id is not None and not target.first_token:
+                    target.first_token = True
+                    ttfts.append(now - target.started)
+                target.loop.call_soon_threadsafe(target.queue.put_nowait, (target.index, chunk))
+        m = self.metrics
+        with m.lock:
+            m.engine_steps += 1
+            m.generation_tokens += tokens
+            m.ttft_sum += sum(ttfts)
+            m.ttft_count += len(ttfts)
+            for reason in finished:
+                m.finished[reason] += 1
+            if tokens:
+                m.window.append((now, tokens))
+
+    def _fail_all(self) -> None:
+        with self._cv:
+            targets, self._targets = self._targets, {}
+            for rid in targets:
+                self.engine.abort_request(rid)
+        for t in targets.values():   # their "abort" chunks from the next step are dropped
+            t.loop.call_soon_threadsafe(t.queue.put_nowait, (t.index, EngineFailed()))
+        with self.metrics.lock:
+            self.metrics.finished["error"] += len(targets)

@@ -1,0 +1,497 @@
+"""The OpenAI-compatible server (corelm.server), driven over loopback HTTP by the official `openai`
+client and by httpx: chat and completions, streaming or not, logprobs, stop strings, n, errors, the
+API key, the body-size limit, loading, and client disconnects (streaming and not) aborting work."""
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from conftest import MODELS  # noqa: E402
+
+import corelm  # noqa: E402
+from corelm import SamplingParams  # noqa: E402
+from corelm.scheduler import SerialEngine  # noqa: E402
+from corelm.server import app as server_app  # noqa: E402
+from corelm.server import create_app  # noqa: E402
+
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=2, max_seq_len=256)
+
+
+@contextlib.contextmanager
+def running_server(load_llm, **kwargs):
+    app = create_app(load_llm, "stories260K", **kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", state=app.state.corelm)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with running_server(lambda: llm, api_key=KEY, max_body_bytes=64 * 1024) as s:
+        assert s.state.wait_ready(30)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def post(server, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
+                      timeout=30, **kwargs)
+
+
+def wait_idle(state, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while state.runner.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests were left running"
+        time.sleep(0.005)
+
+
+def greedy(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw))[0].outputs[0]
+
+
+# --- the happy paths, through the official client --------------------------------------------------
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stories260K"]
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_completion_matches_generate(server, client, llm):
+    out = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=12, temperature=0)
+    ref = greedy(llm, "Once upon a time", max_tokens=12)
+    choice = out.choices[0]
+    assert choice.text == ref.text and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == len(llm.encode_prompt("Once upon a time"))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_token_id_prompts_and_batches(client, llm):
+    ids = llm.encode_prompt("The dog")
+    out = client.completions.create(model="m", prompt=[ids, "Tom had a"], max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == greedy(llm, ids, max_tokens=6).text
+    assert out.choices[1].text == greedy(llm, "Tom had a", max_tokens=6).text
+
+
+def test_chat_uses_the_template_and_content_parts(client, llm):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    out = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story"}]}]
+    again = client.chat.completions.create(model="m", messages=parts, max_completion_tokens=10, temperature=0)
+    assert again.choices[0].message.content == ref.text
+
+
+def test_streaming_chat_equals_whole_and_reports_usage(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and "\ufffd" not in text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_completion_with_logprobs(client, llm):
+    ref = greedy(llm, "Once upon a time", max_tokens=8, logprobs=3)
+    stream = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                       logprobs=3, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert lps == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-6)
+    assert all(len(t) == 3 for c in chunks for t in c.choices[0].logprobs.top_logprobs)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    # greedy: the chosen token is the most likely one
+    assert all(e.token == e.top_logprobs[0].token for e in content)
+
+
+def test_completion_logprobs_non_streaming(client):
+    out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_stop_strings(client, llm):
+    ref = greedy(llm, "Once upon a time", max_tokens=20).text
+    word = ref.split()[3]
+    out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=20, temperature=0, stop=[word])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == ref[:ref.index(word)]
+    stream = client.completions.create(model="m", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                       stop=word, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == ref[:ref.index(word)]
+
+
+def test_n_and_seed_and_extra_sampling_fields(client):
+    kw = dict(model="m", prompt="Once upon a time", max_tokens=12, temperature=1.0, n=3, seed=7,
+              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+              presence_penalty=0.5, frequency_penalty=0.2, top_p=0.9)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]     # the seed makes it reproducible
+    assert len({c.text for c in a.choices}) > 1                            # seed, seed+1, seed+2 differ
+    assert 3 <= a.usage.completion_tokens <= 36
+
+
+def test_streaming_several_choices(client):
+    stream = client.completions.create(model="m", prompt=["Once upon a time", "The dog"], n=2, seed=3,
+                                       max_tokens=8, temperature=0.8, stream=True)
+    texts, finish = {}, {}
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert sorted(finish) == [0, 1, 2, 3] and set(finish.values()) <= {"stop", "length"}
+
+
+def test_concurrent_clients_share_the_engine(server, client, llm):
+    prompts = ["Once upon a time", "The dog", "Tom had a", "Lily saw", "One day", "The sun"]
+    refs = {p: greedy(llm, p, max_tokens=10).text for p in prompts}
+    results, errors = {}, []
+
+    def worker(p):
+        try:
+            s = client.completions.create(model="m", prompt=p, max_tokens=10, temperature=0, stream=True)
+            results[p] = "".join(c.choices[0].text for c in s)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and results == refs
+    wait_idle(server.state)
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+SECRET = "zebra-quokka-771"
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert SECRET not in r.text
+    return err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": SECRET}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "temperature": 0}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": 17}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"prompt": [1, 10**6]}, "prompt"),
+    ({"prompt": SECRET * 200}, "prompt"),               # longer than the 256-token context
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": {"text": SECRET}}, "prompt"),
+    ({"max_tokens": 5}, "prompt"),
+])
+def test_bad_completion_requests_get_400(server, body, param):
+    err = assert_error(post(server, "/v1/completions", body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": SECRET}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": SECRET}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": SECRET * 300}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+])
+def test_bad_chat_requests_get_400(server, body, param):
+    assert_error(post(server, "/v1/chat/completions", body), 400, param)
+
+
+def test_context_overflow_is_a_400_with_code(server):
+    err = assert_error(post(server, "/v1/completions", {"prompt": SECRET * 200}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x",', b"\xff\xfe{}", b"[1, 2]", b"", b'"' + SECRET.encode() + b'"'])
+def test_invalid_json_gets_400(server, raw):
+    assert_error(post(server, "/v1/completions", raw), 400)
+
+
+def test_client_errors_through_the_official_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x", temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": SECRET * 300}])
+
+
+def test_body_size_limit(server):
+    big = json.dumps({"prompt": "x" * (100 * 1024)})
+    assert_error(post(server, "/v1/completions", big), 413)
+
+    def chunked():                      # no Content-Length: counted while reading
+        for _ in range(100):
+            yield b"x" * 1024
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(r, 413)
+
+
+def test_api_key(server):
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, key=None), 401)
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(server.url + "/health").status_code == 200        # health needs no key
+
+
+def test_unknown_route_is_an_openai_error(server):
+    r = httpx.get(server.url + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(r, 404)
+
+
+# --- loading, disconnects ---------------------------------------------------------------------------
+
+def test_503_while_loading(llm):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(10)
+        return llm
+    with running_server(slow_load) as s:
+        r = httpx.get(s.url + "/health")
+        err = assert_error(r, 503)
+        assert err["type"] == "unavailable_error"
+        assert_error(post(s, "/v1/completions", {"prompt": "x"}), 503)
+        release.set()
+        assert s.state.wait_ready(10)
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+
+
+def test_load_failure_is_reported(llm):
+    def broken():
+        raise corelm.ModelLoadError("bad file")
+    seen = []
+    with running_server(broken, on_load_error=seen.append) as s:
+        assert not s.state.wait_ready(10)
+        assert_error(httpx.get(s.url + "/health"), 503)
+    assert len(seen) == 1
+
+
+class SlowEngine(SerialEngine):
+    """Steps take 5 ms, so a long request is still running when its client leaves."""
+
+    def step(self):
+        time.sleep(0.005)
+        return super().step()
+
+
+@pytest.fixture
+def slow_server(llm, monkeypatch):
+    monkeypatch.setattr(server_app, "make_engine", SlowEngine)
+    with running_server(lambda: llm) as s:
+        assert s.state.wait_ready(10)
+        yield s
+
+
+class FailOnceEngine(SerialEngine):
+    failed = False
+
+    def step(self):
+        if not FailOnceEngine.failed and self.has_unfinished_requests():
+            FailOnceEngine.failed = True
+            raise RuntimeError("injected engine fault")
+        return super().step()
+
+
+def test_an_engine_fault_fails_the_request_not_the_server(llm, monkeypatch):
+    monkeypatch.setattr(server_app, "make_engine", FailOnceEngine)
+    with running_server(lambda: llm) as s:
+        assert s.state.wait_ready(10)
+        err = assert_error(post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 4}), 500)
+        assert err["type"] == "server_error" and "injected" not in err["message"]
+        ok = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 4})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        wait_idle(s.state)
+
+
+def aborts(s):
+    text = httpx.get(s.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith('corelm_requests_finished_total{finish_reason="abort"}'):
+            return int(line.split()[-1])
+    return 0
+
+
+def test_streaming_disconnect_aborts_the_request(slow_server):
+    s = slow_server
+    body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", s.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    got += 1
+                    if got == 2:
+                        break
+    t0 = time.monotonic()
+    wait_idle(s.state, timeout=1.0)        # 240 tokens would take > 1.2 s
+    assert time.monotonic() - t0 < 1.0
+    assert aborts(s) == 1
+    assert s.state.runner.num_running == 0 and s.state.runner.num_waiting == 0
+
+
+def test_non_streaming_disconnect_aborts_the_request(slow_server):
+    s = slow_server
+    body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
+    wait_idle(s.state, timeout=1.0)
+    assert aborts(s) == 1
+
+
+def test_queued_requests_abort_too(slow_server):
+    """Two streams: the second waits behind the first; both clients leave; nothing is left over."""
+    s = slow_server
+    body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
+        with c1.stream("POST", s.url + "/v1/completions", json=body) as r1:
+            next(r1.iter_lines())
+            with c2.stream("POST", s.url + "/v1/completions", json=body) as r2:
+                assert r2.status_code == 200
+    wait_idle(s.state, timeout=1.0)
+    assert aborts(s) == 2
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env():
+    """Child processes import corelm from where this process did (installed or in place)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
+    return dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_corelm_serve_command():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "corelm.cli", "serve", os.path.join(MODELS, "stories260K"),
+                             "--port", str(port), "--dtype", "fp32", "-t", "1", "--api-key", KEY,
+                             "--log-level", "warning"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "corelm serve did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        assert c.models.list().data[0].id == "stories260K"
+        out = c.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=4)
+        assert out.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_corelm_serve_exits_when_the_model_fails_to_load(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    proc = subprocess.run([sys.executable, "-m", "corelm.cli", "serve", str(bad), "--port", str(_free_port()),
+                           "--log-level", "warning"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr
+
+
+def test_serve_flag_errors():
+    from corelm import cli
+    assert cli.main(["serve", "--port", "70000"]) == 1
+    assert cli.main(["serve", "--max-body-bytes", "5"]) == 1

@@ -1,0 +1,61 @@
+"""Decode speed of quantized weights (q8, q4) against bf16 on a Qwen2.5-0.5B-shaped random model.
+
+    python tools/bench_quant.py [--rounds 3] [--tokens 32] [--dtypes bf16,q8,q4] [--threads 1,2]
+
+Every (dtype, threads) model is built once from the same random weights, then the decode
+measurements alternate between them round by round, so a noisy neighbour hurts all of them alike.
+Reports the median tok/s of each and the GB/s of packed weights it streams."""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from corelm import _core  # noqa: E402
+from corelm.engine import core_config  # noqa: E402
+from corelm.loader.spec import ModelSpec, weight_shapes  # noqa: E402
+
+SPEC = ModelSpec(arch="qwen2", vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24,
+                 num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                 attention_bias=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--dtypes", default="bf16,q8,q4")
+    ap.add_argument("--threads", default="1,2")
+    a = ap.parse_args()
+    keys = [(d, int(t)) for t in a.threads.split(",") for d in a.dtypes.split(",")]
+    models = {k: _core.Model(dict(core_config(SPEC, k[0], k[1], 1024), pin_threads=False)) for k in keys}
+    rng = np.random.default_rng(0)
+    for name, shape in weight_shapes(SPEC).items():
+        w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        for m in models.values():
+            m.set_weight(name, w)
+    for m in models.values():
+        m.finalize()
+    prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
+    times = {k: [] for k in keys}
+    for r in range(a.rounds):
+        for k, m in models.items():
+            m.forward(prompt, 0, False)
+            pos, ts = len(prompt), []
+            for _ in range(a.tokens):
+                t0 = time.perf_counter()
+                m.forward(np.array([5], np.int32), pos, False)
+                ts.append(time.perf_counter() - t0)
+                pos += 1
+            times[k].append(np.median(ts))
+    for k, m in models.items():
+        med = float(np.median(times[k]))
+        print(f"{k[0]:5s} threads={k[1]}  decode {1 / med:6.1f} tok/s  {m.weight_bytes / med / 1e9:5.1f} GB/s  "
+              f"({m.weight_bytes / 1e6:.0f} MB of weights; rounds: "
+              f"{', '.join(f'{1 / t:.1f}' for t in times[k])})")
+
+
+if __name__ == "__main__":
+    main()
