@@ -1,4 +1,4 @@
-"""The request-level engine interface (SerialEngine): every request ends exactly once, aborts work
+"""The request-level engine interface (the LLM's BatchEngine): every request ends exactly once, aborts work
 before and during generation, results equal LLM.generate's."""
 import os
 
@@ -8,7 +8,6 @@ from conftest import MODELS
 
 import corelm
 from corelm import SamplingParams
-from corelm.scheduler import SerialEngine
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +18,7 @@ def llm():
 def test_requests_finish_once_with_the_same_tokens_as_generate(llm):
     params = SamplingParams(max_tokens=12, temperature=0)
     prompts = {"a": "Once upon a time", "b": "The dog", "c": "Tom had a"}
-    engine = SerialEngine(llm)
+    engine = llm.engine
     for rid, p in prompts.items():
         engine.add_request(rid, llm.encode_prompt(p), params)
     chunks = engine.run_to_completion()
@@ -33,7 +32,7 @@ def test_requests_finish_once_with_the_same_tokens_as_generate(llm):
 
 
 def test_abort_waiting_and_running(llm):
-    engine = SerialEngine(llm)
+    engine = llm.engine
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     engine.add_request("run", llm.encode_prompt("Once"), params)
     engine.add_request("wait", llm.encode_prompt("Twice"), params)
@@ -48,7 +47,7 @@ def test_abort_waiting_and_running(llm):
 
 
 def test_bad_requests_are_refused_up_front(llm):
-    engine = SerialEngine(llm)
+    engine = llm.engine
     with pytest.raises(ValueError):
         engine.add_request("x", [1, 10**6], SamplingParams())
     with pytest.raises(ValueError):

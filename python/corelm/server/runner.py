@@ -2,8 +2,7 @@
 each request's chunks go to its asyncio queue through loop.call_soon_threadsafe.
 
 Only the request-level engine interface is used (add_request, abort_request, step,
-has_unfinished_requests, num_waiting, num_running), so SerialEngine and a batching engine are
-interchangeable; `make_engine` is the one place that picks one.
+has_unfinished_requests, num_waiting, num_running); `make_engine` is the one place that picks the engine.
 """
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ log = logging.getLogger("corelm.server")
 
 
 def make_engine(llm):
-    """The engine the server drives. The one place to swap in a continuous-batching engine."""
-    from ..scheduler import SerialEngine
-    return SerialEngine(llm)
+    """The engine the server drives: the LLM's own continuous batcher, so every client shares one
+    KV-cache pool and each step runs all of them in one forward pass."""
+    return llm.engine
 
 
 class EngineFailed(Exception):
