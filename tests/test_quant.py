@@ -329,3 +329,12 @@ def test_set_weight_raw_rejects_bad_input():
                  ("layers.0.wo", "Q8_0", raw.reshape(-1), [4352])):
         with pytest.raises(ValueError):
             m.set_weight_raw(*args)
+
+
+def test_q4_keeps_q4_1_blocks():
+    """dtype="q4" keeps a GGUF's Q4_0 and Q4_1 blocks (the Q8_0 embedding is re-quantized to q4)."""
+    fx = fixture("smollm2")
+    llm = get_llm(DEFAULT_GGUF, "q4")
+    case = fx["cases"][0]
+    logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+    assert nmse(logits, case["last"]) < 1e-2

@@ -99,7 +99,8 @@ PYBIND11_MODULE(_core, m) {
     d["kernel_tables"] = available_kernel_tables();
     const char* chosen = kernels().name;
     py::dict k;
-    for (const char* op : {"matmul_fp32", "matmul_bf16", "attention", "rmsnorm", "silu_mul"}) k[op] = chosen;
+    for (const char* op : {"matmul_fp32", "matmul_bf16", "matmul_q8", "matmul_q4", "attention", "rmsnorm", "silu_mul"})
+      k[op] = chosen;
     d["kernels"] = k;
     d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
     d["amx"] = amx_info();

@@ -117,6 +117,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse request bodies larger than this (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+
+    batch = sub.add_parser("batch", help="run an OpenAI Batch JSONL file through N worker processes",
+                           description="Run every request of an OpenAI Batch JSONL file (/v1/chat/completions and "
+                                       "/v1/completions lines) and append one result line per custom_id to OUT, "
+                                       "skipping ids already there (so a rerun resumes).")
+    batch.add_argument("input", metavar="IN.jsonl", help="the requests, one JSON object per line")
+    batch.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="results are appended here")
+    batch.add_argument("-m", "--model", default=None, help="HF folder, .gguf file or hub repo id (default: embedded)")
+    batch.add_argument("-w", "--workers", type=int, default=1, help="worker processes, each with its own engine "
+                       "pinned to its own NUMA node or core set (default: %(default)s)")
+    batch.add_argument("-t", "--threads", type=int, default=None,
+                       help="threads per worker (default: the cores of its set; 1 per Ray actor)")
+    batch.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto")
+    batch.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N", help="context length (default: the model's)")
+    batch.add_argument("--task-size", type=int, default=8, metavar="N",
+                       help="requests handed to a worker at a time (default: %(default)s)")
+    batch.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar with requests/s and tokens/s (default: when stderr is a terminal)")
+    batch.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="run the workers as Ray actors on this cluster ('auto', 'local', or an address)")
+    batch.set_defaults(func=cmd_batch)
     return parser
 
 
@@ -596,6 +617,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or server.model_name_for(args.model)
     return server.run(lambda: llm_from_args(args), name, host=args.host, port=args.port, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
+    from .batch import run_batch
+    s = run_batch(args.input, args.output, workers=args.workers, threads=args.threads, model=args.model,
+                  dtype=args.dtype, max_seq_len=args.ctx_size or None, task_size=args.task_size,
+                  progress=args.progress, ray_address=args.ray)
+    print(f"corelm batch: {s['requests']} written ({s['errors']} errors), {s['skipped']} already done, "
+          f"{s['generated_tokens']} tokens in {s['seconds']:.1f} s, {s['restarts']} worker restarts -> {args.output}",
+          file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------

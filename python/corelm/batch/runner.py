@@ -1,0 +1,331 @@
+"""The parent of a batch run: reads the input as a stream, validates lines, hands tasks (up to
+`task_size` requests) to N workers, and appends each result line to the output as it arrives.
+
+Process model: every worker is a spawned process with its own engine, pinned to its own CPU set
+(topology.split_cpus: a NUMA node each where there are enough, else disjoint core slices), loading
+its own copy of the weights after pinning so they sit in local memory. Each worker has a private
+duplex pipe, and holds at most one task: the parent sends the next task only after the previous
+result came back, so neither side can block the other, and the parent always knows which task each
+worker holds. A worker that dies (exit, SIGKILL, OOM) is seen through its process sentinel; its
+task goes back to the front of the queue and a replacement worker starts on the same CPUs. A task
+that has killed MAX_ATTEMPTS workers gets error lines instead of another try.
+
+No record is lost or duplicated: only the parent writes, once per custom_id, flushing each line;
+on a rerun, ids already in the output are skipped (a truncated last line left by a crash is cut
+off first, so the file stays valid JSONL).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
+
+from .protocol import BatchLineError, BatchRequest, error_line, parse_line
+from .topology import split_cpus
+from .worker import worker_main
+
+MAX_ATTEMPTS = 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# The output file
+
+def load_done(path: str) -> Tuple[Set[str], Set[int]]:
+    """(custom_ids already answered, input line numbers already reported as malformed) from an
+    earlier run's output. Unparseable lines are ignored; a last line without its newline (a crash
+    mid-write) is cut off so appending keeps the file valid JSONL."""
+    ids: Set[str] = set()
+    lines: Set[int] = set()
+    if not os.path.exists(path):
+        return ids, lines
+    good_end = 0
+    with open(path, "rb+") as f:
+        offset = 0
+        for raw in f:
+            end = offset + len(raw)
+            if raw.endswith(b"\n"):
+                good_end = end
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict):
+                    cid = rec.get("custom_id")
+                    if isinstance(cid, str):
+                        ids.add(cid)
+                    elif isinstance(rec.get("error"), dict) and isinstance(rec["error"].get("line"), int):
+                        lines.add(rec["error"]["line"])
+            offset = end
+        if good_end < offset:
+            f.truncate(good_end)
+    return ids, lines
+
+
+class _Writer:
+    def __init__(self, path: str, done_ids: Set[str]):
+        self.f = open(path, "a", encoding="utf-8")
+        self.written = set(done_ids)
+        self.count = self.errors = 0
+
+    def write(self, rec: Dict[str, Any]) -> bool:
+        cid = rec.get("custom_id")
+        if cid is not None:
+            if cid in self.written:            # never twice, whatever happens upstream
+                return False
+            self.written.add(cid)
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.f.flush()
+        self.count += 1
+        self.errors += rec.get("error") is not None
+        return True
+
+    def close(self) -> None:
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        finally:
+            self.f.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backends: worker processes here, Ray actors in ray_backend.py. Both answer wait() with events:
+# ("ready", slot, info) | ("result", slot, task_id, results) | ("died", slot, why) | ("fatal", slot, text)
+
+class ProcessBackend:
+    def __init__(self, workers: int, threads: Optional[int], model: Optional[str], dtype: str,
+                 max_seq_len: Optional[int], cpu_sets: Optional[List[List[int]]] = None):
+        import multiprocessing as mp
+        self.ctx = mp.get_context("spawn")
+        self.cpu_sets = cpu_sets or split_cpus(workers)
+        self.args = (model, threads, dtype, max_seq_len)
+        self.procs: Dict[int, Any] = {}
+        self.conns: Dict[int, Any] = {}
+        self.incarnation = collections.Counter()
+        for slot in range(workers):
+            self.start(slot)
+
+    def start(self, slot: int) -> None:
+        parent, child = self.ctx.Pipe(duplex=True)
+        p = self.ctx.Process(target=worker_main, name=f"corelm-batch-{slot}", daemon=True,
+                             args=(child, slot, self.incarnation[slot], self.cpu_sets[slot]) + self.args)
+        p.start()
+        child.close()
+        self.incarnation[slot] += 1
+        self.procs[slot], self.conns[slot] = p, parent
+
+    def live(self) -> bool:
+        return bool(self.procs)
+
+    def pids(self) -> Dict[int, int]:
+        return {s: p.pid for s, p in self.procs.items()}
+
+    def send(self, slot: int, task_id: int, requests: List[BatchRequest]) -> None:
+        try:
+            self.conns[slot].send((task_id, requests))
+        except OSError:
+            pass                               # it died: the sentinel says so on the next wait()
+
+    def wait(self, timeout: float) -> List[tuple]:
+        from multiprocessing.connection import wait
+        by_obj = {}
+        for slot, c in self.conns.items():
+            by_obj[c] = slot
+            by_obj[self.procs[slot].sentinel] = slot
+        events, dead = [], set()
+        for obj in wait(list(by_obj), timeout):
+            slot = by_obj[obj]
+            if slot in dead:
+                continue
+            conn = self.conns[slot]
+            try:                               # drain what it sent before it went (if it did)
+                while conn.poll():
+                    msg = conn.recv()
+                    events.append((msg[0], slot) + tuple(msg[1:]))
+            except (EOFError, OSError):
+                dead.add(slot)
+            if obj is not conn or slot in dead:
+                p = self.procs[slot]
+                p.join(timeout=5)
+                if not p.is_alive() or slot in dead:
+                    dead.add(slot)
+        for slot in dead:
+            p = self.procs.pop(slot)
+            self.conns.pop(slot).close()
+            p.join(timeout=5)
+            events.append(("died", slot, f"exit code {p.exitcode}"))
+        return events
+
+    def close(self) -> None:
+        for slot, c in list(self.conns.items()):
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns.values():
+            c.close()
+        self.procs.clear()
+        self.conns.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def _count_lines(path: str) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            n += bool(raw.strip())
+    return n
+
+
+def _progress(total: int, enabled: Optional[bool]):
+    from tqdm import tqdm
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, unit="req", desc="batch", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+
+
+def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Optional[int] = None,
+              model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
+              task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
+              max_restarts: Optional[int] = None, on_start=None) -> Dict[str, Any]:
+    """Runs every request of input_path not yet answered in output_path; returns a summary dict.
+    `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}.")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}.")
+    if task_size < 1:
+        raise ValueError(f"--task-size must be at least 1, got {task_size}.")
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"input file {input_path} does not exist.")
+    max_restarts = 3 * workers if max_restarts is None else max_restarts
+    done_ids, done_lines = load_done(output_path)
+    total = _count_lines(input_path)
+    writer = _Writer(output_path, done_ids)
+    bar = _progress(total, progress)
+    stats = {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "restarts": 0}
+    t0 = time.perf_counter()
+    seen: Set[str] = set()
+
+    def emit(rec: Dict[str, Any], tokens: int = 0) -> None:
+        if writer.write(rec):
+            stats["requests"] += 1
+            stats["errors"] += rec.get("error") is not None
+            stats["generated_tokens"] += tokens
+        bar.update(1)
+        dt = time.perf_counter() - t0
+        if dt > 0 and not bar.disable:
+            bar.set_postfix_str(f"{stats['generated_tokens'] / dt:.1f} tok/s", refresh=False)   # req/s: tqdm's rate
+
+    def tasks() -> Iterator[List[BatchRequest]]:
+        batch: List[BatchRequest] = []
+        with open(input_path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    req = parse_line(raw)
+                except BatchLineError as e:
+                    cid = e.custom_id if e.custom_id not in seen else None
+                    if (cid is not None and cid in done_ids) or (cid is None and line_no in done_lines):
+                        stats["skipped"] += 1
+                        bar.update(1)
+                        continue
+                    if cid is not None:
+                        seen.add(cid)
+                    emit(error_line(cid, e.code, e.message, None if cid else line_no))
+                    continue
+                if req.custom_id in done_ids:
+                    stats["skipped"] += 1
+                    bar.update(1)
+                    continue
+                if req.custom_id in seen:
+                    if line_no in done_lines:
+                        stats["skipped"] += 1
+                        bar.update(1)
+                    else:
+                        emit(error_line(None, "duplicate_custom_id", "this custom_id appeared on an earlier line.",
+                                        line_no))
+                    continue
+                seen.add(req.custom_id)
+                batch.append(req)
+                if len(batch) >= task_size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    backend = None
+    try:
+        if ray_address:
+            from .ray_backend import RayBackend
+            backend = RayBackend(ray_address, workers, threads, model, dtype, max_seq_len)
+        else:
+            backend = ProcessBackend(workers, threads, model, dtype, max_seq_len)
+        if on_start is not None:
+            on_start(backend)
+        source = tasks()
+        pending: Deque[Tuple[int, List[BatchRequest], int]] = collections.deque()
+        holding: Dict[int, Optional[Tuple[int, List[BatchRequest], int]]] = {}   # slot -> its task (None: idle)
+        next_id, exhausted = 0, False
+        while True:
+            while not exhausted and len(pending) < 2 * workers:
+                try:
+                    pending.append((next_id, next(source), 0))
+                    next_id += 1
+                except StopIteration:
+                    exhausted = True
+            for slot in [s for s, t in holding.items() if t is None]:
+                if not pending:
+                    break
+                task = pending.popleft()
+                holding[slot] = task
+                backend.send(slot, task[0], task[1])
+            if exhausted and not pending and not any(holding.values()):
+                break
+            if not holding and not backend.live():
+                raise ChildProcessError("every batch worker died; no worker is left to run the remaining requests.")
+            for ev in backend.wait(0.5):
+                kind, slot = ev[0], ev[1]
+                if kind == "ready":
+                    holding[slot] = None
+                elif kind == "fatal":
+                    raise ValueError(f"a batch worker could not load the model: {ev[2]}")
+                elif kind == "result":
+                    task = holding.get(slot)
+                    if task is not None and task[0] == ev[2]:
+                        holding[slot] = None
+                    for rec, tokens in ev[3]:
+                        emit(rec, tokens)
+                elif kind == "died":
+                    task = holding.pop(slot, None)
+                    if task is not None:
+                        task_id, reqs, attempts = task
+                        if attempts + 1 >= MAX_ATTEMPTS:
+                            for r in reqs:
+                                emit(error_line(r.custom_id, "worker_crashed",
+                                                f"the worker died {MAX_ATTEMPTS} times running this request's task."))
+                        else:
+                            pending.appendleft((task_id, reqs, attempts + 1))
+                    print(f"corelm batch: worker {slot} died ({ev[2]})"
+                          + (f"; its task goes back to the queue" if task is not None else ""), file=sys.stderr)
+                    if stats["restarts"] < max_restarts:
+                        stats["restarts"] += 1
+                        backend.start(slot)
+    finally:
+        if backend is not None:
+            backend.close()
+        bar.close()
+        writer.close()
+    stats["seconds"] = time.perf_counter() - t0
+    stats["total_lines"] = total
+    return stats

@@ -1,0 +1,228 @@
+"""`corelm batch`: OpenAI Batch JSONL through worker processes, on the tiny stories260K model.
+
+Covers the line format (chat, completion, malformed lines), resuming (ids already in OUT are skipped,
+a truncated last line is repaired), a worker dying mid-run (its task is redone elsewhere; every
+custom_id appears exactly once), the CPU split per worker, and the Ray backend on a local cluster."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from corelm import cli
+from corelm.batch import parse_line, run_batch, split_cpus, BatchLineError
+from corelm.batch.runner import load_done
+from corelm.batch.worker import CRASH_ENV
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORIES = os.path.join(ROOT, "tests", "data", "models", "stories260K")
+
+
+def chat_line(cid, text="Hi", **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                     "temperature": 0, **body}}
+
+
+def completion_line(cid, prompt="Once upon a time", **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": prompt, "max_tokens": 8, "temperature": 0, **body}}
+
+
+def write_input(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def read_output(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]      # every line must be valid JSON
+
+
+def ids_of(records):
+    return [r["custom_id"] for r in records if r["custom_id"] is not None]
+
+
+def mixed(n):
+    return [chat_line(f"c{i}", f"Tell me about {i}") if i % 2 else completion_line(f"p{i}", f"Once upon a time {i}")
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure parts
+
+def test_split_cpus_one_node_per_worker_or_disjoint_slices():
+    two_nodes = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    assert split_cpus(2, range(8), two_nodes) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cpus(4, range(8), two_nodes) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_cpus(1, range(8), two_nodes) == [[0, 1, 2, 3]]                 # one node, local memory
+    assert split_cpus(2, [0, 1], {0: [0, 1]}) == [[0], [1]]                       # this machine's shape
+    assert split_cpus(2, [0, 1, 2, 3], {}) == [[0, 1], [2, 3]]                     # no sysfs node list
+    assert split_cpus(2, [4, 5, 6], {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}) == [[4], [5, 6]]   # only allowed CPUs
+    assert split_cpus(3, [0, 1], {0: [0, 1]}) == [[0], [1], [0]]                  # more workers than CPUs
+    with pytest.raises(ValueError):
+        split_cpus(0, [0, 1], {})
+
+
+def test_parse_line_accepts_both_endpoints_and_the_shorthand():
+    r = parse_line(json.dumps(chat_line("a", max_completion_tokens=5, top_k=3, seed=1, stop=["x"], temperature=0.7)))
+    assert (r.custom_id, r.kind, r.params.max_tokens, r.params.top_k, r.params.stop) == ("a", "chat", 5, 3, ["x"])
+    assert r.prompt == [{"role": "user", "content": "Hi"}]
+    r = parse_line(json.dumps(completion_line("b", prompt=[1, 2, 3], n=2, temperature=0.5)))
+    assert (r.kind, r.prompt, r.params.n) == ("completion", [1, 2, 3], 2)
+    r = parse_line(json.dumps({"custom_id": "c", "prompt": "hello"}))
+    assert (r.kind, r.prompt, r.params.max_tokens) == ("completion", "hello", 16)
+
+
+@pytest.mark.parametrize("line, code, has_id", [
+    ("{oops", "invalid_json", False),
+    (b"\xff\xfe", "invalid_json", False),
+    ("[1, 2]", "invalid_json", False),
+    (json.dumps({"method": "POST"}), "invalid_custom_id", False),
+    (json.dumps({**chat_line("a"), "method": "GET"}), "invalid_method", True),
+    (json.dumps({**chat_line("a"), "url": "/v1/embeddings"}), "invalid_url", True),
+    (json.dumps({**chat_line("a"), "body": "x"}), "invalid_request", True),
+    (json.dumps(chat_line("a", messages=[])), "invalid_request", True),
+    (json.dumps(chat_line("a", temperature="hot")), "invalid_request", True),
+    (json.dumps(chat_line("a", top_p=7)), "invalid_request", True),
+    (json.dumps(chat_line("a", logit_bias={"1": 2})), "unsupported", True),
+    (json.dumps(completion_line("a", prompt=None)), "invalid_request", True),
+])
+def test_parse_line_rejects_malformed_lines(line, code, has_id):
+    with pytest.raises(BatchLineError) as e:
+        parse_line(line)
+    assert e.value.code == code
+    assert (e.value.custom_id == "a") == has_id
+
+
+def test_error_messages_do_not_echo_huge_values():
+    with pytest.raises(BatchLineError) as e:
+        parse_line(json.dumps(chat_line("a", stop=[""] + ["x" * 100000])))
+    assert len(e.value.message) < 400
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs
+
+def test_batch_chat_completion_and_malformed_lines(tmp_path):
+    records = mixed(10) + ["{broken", json.dumps({**chat_line("m1"), "url": "/v1/nope"}), chat_line("c1")]
+    src = write_input(tmp_path / "in.jsonl", records)
+    out = str(tmp_path / "out.jsonl")
+    s = run_batch(src, out, workers=2, model=STORIES, task_size=3, progress=False)
+    assert (s["requests"], s["errors"], s["restarts"]) == (13, 3, 0)
+    recs = read_output(out)
+    ok = {r["custom_id"]: r for r in recs if r["error"] is None}
+    assert sorted(ok) == sorted(f"c{i}" if i % 2 else f"p{i}" for i in range(10))
+    chat, comp = ok["c1"]["response"], ok["p0"]["response"]
+    assert chat["status_code"] == 200 and comp["status_code"] == 200
+    assert chat["body"]["object"] == "chat.completion" and chat["body"]["model"] == "tiny"
+    assert chat["body"]["choices"][0]["message"]["role"] == "assistant"
+    assert comp["body"]["object"] == "text_completion" and isinstance(comp["body"]["choices"][0]["text"], str)
+    for r in ok.values():
+        u = r["response"]["body"]["usage"]
+        assert u["completion_tokens"] == 8 and u["total_tokens"] == u["prompt_tokens"] + 8
+        assert r["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    errors = [r for r in recs if r["error"] is not None]
+    assert sorted(e["error"]["code"] for e in errors) == ["duplicate_custom_id", "invalid_json", "invalid_url"]
+    assert all(e["response"] is None for e in errors)
+    # Greedy output is what the Python API gives for the same request.
+    import corelm
+    llm = corelm.LLM(STORIES, threads=1)
+    greedy = corelm.SamplingParams(temperature=0, max_tokens=8)
+    assert chat["body"]["choices"][0]["message"]["content"] == llm.chat(
+        [{"role": "user", "content": "Tell me about 1"}], greedy)[0].outputs[0].text
+    assert comp["body"]["choices"][0]["text"] == llm.generate(["Once upon a time 0"], greedy)[0].outputs[0].text
+
+
+def test_resume_skips_done_ids_and_repairs_a_truncated_last_line(tmp_path):
+    src = write_input(tmp_path / "in.jsonl", mixed(8) + ["not json"])
+    out = str(tmp_path / "out.jsonl")
+    run_batch(src, out, workers=1, model=STORIES, progress=False)
+    first = open(out).read()
+    s = run_batch(src, out, workers=1, model=STORIES, progress=False)     # nothing left to do
+    assert (s["requests"], s["skipped"]) == (0, 9)
+    assert open(out).read() == first
+    # A crash mid-write: the last three records gone, half of one left without its newline.
+    lines = first.splitlines(keepends=True)
+    with open(out, "w") as f:
+        f.writelines(lines[:-3])
+        f.write(lines[-3][: len(lines[-3]) // 2])
+    s = run_batch(src, out, workers=2, model=STORIES, progress=False)
+    assert s["requests"] == 3
+    recs = read_output(out)
+    assert sorted(ids_of(recs)) == sorted(f"c{i}" if i % 2 else f"p{i}" for i in range(8))
+    assert len(recs) == 9
+
+
+def test_a_worker_that_dies_mid_task_has_its_task_redone(tmp_path, monkeypatch):
+    monkeypatch.setenv(CRASH_ENV, "*:1")        # each first worker exits abruptly on receiving its 1st task
+    src = write_input(tmp_path / "in.jsonl", mixed(16))
+    out = str(tmp_path / "out.jsonl")
+    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False)
+    assert 1 <= s["restarts"] <= 2 and s["errors"] == 0
+    ids = ids_of(read_output(out))
+    assert len(ids) == len(set(ids)) == 16
+
+
+def test_sigkill_of_a_worker_loses_and_duplicates_nothing(tmp_path):
+    src = write_input(tmp_path / "in.jsonl", [completion_line(f"k{i}", max_tokens=48) for i in range(40)])
+    out = str(tmp_path / "out.jsonl")
+    killed = []
+
+    def killer(backend):
+        def go():
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:    # once results flow, kill worker 0 while it works
+                if os.path.exists(out) and os.path.getsize(out) > 0:
+                    pid = backend.pids().get(0)
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                    return
+                time.sleep(0.01)
+        threading.Thread(target=go, daemon=True).start()
+
+    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False, on_start=killer)
+    assert killed and s["restarts"] == 1
+    ids = ids_of(read_output(out))
+    assert sorted(ids) == sorted(f"k{i}" for i in range(40))
+
+
+def test_cli_batch(tmp_path, capsys):
+    src = write_input(tmp_path / "in.jsonl", mixed(3))
+    out = str(tmp_path / "out.jsonl")
+    assert cli.main(["batch", src, "-o", out, "-m", STORIES, "--workers", "2", "--no-progress"]) == 0
+    assert "3 written (0 errors)" in capsys.readouterr().err
+    assert len(read_output(out)) == 3
+    assert cli.main(["batch", src, "-o", out, "-m", STORIES, "--workers", "0"]) == 1
+    assert "--workers must be at least 1" in capsys.readouterr().err
+    assert cli.main(["batch", str(tmp_path / "missing.jsonl"), "-o", out, "-m", STORIES]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["batch", src, "-o", str(tmp_path / "o2.jsonl"), "-m", str(tmp_path / "nope.gguf")]) == 1
+    assert "could not load the model" in capsys.readouterr().err
+
+
+def test_load_done_ignores_garbage_lines(tmp_path):
+    p = tmp_path / "out.jsonl"
+    p.write_text('{"custom_id": "a"}\nnot json\n{"custom_id": null, "error": {"line": 4}}\n{"custom_id": "b"')
+    assert load_done(str(p)) == ({"a"}, {4})
+    assert p.read_text().endswith("}}\n")
+
+
+def test_ray_backend_on_a_local_cluster(tmp_path):
+    ray = pytest.importorskip("ray")
+    src = write_input(tmp_path / "in.jsonl", mixed(6) + ["{bad"])
+    out = str(tmp_path / "out.jsonl")
+    try:
+        s = run_batch(src, out, workers=2, threads=1, model=STORIES, task_size=2, progress=False,
+                      ray_address="local")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert (s["requests"], s["errors"]) == (7, 1)
+    recs = read_output(out)
+    assert sorted(ids_of(recs)) == sorted(f"c{i}" if i % 2 else f"p{i}" for i in range(6))
