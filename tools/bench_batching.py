@@ -3,8 +3,8 @@ llama-batched-bench, alternating in the same run.
 
 For each thread count and each number of concurrent sequences N: N prompts of --npp random tokens, then
 --ntg greedy tokens each (EOS ignored). Reported like llama-batched-bench: S_PP (prompt tokens/s over
-the prefill phase), S_TG (generated tokens/s once every sequence is decoding) and S (all generated
-tokens / total time).
+the prefill phase), S_TG (generated tokens/s once every sequence is decoding) and S (prompt plus
+generated tokens / total time).
 
     python tools/bench_batching.py --threads 1 2 --npl 1 4 16 64 --rounds 2
 """
@@ -54,7 +54,7 @@ def corelm_worker(model, threads, n, npp, ntg, kv):
             t_all, tok_all = time.perf_counter(), n_tok
     t1 = time.perf_counter()
     print(json.dumps({"S_PP": n * npp / (t_all - t0), "S_TG": (n_tok - tok_all) / max(t1 - t_all, 1e-9),
-                      "S": n_tok / (t1 - t0), "preemptions": eng.num_preemptions}))
+                      "S": (n * npp + n_tok) / (t1 - t0), "preemptions": eng.num_preemptions}))
 
 
 def run_corelm(model, threads, n, npp, ntg, kv):
