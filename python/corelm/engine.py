@@ -2,13 +2,14 @@
 count, computes the RoPE frequencies, and hands the weights over one tensor at a time."""
 from __future__ import annotations
 
+import collections
 import math
 import os
 from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .loader.spec import LoadedModel, ModelLoadError, ModelSpec
+from .loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
 
 DTYPES = ("auto", "bf16", "fp32", "q8", "q4")
 # GGUF block types kept as they are (repacked, never dequantized) under each dtype.
@@ -79,6 +80,7 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int) -> 
                 rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads))
 
 
+_RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
 KV_DTYPES = ("fp32", "bf16", "int8")
 KV_BLOCK_SIZE = 16
 
@@ -126,12 +128,17 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
     get_raw = getattr(loaded, "get_raw_weight", None)
     keep_raw = RAW_TYPES.get(dtype, ())
+    stored = collections.Counter()  # how the matrices are stored, for LLM.dtype / corelm info
     for name in names:
         raw = get_raw(name) if get_raw is not None and keep_raw else None
+        is_matrix = len(weight_shapes(spec)[name]) == 2
         if raw is not None and raw[0] in keep_raw:   # quantized GGUF blocks: repacked, no float round trip
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
+            stored[_RAW_STORAGE.get(raw[0], raw[0].lower())] += is_matrix
         else:
             model.set_weight(name, loaded.get_weight(name))
+            stored[model.weight_type] += is_matrix
         loaded.release_weight(name)
     model.finalize()
+    loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)
     return model

@@ -75,7 +75,7 @@ class LLM:
         self._core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                                       progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb)
         self.threads = self._core.n_threads
-        self.dtype = self._core.weight_type
+        self.dtype = getattr(self.loaded, "stored_types", None) or self._core.weight_type  # e.g. "q4m+q8"
         self.max_seq_len = self._core.max_seq_len
         self.load_time_s = time.perf_counter() - t0
         self._request_ids = itertools.count()
