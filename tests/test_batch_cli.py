@@ -226,3 +226,30 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     assert (s["requests"], s["errors"]) == (7, 1)
     recs = read_output(out)
     assert sorted(ids_of(recs)) == sorted(f"c{i}" if i % 2 else f"p{i}" for i in range(6))
+
+
+def test_ray_actor_killed_mid_run_has_its_task_redone(tmp_path):
+    ray = pytest.importorskip("ray")
+    src = write_input(tmp_path / "in.jsonl", [completion_line(f"k{i}", max_tokens=48) for i in range(24)])
+    out = str(tmp_path / "out.jsonl")
+    killed = []
+
+    def killer(backend):
+        def go():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:    # once results flow, kill actor 0
+                if os.path.exists(out) and os.path.getsize(out) > 0:
+                    ray.kill(backend.actors[0], no_restart=True)
+                    killed.append(True)
+                    return
+                time.sleep(0.01)
+        threading.Thread(target=go, daemon=True).start()
+
+    try:
+        s = run_batch(src, out, workers=2, threads=1, model=STORIES, task_size=2, progress=False,
+                      ray_address="local", on_start=killer)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert killed and s["restarts"] == 1 and s["errors"] == 0
+    assert sorted(ids_of(read_output(out))) == sorted(f"k{i}" for i in range(24))
