@@ -52,6 +52,20 @@ def mixed(n):
             for i in range(n)]
 
 
+def kill_once_results_flow(out, kill, timeout=60):
+    """An on_start hook: a thread that calls kill(backend) as soon as OUT has its first line, so
+    worker 0 dies while the run is under way."""
+    def start(backend):
+        def go():
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if os.path.exists(out) and os.path.getsize(out) > 0:
+                    return kill(backend)
+                time.sleep(0.01)
+        threading.Thread(target=go, daemon=True).start()
+    return start
+
+
 # ---------------------------------------------------------------------------------------------------
 # Pure parts
 
@@ -173,20 +187,14 @@ def test_sigkill_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     out = str(tmp_path / "out.jsonl")
     killed = []
 
-    def killer(backend):
-        def go():
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:    # once results flow, kill worker 0 while it works
-                if os.path.exists(out) and os.path.getsize(out) > 0:
-                    pid = backend.pids().get(0)
-                    if pid:
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-                    return
-                time.sleep(0.01)
-        threading.Thread(target=go, daemon=True).start()
+    def kill(backend):
+        pid = backend.pids().get(0)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
 
-    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False, on_start=killer)
+    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False,
+                  on_start=kill_once_results_flow(out, kill))
     assert killed and s["restarts"] == 1
     ids = ids_of(read_output(out))
     assert sorted(ids) == sorted(f"k{i}" for i in range(40))
@@ -234,20 +242,13 @@ def test_ray_actor_killed_mid_run_has_its_task_redone(tmp_path):
     out = str(tmp_path / "out.jsonl")
     killed = []
 
-    def killer(backend):
-        def go():
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:    # once results flow, kill actor 0
-                if os.path.exists(out) and os.path.getsize(out) > 0:
-                    ray.kill(backend.actors[0], no_restart=True)
-                    killed.append(True)
-                    return
-                time.sleep(0.01)
-        threading.Thread(target=go, daemon=True).start()
+    def kill(backend):
+        ray.kill(backend.actors[0], no_restart=True)
+        killed.append(True)
 
     try:
         s = run_batch(src, out, workers=2, threads=1, model=STORIES, task_size=2, progress=False,
-                      ray_address="local", on_start=killer)
+                      ray_address="local", on_start=kill_once_results_flow(out, kill))
     finally:
         if ray.is_initialized():
             ray.shutdown()
