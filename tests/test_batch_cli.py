@@ -52,6 +52,20 @@ def mixed(n):
             for i in range(n)]
 
 
+def kill_once_results_flow(out, kill, timeout=60):
+    """An on_start hook: a thread that calls kill(backend) as soon as OUT has its first line, so
+    worker 0 dies while the run is under way."""
+    def start(backend):
+        def go():
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if os.path.exists(out) and os.path.getsize(out) > 0:
+                    return kill(backend)
+                time.sleep(0.01)
+        threading.Thread(target=go, daemon=True).start()
+    return start
+
+
 # ---------------------------------------------------------------------------------------------------
 # Pure parts
 
@@ -173,20 +187,14 @@ def test_sigkill_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     out = str(tmp_path / "out.jsonl")
     killed = []
 
-    def killer(backend):
-        def go():
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:    # once results flow, kill worker 0 while it works
-                if os.path.exists(out) and os.path.getsize(out) > 0:
-                    pid = backend.pids().get(0)
-                    if pid:
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-                    return
-                time.sleep(0.01)
-        threading.Thread(target=go, daemon=True).start()
+    def kill(backend):
+        pid = backend.pids().get(0)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
 
-    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False, on_start=killer)
+    s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False,
+                  on_start=kill_once_results_flow(out, kill))
     assert killed and s["restarts"] == 1
     ids = ids_of(read_output(out))
     assert sorted(ids) == sorted(f"k{i}" for i in range(40))
@@ -226,3 +234,23 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     assert (s["requests"], s["errors"]) == (7, 1)
     recs = read_output(out)
     assert sorted(ids_of(recs)) == sorted(f"c{i}" if i % 2 else f"p{i}" for i in range(6))
+
+
+def test_ray_actor_killed_mid_run_has_its_task_redone(tmp_path):
+    ray = pytest.importorskip("ray")
+    src = write_input(tmp_path / "in.jsonl", [completion_line(f"k{i}", max_tokens=48) for i in range(24)])
+    out = str(tmp_path / "out.jsonl")
+    killed = []
+
+    def kill(backend):
+        ray.kill(backend.actors[0], no_restart=True)
+        killed.append(True)
+
+    try:
+        s = run_batch(src, out, workers=2, threads=1, model=STORIES, task_size=2, progress=False,
+                      ray_address="local", on_start=kill_once_results_flow(out, kill))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert killed and s["restarts"] == 1 and s["errors"] == 0
+    assert sorted(ids_of(read_output(out))) == sorted(f"k{i}" for i in range(24))

@@ -4,7 +4,7 @@
 
 Every (dtype, threads) model is built once from the same random weights, then the decode
 measurements alternate between them round by round, so a noisy neighbour hurts all of them alike.
-Reports the median tok/s of each and the GB/s of packed weights it streams."""
+Reports the median prefill (128 tokens) and decode tok/s of each and the GB/s of packed weights it streams."""
 import argparse
 import os
 import sys
@@ -40,9 +40,12 @@ def main():
         m.finalize()
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
     times = {k: [] for k in keys}
+    prefill = {k: [] for k in keys}
     for r in range(a.rounds):
         for k, m in models.items():
+            t0 = time.perf_counter()
             m.forward(prompt, 0, False)
+            prefill[k].append(time.perf_counter() - t0)
             pos, ts = len(prompt), []
             for _ in range(a.tokens):
                 t0 = time.perf_counter()
@@ -52,8 +55,9 @@ def main():
             times[k].append(np.median(ts))
     for k, m in models.items():
         med = float(np.median(times[k]))
-        print(f"{k[0]:5s} threads={k[1]}  decode {1 / med:6.1f} tok/s  {m.weight_bytes / med / 1e9:5.1f} GB/s  "
-              f"({m.weight_bytes / 1e6:.0f} MB of weights; rounds: "
+        pre = len(prompt) / float(np.median(prefill[k]))
+        print(f"{k[0]:5s} threads={k[1]}  prefill {pre:6.1f} tok/s  decode {1 / med:6.1f} tok/s  "
+              f"{m.weight_bytes / med / 1e9:5.1f} GB/s  ({m.weight_bytes / 1e6:.0f} MB of weights; decode rounds: "
               f"{', '.join(f'{1 / t:.1f}' for t in times[k])})")
 
 
