@@ -138,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--ray", default=None, metavar="ADDRESS",
                        help="run the workers as Ray actors on this cluster ('auto', 'local', or an address)")
     batch.set_defaults(func=cmd_batch)
+
+    conv = sub.add_parser("convert", help="convert an HF folder or GGUF file to a corelm model folder",
+                          description="Write a corelm model folder (config.json, tokenizer files and a memory-mapped "
+                                      "weights.corelm, see docs/model-format.md) from an HF folder or .gguf file. "
+                                      "GGUF Q8_0/Q4_0/Q4_1 blocks are copied without a float round trip.")
+    conv.add_argument("src", metavar="SRC", help="HF model folder or .gguf file")
+    conv.add_argument("-o", "--output", required=True, metavar="OUT", help="the corelm folder to write")
+    conv.add_argument("--weights", choices=["f32", "bf16", "q8", "q4"], default="q8",
+                      help="how matrices are stored: f32, bf16, or blocks of 32 with fp16 scales "
+                           "(q8: ggml Q8_0; q4: ggml Q4_1, 4 bits with a minimum) (default: %(default)s)")
+    conv.add_argument("-f", "--force", action="store_true", help="replace OUT if it exists")
+    conv.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                      help="show a progress bar (default: on)")
+    conv.set_defaults(func=cmd_convert)
     return parser
 
 
@@ -646,6 +660,16 @@ def _tolerant_text_streams() -> None:
                 reconfigure(errors="replace")
             except (ValueError, OSError):
                 pass
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import time
+    from .convert import convert
+    t0 = time.perf_counter()
+    out = convert(args.src, args.output, weights=args.weights, progress=args.progress, overwrite=args.force)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"wrote {out} ({args.weights}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

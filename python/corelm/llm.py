@@ -66,10 +66,16 @@ class LLM:
     def __init__(self, model: Optional[str] = None, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
                  kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 256):
+                 max_batch_tokens: int = 256, weights: Optional[str] = None):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
+        if weights is not None:   # "f32" | "bf16" | "q8" | "q4": convert once into the cache, then load that
+            from .convert import cached_conversion
+            self.model_path = cached_conversion(self.model_path, weights, progress=True)
         self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)
+        if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
+            from .convert import folder_dtype
+            dtype = folder_dtype(self.loaded.source)
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         self._core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,

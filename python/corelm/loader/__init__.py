@@ -1,4 +1,5 @@
-"""Model loading: a local HF folder, a local .gguf file or a Hugging Face hub repo id -> LoadedModel.
+"""Model loading: a local HF folder, a corelm folder (`corelm convert`), a local .gguf file or a Hugging Face
+hub repo id -> LoadedModel.
 
     from corelm.loader import load_model
     m = load_model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -30,6 +31,9 @@ def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
         raise ModelLoadError(f"expected a model path or hub repo id, got {model!r}")
     path = os.path.expanduser(model)
     if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "weights.corelm")):   # a corelm folder (`corelm convert`)
+            from .corelm_format import load_corelm_folder
+            return load_corelm_folder(path)
         return load_hf_folder(path)
     if os.path.isfile(path):
         lower = path.lower()

@@ -1,0 +1,265 @@
+"""`corelm convert`: an HF folder or GGUF file -> a corelm model folder (docs/model-format.md).
+
+    from corelm.convert import convert, cached_conversion
+    convert("models/SmolLM2-135M-Instruct", "out/smollm2-q8", weights="q8")
+    folder = cached_conversion("models/SmolLM2-135M-Instruct", "q4")     # converts once, then reuses
+
+Weights: "f32" and "bf16" keep every matrix in that float type; "q8" and "q4" store every matrix
+(embeddings and lm_head included) as ggml Q8_0 / Q4_1 blocks (q8 / q4m), quantized as ggml's reference
+quantizer and the engine's own packers do (so a q8 folder computes what the engine's in-memory dtype="q8"
+builds from the source, bit for bit). Norms and biases stay f32. GGUF Q8_0 (for q8) and Q4_0/Q4_1 (for
+q4; Q4_1 is kept as q4m) tensors are copied block for block, never through floats.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from .loader import load_model
+from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, GGML_TO_TYPE, WEIGHT_KINDS, WEIGHTS_FILE,
+                                   WeightsWriter, is_corelm_folder, spec_to_dict)
+from .loader.spec import LoadedModel
+
+__all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
+           "to_bf16", "cache_dir"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Raw GGUF block types copied as they are under each target.
+RAW_KEEP = {"q8": ("q8",), "q4": ("q4", "q4m")}
+# What a matrix quantized from floats is stored as. q4 uses Q4_1-style blocks (scale and minimum): on
+# SmolLM2-135M, Q4_0 blocks everywhere cost +37% perplexity, Q4_1 blocks +4% (docs/quality.md).
+STORE = {"f32": "f32", "bf16": "bf16", "q8": "q8", "q4": "q4m"}
+_ROWS_PER_CHUNK = 4096
+CONVERTER_REVISION = 1      # part of the cache key: bump when the same source would convert differently
+
+_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+_Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+_Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantizers: numpy versions of ggml's quantize_row_q8_0_ref / quantize_row_q4_0_ref.
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    safe = np.where(d != 0, d, np.float32(1))
+    return np.where(d != 0, np.float32(1) / safe, np.float32(0)).astype(np.float32)
+
+
+def _rows_in_chunks(w: np.ndarray, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % 32:
+        raise ValueError(f"block quantization needs a matrix with a multiple of 32 columns, got {w.shape}")
+    return np.concatenate([fn(w[r:r + _ROWS_PER_CHUNK]) for r in range(0, w.shape[0], _ROWS_PER_CHUNK)])
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] float -> uint8 [rows, cols/32*34]: fp16 scale absmax/127, 32 int8 codes rounded half
+    away from zero."""
+    def one(x: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        b = x.reshape(-1, 32)
+        d = (np.abs(b).max(1) / np.float32(127)).astype(np.float32)
+        v = b * _inverse(d)[:, None]
+        q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+        blk = np.empty(len(b), _Q8_0)
+        blk["d"], blk["qs"] = d.astype(np.float16), q
+        return blk.view(np.uint8).reshape(rows, -1)
+    return _rows_in_chunks(w, one)
+
+
+def quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] float -> uint8 [rows, cols/32*18]: fp16 scale d = (signed absmax)/-8, codes
+    min(15, trunc(x/d + 8.5)); byte j holds element j (low nibble) and element j+16 (high nibble)."""
+    def one(x: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        b = x.reshape(-1, 32)
+        mx = b[np.arange(len(b)), np.abs(b).argmax(1)]
+        d = (mx / np.float32(-8)).astype(np.float32)
+        # x * id + 8.5 with one rounding, as the engine's compiled quantizer (a fused multiply-add) does
+        v = (b.astype(np.float64) * _inverse(d).astype(np.float64)[:, None] + 8.5).astype(np.float32)
+        q = np.minimum(15, np.trunc(v)).astype(np.uint8)
+        blk = np.empty(len(b), _Q4_0)
+        blk["d"], blk["qs"] = d.astype(np.float16), q[:, :16] | (q[:, 16:] << 4)
+        return blk.view(np.uint8).reshape(rows, -1)
+    return _rows_in_chunks(w, one)
+
+
+def quantize_q4_1(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] float -> uint8 [rows, cols/32*20]: fp16 d = (max-min)/15, fp16 m = min, codes
+    min(15, trunc((x-min)/d + 0.5)) (one rounding, as the engine's fused multiply-add); nibbles as Q4_0."""
+    def one(x: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        b = x.reshape(-1, 32)
+        mn, mx = b.min(1), b.max(1)
+        d = ((mx - mn) / np.float32(15)).astype(np.float32)
+        v = ((b - mn[:, None]).astype(np.float64) * _inverse(d).astype(np.float64)[:, None] + 0.5).astype(np.float32)
+        q = np.minimum(15, np.trunc(v)).astype(np.uint8)
+        blk = np.empty(len(b), _Q4_1)
+        blk["d"], blk["m"], blk["qs"] = d.astype(np.float16), mn.astype(np.float16), q[:, :16] | (q[:, 16:] << 4)
+        return blk.view(np.uint8).reshape(rows, -1)
+    return _rows_in_chunks(w, one)
+
+
+def to_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounded to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(w), np.uint16(0x7FC0), r).astype(np.uint16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conversion.
+
+def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
+    """internal name -> (storage type, shape, copied raw from the source)."""
+    from .loader.spec import weight_shapes
+    plan = {}
+    get_raw = loaded.get_raw_weight
+    for name, shape in weight_shapes(loaded.spec).items():
+        if len(shape) == 1 or weights == "f32" or (weights in RAW_KEEP and shape[1] % 32):
+            # norms, biases, and rows that are not whole blocks (the engine pads those when it quantizes)
+            plan[name] = ("f32", shape, False)
+            continue
+        raw = get_raw(name) if get_raw is not None and weights in RAW_KEEP else None
+        kind = GGML_TO_TYPE.get(raw[0]) if raw is not None else None
+        if kind in RAW_KEEP.get(weights, ()):
+            plan[name] = (kind, shape, True)
+        else:
+            plan[name] = (STORE[weights], shape, False)
+    return plan
+
+
+def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool) -> np.ndarray:
+    if from_raw:
+        return loaded.get_raw_weight(name)[1]
+    w = loaded.get_weight(name)
+    if type_ == "f32":
+        return np.ascontiguousarray(w, dtype=np.float32)
+    if type_ == "bf16":
+        return to_bf16(w)
+    return {"q8": quantize_q8_0, "q4": quantize_q4_0, "q4m": quantize_q4_1}[type_](w)
+
+
+def convert(src: str, out: str, weights: str = "q8", progress: bool = False, overwrite: bool = False) -> str:
+    """Converts `src` (HF folder, .gguf file or corelm folder) to the corelm folder `out`; returns `out`.
+    The folder appears complete or not at all (written beside it, then renamed)."""
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, got {weights!r}")
+    out = os.path.abspath(os.path.expanduser(out))
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
+    loaded = load_model(src)
+    plan = _plan(loaded, weights)
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".corelm-convert-", dir=parent)
+    try:
+        meta = {"source": loaded.source, "source_format": loaded.source_format, "weights": weights}
+        writer = WeightsWriter(os.path.join(tmp, WEIGHTS_FILE), [(n, t, s) for n, (t, s, _) in plan.items()], meta)
+        items = list(plan.items())
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), desc=f"converting to {weights}", unit="tensor")
+        for name, (type_, _, from_raw) in items:
+            writer.add(name, _tensor_bytes(loaded, name, type_, from_raw))
+            loaded.release_weight(name)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        writer.close()
+        _write_side_files(loaded, tmp, weights, plan)
+        os.chmod(tmp, 0o755)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan) -> None:
+    from . import __version__ as corelm_version
+    counts: Dict[str, int] = {}
+    for t, _, _ in plan.values():
+        counts[t] = counts.get(t, 0) + 1
+    config = {"format": "corelm", "format_version": FORMAT_VERSION, "weights": weights,
+              "tensor_types": counts, "spec": spec_to_dict(loaded.spec),
+              "source": {"path": loaded.source, "format": loaded.source_format, "description": loaded.description},
+              "converted_by": f"corelm {corelm_version}"}
+    _write_json(os.path.join(folder, CONFIG_FILE), config)
+    _write_json(os.path.join(folder, "generation_config.json"), dict(loaded.generation_config))
+    src = loaded.source
+    if loaded.source_format in ("hf", "corelm"):
+        for f in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(src, f)):
+                shutil.copyfile(os.path.join(src, f), os.path.join(folder, f))
+        return
+    # GGUF: save the tokenizer corelm built from the metadata, and the settings HF keeps beside it.
+    tok = loaded.tokenizer
+    tok._tk.save(os.path.join(folder, "tokenizer.json"))
+    cfg = {"add_bos_token": bool(tok.add_bos_token), "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    named = dict(tok.named_chat_templates)
+    if named:
+        default = tok.chat_template or named.get("default")
+        cfg["chat_template"] = ([{"name": "default", "template": default}] if default else []) + \
+            [{"name": k, "template": v} for k, v in named.items() if k != "default"]
+    elif tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    _write_json(os.path.join(folder, "tokenizer_config.json"), {k: v for k, v in cfg.items() if v is not None})
+
+
+def _write_json(path: str, doc) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The conversion cache behind `LLM(path, weights=...)`.
+
+def cache_dir() -> str:
+    return os.path.expanduser(os.environ.get("CORELM_CACHE") or os.path.join("~", ".cache", "corelm"))
+
+
+def _source_key(src: str, weights: str) -> str:
+    src = os.path.abspath(os.path.expanduser(src))
+    if os.path.isdir(src):
+        stats = [(f, os.stat(os.path.join(src, f)).st_size, os.stat(os.path.join(src, f)).st_mtime_ns)
+                 for f in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, f))]
+    else:
+        st = os.stat(src)
+        stats = [(os.path.basename(src), st.st_size, st.st_mtime_ns)]
+    doc = json.dumps({"src": src, "files": stats, "weights": weights, "format": FORMAT_VERSION,
+                      "converter": CONVERTER_REVISION})
+    return hashlib.sha256(doc.encode()).hexdigest()[:20]
+
+
+def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
+    """The corelm folder for `src` converted to `weights`, converting it into cache_dir() the first time.
+    The key is the source path, its files' sizes and mtimes, the weights kind and the format version."""
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, got {weights!r}")
+    if is_corelm_folder(os.path.expanduser(src)):
+        return src
+    base = os.path.basename(os.path.normpath(src))
+    base = os.path.splitext(base)[0] if base.lower().endswith(".gguf") else base
+    out = os.path.join(cache_dir(), f"{base}-{weights}-{_source_key(src, weights)}")
+    if is_corelm_folder(out) and os.path.isfile(os.path.join(out, CONFIG_FILE)):
+        return out
+    return convert(src, out, weights=weights, progress=progress, overwrite=True)
+
+
+def folder_dtype(folder: str) -> str:
+    """The engine dtype a corelm folder is meant for ("auto" for bf16: bf16 where the CPU has it)."""
+    from .loader.hf import read_json
+    weights = read_json(os.path.join(folder, CONFIG_FILE), CONFIG_FILE).get("weights")
+    return {"f32": "fp32", "bf16": "auto", "q8": "q8", "q4": "q4"}.get(weights, "auto")

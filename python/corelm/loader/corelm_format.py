@@ -1,0 +1,315 @@
+"""The corelm model folder: `corelm convert` writes it, `load_model(folder)` reads it (docs/model-format.md).
+
+    folder/config.json             {"format": "corelm", "format_version": 1, "weights": "q4", "spec": {...}}
+    folder/weights.corelm          the tensors (layout below), memory-mapped at load
+    folder/tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
+
+weights.corelm (little-endian):
+    0   8 bytes  magic b"CORELMW\\0"
+    8   u32      format version (1)
+    12  u32      alignment of the data section and of every tensor (64)
+    16  u64      header length H (bytes of UTF-8 JSON)
+    24  u32      CRC-32 (zlib.crc32) of bytes 0..24 and the JSON header
+    28  u32      reserved, 0
+    32  H bytes  JSON header: {"tensors": [{"name", "type", "shape", "offset", "nbytes"}, ...], "metadata": {...}}
+    zero padding to a multiple of the alignment; then the data section. Offsets are relative to its start.
+
+Tensor types: f32, bf16 (raw little-endian elements, row-major) and q8 / q4 / q4m: rows of 32-element
+blocks laid out exactly as GGUF's Q8_0 / Q4_0 / Q4_1, so the engine repacks them with
+`Model.set_weight_raw` and no float round trip. Every count, offset and size is checked against the file
+before use, as the GGUF and safetensors parsers do; failures are ModelLoadError.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .spec import LoadedModel, ModelLoadError, ModelSpec, release_mapped_range, weight_shapes
+
+MAGIC = b"CORELMW\0"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "weights.corelm"
+CONFIG_FILE = "config.json"
+ALIGNMENT = 64
+PREFIX = struct.Struct("<8sIIQII")          # magic, version, alignment, header length, crc, reserved
+MAX_HEADER_BYTES = 64 << 20
+MAX_TENSOR_BYTES = 1 << 62
+WEIGHT_KINDS = ("f32", "bf16", "q8", "q4")   # what `corelm convert --weights` accepts ("f32": no quantization)
+
+# storage type -> (elements per block, bytes per block, GGUF type name for the raw path or None)
+TYPES: Dict[str, Tuple[int, int, Optional[str]]] = {
+    "f32": (1, 4, None), "bf16": (1, 2, None),
+    "q8": (32, 34, "Q8_0"), "q4": (32, 18, "Q4_0"), "q4m": (32, 20, "Q4_1"),
+}
+GGML_TO_TYPE = {g: t for t, (_, _, g) in TYPES.items() if g}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    type: str
+    shape: Tuple[int, ...]
+    offset: int          # absolute offset in the file
+    nbytes: int
+
+
+def tensor_nbytes(type_: str, shape: Tuple[int, ...]) -> int:
+    block, block_bytes, _ = TYPES[type_]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape and shape[-1] % block:
+        raise ValueError(f"rows of {shape[-1]} elements are not a multiple of the {type_} block size {block}")
+    return n // block * block_bytes
+
+
+def pad(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing.
+
+class WeightsWriter:
+    """Writes weights.corelm: add() every tensor's bytes in order, then close() writes the header.
+    The header goes first in the file, so the writer reserves its room from the tensor list given up front."""
+
+    def __init__(self, path: str, entries: List[Tuple[str, str, Tuple[int, ...]]], metadata: Dict[str, Any]):
+        offsets, pos = [], 0
+        for name, type_, shape in entries:
+            offsets.append(pos)
+            pos = pad(pos + tensor_nbytes(type_, tuple(shape)))
+        tensors = [{"name": n, "type": t, "shape": list(map(int, s)), "offset": o, "nbytes": tensor_nbytes(t, tuple(s))}
+                   for (n, t, s), o in zip(entries, offsets)]
+        header = json.dumps({"tensors": tensors, "metadata": metadata}, separators=(",", ":")).encode("utf-8")
+        prefix_wo_crc = struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, ALIGNMENT, len(header))
+        crc = zlib.crc32(header, zlib.crc32(prefix_wo_crc)) & 0xFFFFFFFF
+        self._data_start = pad(PREFIX.size + len(header))
+        self._expected = {t["name"]: t for t in tensors}
+        self._f = open(path, "wb")
+        self._f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, ALIGNMENT, len(header), crc, 0) + header)
+        self._f.write(b"\0" * (self._data_start - self._f.tell()))
+        self._total = self._data_start + pos
+
+    def add(self, name: str, data: np.ndarray) -> None:
+        t = self._expected.pop(name)
+        buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if buf.size != t["nbytes"]:
+            raise ValueError(f"{name}: {buf.size} bytes, header says {t['nbytes']}")
+        here = self._data_start + t["offset"]
+        self._f.write(b"\0" * (here - self._f.tell()))
+        self._f.write(buf.tobytes())
+
+    def close(self) -> None:
+        if self._expected:
+            raise ValueError(f"tensors never written: {', '.join(list(self._expected)[:5])}")
+        self._f.write(b"\0" * (self._total - self._f.tell()))
+        self._f.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading and validation.
+
+class CorelmWeights:
+    """A validated weights.corelm whose tensor data stays memory-mapped."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._buf = _map(path)
+        self.metadata, self.tensors = _parse(self._buf, path)
+
+    def raw(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        return np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def get_f32(self, name: str) -> np.ndarray:
+        from .gguf import _DECODERS
+        t = self.tensors[name]
+        raw = self.raw(name)
+        if t.type == "f32":
+            out = raw.view("<f4").reshape(t.shape).copy()
+        elif t.type == "bf16":
+            out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+        else:
+            n = int(np.prod(t.shape))
+            out = _DECODERS[TYPES[t.type][2]](raw, n).reshape(t.shape)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def release(self, name: str) -> None:
+        t = self.tensors.get(name)
+        if t is not None:
+            release_mapped_range(self._buf, t.offset, t.nbytes)
+
+
+def _fail(path: str, msg: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: corrupt corelm weights file: {msg}")
+
+
+def _map(path: str):
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < PREFIX.size:
+                raise _fail(path, f"file is {os.fstat(f.fileno()).st_size} bytes, shorter than the "
+                                  f"{PREFIX.size}-byte prefix")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"cannot open {path}: {e.strerror or e}") from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _no_dup(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return d
+
+
+def _parse(buf, path: str) -> Tuple[Dict[str, Any], Dict[str, TensorEntry]]:
+    size = len(buf)
+    magic, version, alignment, hlen, crc, _ = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _fail(path, f"bad magic {magic!r} (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise ModelLoadError(f"{path}: corelm weights format version {version}; this corelm reads version "
+                             f"{FORMAT_VERSION} (re-convert the model with this corelm)")
+    if alignment != ALIGNMENT:
+        raise _fail(path, f"alignment {alignment} (must be {ALIGNMENT})")
+    if hlen > MAX_HEADER_BYTES or hlen > size - PREFIX.size:
+        raise _fail(path, f"header length {hlen} does not fit in the {size}-byte file")
+    header = bytes(buf[PREFIX.size:PREFIX.size + hlen])
+    if zlib.crc32(header, zlib.crc32(bytes(buf[:24]))) & 0xFFFFFFFF != crc:
+        raise _fail(path, "header checksum mismatch (the file is damaged or was modified)")
+    try:
+        doc = json.loads(header.decode("utf-8"), object_pairs_hook=_no_dup)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(path, f"header is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
+        raise _fail(path, "header has no 'tensors' list")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _fail(path, "header 'metadata' is not an object")
+    data_start = pad(PREFIX.size + hlen)
+    data_size = size - data_start
+    tensors: Dict[str, TensorEntry] = {}
+    for i, t in enumerate(doc["tensors"]):
+        if not isinstance(t, dict) or set(t) != {"name", "type", "shape", "offset", "nbytes"}:
+            raise _fail(path, f"tensor entry #{i} must have exactly name, type, shape, offset, nbytes")
+        name, type_, shape, offset, nbytes = t["name"], t["type"], t["shape"], t["offset"], t["nbytes"]
+        if not isinstance(name, str) or not name or len(name) > 1024:
+            raise _fail(path, f"tensor entry #{i} has a bad name {name!r}")
+        if name in tensors:
+            raise _fail(path, f"duplicate tensor name {name!r}")
+        if type_ not in TYPES:
+            raise _fail(path, f"tensor {name!r} has unknown type {type_!r} (known: {', '.join(TYPES)})")
+        if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or \
+                not all(_is_int(d) and 0 < d <= MAX_TENSOR_BYTES for d in shape):
+            raise _fail(path, f"tensor {name!r} has a bad shape {shape!r}")
+        if TYPES[type_][0] > 1 and len(shape) != 2:
+            raise _fail(path, f"tensor {name!r} of block type {type_} must be a matrix")
+        try:
+            want = tensor_nbytes(type_, tuple(shape))
+        except ValueError as e:
+            raise _fail(path, f"tensor {name!r}: {e}") from None
+        if not _is_int(nbytes) or nbytes != want or want > MAX_TENSOR_BYTES:
+            raise _fail(path, f"tensor {name!r} claims {nbytes!r} bytes; a {type_} tensor of shape {shape} "
+                              f"takes {want}")
+        if not _is_int(offset) or offset < 0 or offset % ALIGNMENT:
+            raise _fail(path, f"tensor {name!r} has offset {offset!r}, not a non-negative multiple of {ALIGNMENT}")
+        if data_size < 0 or offset > data_size or nbytes > data_size - offset:
+            raise _fail(path, f"tensor {name!r} (offset {offset}, {nbytes} bytes) extends past the end of the "
+                              f"data section; the file is truncated")
+        tensors[name] = TensorEntry(name, type_, tuple(shape), data_start + offset, nbytes)
+    prev = None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if prev is not None and t.offset < prev.offset + prev.nbytes:
+            raise _fail(path, f"tensors {prev.name!r} and {t.name!r} overlap")
+        prev = t
+    return metadata, tensors
+
+
+# ---------------------------------------------------------------------------------------------------
+# config.json <-> ModelSpec.
+
+def spec_to_dict(spec: ModelSpec) -> Dict[str, Any]:
+    return asdict(spec)
+
+
+def spec_from_dict(d: Any, source: str) -> ModelSpec:
+    from .hf import validate_spec
+    names = {f.name for f in fields(ModelSpec)}
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{source}: config.json 'spec' is not an object")
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ModelLoadError(f"{source}: config.json 'spec' has unknown fields: {', '.join(unknown)}")
+    try:
+        spec = ModelSpec(**d)
+    except TypeError as e:
+        raise ModelLoadError(f"{source}: config.json 'spec': {e}") from None
+    if spec.arch not in ("llama", "mistral", "qwen2"):
+        raise ModelLoadError(f"{source}: unsupported architecture {spec.arch!r}")
+    if not isinstance(spec.eos_token_ids, list):
+        raise ModelLoadError(f"{source}: config.json 'spec.eos_token_ids' is not a list")
+    return validate_spec(spec, source)
+
+
+def is_corelm_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, WEIGHTS_FILE))
+
+
+def load_corelm_folder(folder: str) -> LoadedModel:
+    from .hf import _hf_chat_template, _optional_json, load_tokenizer, read_json
+    folder = os.path.abspath(folder)
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{folder}: has {WEIGHTS_FILE} but no {CONFIG_FILE}")
+    config = read_json(config_path, CONFIG_FILE)
+    if not isinstance(config, dict) or config.get("format") != "corelm":
+        raise ModelLoadError(f"{config_path}: not a corelm model config (no \"format\": \"corelm\")")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ModelLoadError(f"{config_path}: corelm format version {config.get('format_version')!r}; this "
+                             f"corelm reads version {FORMAT_VERSION} (re-convert the model)")
+    spec = spec_from_dict(config.get("spec"), folder)
+    w = CorelmWeights(os.path.join(folder, WEIGHTS_FILE))
+    expected = weight_shapes(spec)
+    missing = [n for n in expected if n not in w.tensors]
+    extra = [n for n in w.tensors if n not in expected]
+    if missing or extra:
+        raise ModelLoadError(f"{w.path}: tensors do not match config.json: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+    for n, want in expected.items():
+        if w.tensors[n].shape != tuple(want):
+            raise ModelLoadError(f"{w.path}: tensor {n} has shape {w.tensors[n].shape}, config.json implies "
+                                 f"{tuple(want)}")
+
+    def get_weight(name: str) -> np.ndarray:
+        if name not in w.tensors:
+            raise ModelLoadError(f"no weight named {name!r}")
+        return w.get_f32(name)
+
+    def get_raw_weight(name: str):
+        t = w.tensors.get(name)
+        if t is None or TYPES[t.type][2] is None:
+            return None
+        return TYPES[t.type][2], w.raw(name).reshape(t.shape[0], -1), t.shape
+
+    kinds: Dict[str, int] = {}
+    for t in w.tensors.values():
+        kinds[t.type] = kinds.get(t.type, 0) + t.nbytes
+    order = sorted(kinds, key=kinds.get, reverse=True)
+    return LoadedModel(
+        spec=spec, get_weight=get_weight, get_raw_weight=get_raw_weight, release_weight=w.release,
+        tokenizer=load_tokenizer("from_hf_folder", folder, folder), chat_template=_hf_chat_template(folder),
+        generation_config=_optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json"),
+        source=folder, source_format="corelm",
+        description=f"corelm v{FORMAT_VERSION} {config.get('weights', '?')} ({'/'.join(order)})")

@@ -1,0 +1,258 @@
+"""`corelm convert` and the corelm model folder (docs/model-format.md): quantizers, the same logits as the
+engine's in-memory dtypes, GGUF blocks copied without a float round trip, strict validation of
+weights.corelm, the LLM(path, weights=...) cache and the CLI."""
+import json
+import os
+import shutil
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import DEFAULT_GGUF, MODELS
+from test_quant import ggml_quantize
+
+import corelm
+from corelm import _core
+from corelm.cli import main as cli_main
+from corelm.convert import cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q8_0, to_bf16
+from corelm.engine import build_core_model
+from corelm.loader import ModelLoadError, load_model
+from corelm.loader.corelm_format import ALIGNMENT, MAGIC, PREFIX, WEIGHTS_FILE, CorelmWeights
+from corelm.loader.gguf import _DECODERS, read_gguf
+
+STORIES = os.path.join(MODELS, "stories260K")
+TINY_QWEN2 = os.path.join(MODELS, "tiny-qwen2")
+IDS = np.array([1, 403, 407, 261, 378, 429, 297, 261, 300, 400, 268, 500], np.int32)
+BEST = _core.cpu_info()["kernels"]["matmul_fp32"]
+
+
+def logits(path, dtype, ids=IDS):
+    return build_core_model(load_model(path), dtype=dtype, threads=1).forward(ids, 0, True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# quantizers
+
+def test_q8_0_matches_ggml_reference_bytes():
+    w = np.random.default_rng(0).standard_normal((37, 256)).astype(np.float32)
+    w[3] = 0
+    w[5, :32] *= 50
+    assert np.array_equal(quantize_q8_0(w), ggml_quantize(w, "Q8_0"))
+
+
+def test_q4_0_matches_the_engines_quantizer():
+    """Stored blocks dequantize to what the engine's own dtype="q4" packing gives (the best table)."""
+    w = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
+    w[2] = 0
+    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_0(w), "Q4_0", *w.shape)
+    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4", r) for r in range(w.shape[0])])
+    assert np.mean(ours != engine) < 1e-4       # at most a rare near-tie rounds the other way
+    ref = _DECODERS["Q4_0"](ggml_quantize(w, "Q4_0").reshape(-1), w.size).reshape(w.shape)
+    assert np.mean(ours != ref) < 1e-3
+
+
+def test_q4_1_matches_the_engines_quantizer():
+    w = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32)
+    w[2], w[5] = 0, w[5] + 3
+    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_1(w), "Q4_1", *w.shape)
+    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4m", r) for r in range(w.shape[0])])
+    assert np.mean(ours != engine) < 1e-4
+    ref = _DECODERS["Q4_1"](ggml_quantize(w, "Q4_1").reshape(-1), w.size).reshape(w.shape)
+    assert np.mean(ours != ref) < 1e-3
+
+
+def test_bf16_round_to_nearest_even():
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, np.nan, 3.0e38], np.float32)
+    b = to_bf16(x)
+    back = (b.astype(np.uint32) << 16).view(np.float32)
+    assert back[0] == 1.0 and back[1] == 1.0 and back[2] == 1 + 2 ** -6 and back[3] == -2.5
+    assert np.isinf(back[4]) and np.isnan(back[5]) and np.isfinite(back[6])
+
+
+# ---------------------------------------------------------------------------------------------------
+# converted folders compute what the engine builds in memory
+
+def q4m_reference(src):
+    """src with every whole-block matrix as ggml-reference Q4_1 blocks (test_quant's numpy quantizer)."""
+    m = load_model(src)
+
+    def raw(name):
+        w = m.get_weight(name)
+        if w.ndim != 2 or w.shape[1] % 32:
+            return None
+        return "Q4_1", ggml_quantize(w, "Q4_1"), w.shape
+    m.get_raw_weight = raw
+    return m
+
+
+@pytest.mark.parametrize("weights,dtype", [("f32", "fp32"), ("bf16", "bf16"), ("q8", "q8"), ("q4", "q4")])
+@pytest.mark.parametrize("src", [STORIES, TINY_QWEN2])
+def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype):
+    """f32/bf16/q8 folders compute exactly what the engine builds from the source with that dtype; a q4
+    folder (Q4_1-style blocks) what it builds from ggml-reference Q4_1 blocks (up to rare near-ties)."""
+    out = convert(src, str(tmp_path / "m"), weights=weights)
+    m = load_model(out)
+    assert m.source_format == "corelm" and m.spec == load_model(src).spec
+    b = logits(out, dtype)
+    if weights == "q4":
+        a = build_core_model(q4m_reference(src), dtype="q4", threads=1).forward(IDS, 0, True)
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
+    else:
+        assert np.array_equal(logits(src, dtype), b)
+    # the tokenizer and chat template come along
+    s = "Once upon a time, there was a little girl."
+    assert m.tokenizer.encode(s) == load_model(src).tokenizer.encode(s)
+    assert m.chat_template == load_model(src).chat_template
+
+
+def test_layout_is_aligned_and_sized(tmp_path):
+    out = convert(STORIES, str(tmp_path / "m"), weights="q8")
+    w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
+    assert all(t.offset % ALIGNMENT == 0 for t in w.tensors.values())
+    assert w.tensors["layers.0.wq"].type == "q8" and w.tensors["layers.0.attn_norm"].type == "f32"
+    assert w.tensors["layers.0.w_down"].type == "f32"       # 172 columns: not whole blocks, left to the engine
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["format"] == "corelm" and cfg["format_version"] == 1 and cfg["weights"] == "q8"
+
+
+@pytest.mark.skipif(not os.path.isfile(DEFAULT_GGUF), reason="embedded SmolLM2 GGUF missing")
+def test_gguf_blocks_are_copied_not_requantized(tmp_path):
+    out = convert(DEFAULT_GGUF, str(tmp_path / "smol-q4"), weights="q4")
+    w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
+    g = read_gguf(DEFAULT_GGUF)
+    # qwen-style naming is irrelevant here: SmolLM2 is llama, so wq/wk rows are un-permuted whole rows
+    for name, gname in [("layers.3.wv", "blk.3.attn_v.weight"), ("layers.7.w_down", "blk.7.ffn_down.weight")]:
+        assert w.tensors[name].type == "q4m"
+        assert np.array_equal(w.raw(name), g.raw(gname))
+    assert w.tensors["layers.0.wq"].type == "q4m"
+    assert sum(t.type == "q4m" for t in w.tensors.values()) == 211      # incl. the Q8_0 embedding, re-quantized
+    ids = np.array(load_model(DEFAULT_GGUF).tokenizer.encode("The capital of France is"), np.int32)
+    a, b = logits(DEFAULT_GGUF, "auto", ids), logits(out, "q4", ids)   # auto: the GGUF keeps its Q8_0 embedding
+    assert np.mean((a - b) ** 2) / np.mean(a ** 2) < 0.02
+    assert a[-1].argmax() == b[-1].argmax()
+    a, b = load_model(DEFAULT_GGUF), load_model(out)
+    for s in ["Hello <|im_start|>user\nWhat is 2+2? ünïcödé 🙂", "  spaces\tand\nnewlines  "]:
+        assert a.tokenizer.encode(s) == b.tokenizer.encode(s)
+    assert a.tokenizer.eos_token_ids == b.tokenizer.eos_token_ids
+    assert a.chat_template == b.chat_template
+    assert a.spec == b.spec
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return convert(STORIES, str(tmp_path_factory.mktemp("good") / "m"), weights="q8")
+
+
+def _copy(good, tmp_path):
+    d = str(tmp_path / "bad")
+    shutil.copytree(good, d)
+    return d, os.path.join(d, WEIGHTS_FILE)
+
+
+def _rewrite_header(path, edit, fix_crc=True):
+    """Apply edit(header_dict) and write the header back (same length, padded with spaces), re-CRC'd."""
+    data = bytearray(open(path, "rb").read())
+    magic, ver, align, hlen, crc, res = PREFIX.unpack_from(data, 0)
+    doc = json.loads(bytes(data[PREFIX.size:PREFIX.size + hlen]))
+    doc["metadata"] = {}        # room for edits that lengthen an entry
+    edit(doc)
+    new = json.dumps(doc, separators=(",", ":")).encode()
+    assert len(new) <= hlen, "edit made the header longer"
+    new = new + b" " * (hlen - len(new))
+    data[PREFIX.size:PREFIX.size + hlen] = new
+    if fix_crc:
+        crc = zlib.crc32(new, zlib.crc32(bytes(data[:24]))) & 0xFFFFFFFF
+        struct.pack_into("<I", data, 24, crc)
+    open(path, "wb").write(bytes(data))
+
+
+def _entry(doc, name):
+    return next(t for t in doc["tensors"] if t["name"] == name)
+
+
+BAD_HEADERS = {
+    "unknown type": (lambda d: _entry(d, "norm").update(type="q9"), "unknown type"),
+    "nbytes mismatch": (lambda d: _entry(d, "norm").update(nbytes=_entry(d, "norm")["nbytes"] - 4), "takes"),
+    "misaligned": (lambda d: _entry(d, "layers.0.wq").update(offset=_entry(d, "layers.0.wq")["offset"] + 4),
+                   "multiple of 64"),
+    "past the end": (lambda d: _entry(d, "norm").update(offset=1 << 40), "past the end"),
+    "overlap": (lambda d: _entry(d, "layers.0.wk").update(offset=_entry(d, "layers.0.wq")["offset"]), "overlap"),
+    "duplicate name": (lambda d: _entry(d, "layers.0.wk").update(name="layers.0.wq"), "duplicate"),
+    "bad shape": (lambda d: _entry(d, "norm").update(shape=[-64]), "bad shape"),
+    "block type on a vector": (lambda d: _entry(d, "norm").update(type="q8", nbytes=0), "matrix"),
+    "missing tensor": (lambda d: _entry(d, "norm").update(name="norm_x"), "do not match config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_corrupt_headers_are_refused(good, tmp_path, case):
+    edit, msg = BAD_HEADERS[case]
+    d, path = _copy(good, tmp_path)
+    _rewrite_header(path, edit)
+    with pytest.raises(ModelLoadError, match=msg):
+        load_model(d)
+
+
+def test_checksum_magic_version_truncation(good, tmp_path):
+    d, path = _copy(good, tmp_path)
+    _rewrite_header(path, lambda doc: _entry(doc, "norm").update(offset=0), fix_crc=False)
+    with pytest.raises(ModelLoadError, match="checksum"):
+        load_model(d)
+    orig = open(os.path.join(good, WEIGHTS_FILE), "rb").read()
+    for data, msg in [(b"NOTCORLM" + orig[8:], "bad magic"), (orig[:8] + struct.pack("<I", 9) + orig[12:], "version 9"),
+                      (orig[:20], "shorter"), (orig[:len(orig) // 2], "past the end"),
+                      (orig[:16] + struct.pack("<Q", 1 << 40) + orig[24:], "header length")]:
+        open(path, "wb").write(data)
+        with pytest.raises(ModelLoadError, match=msg):
+            load_model(d)
+    assert orig[:8] == MAGIC
+
+
+def test_bad_config(good, tmp_path):
+    d, _ = _copy(good, tmp_path)
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    for edit, msg in [(dict(format_version=2), "format version"), (dict(format="hf"), "not a corelm"),
+                      (dict(spec={**cfg["spec"], "bogus": 1}), "unknown fields"),
+                      (dict(spec={**cfg["spec"], "num_layers": 0}), "num_layers")]:
+        json.dump({**cfg, **edit}, open(cfg_path, "w"))
+        with pytest.raises(ModelLoadError, match=msg):
+            load_model(d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LLM(path, weights=...) and the CLI
+
+def test_llm_weights_converts_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORELM_CACHE", str(tmp_path / "cache"))
+    llm = corelm.LLM(STORIES, threads=1, weights="q8")
+    assert llm.dtype == "q8" and llm.loaded.source_format == "corelm"
+    folder = llm.model_path
+    assert folder.startswith(str(tmp_path / "cache"))
+    stamp = os.stat(os.path.join(folder, WEIGHTS_FILE)).st_mtime_ns
+    out1 = llm.generate("Once upon a time", corelm.SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    llm2 = corelm.LLM(STORIES, threads=1, weights="q8")
+    assert llm2.model_path == folder and os.stat(os.path.join(folder, WEIGHTS_FILE)).st_mtime_ns == stamp
+    out2 = llm2.generate("Once upon a time", corelm.SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    ref = corelm.LLM(STORIES, threads=1, dtype="q8")
+    assert out1 == out2 == ref.generate("Once upon a time",
+                                        corelm.SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    assert cached_conversion(STORIES, "q4", progress=False) != folder
+    with pytest.raises(ValueError, match="weights must be"):
+        corelm.LLM(STORIES, threads=1, weights="q3")
+
+
+def test_cli_convert(tmp_path, capsys):
+    out = str(tmp_path / "m")
+    assert cli_main(["convert", STORIES, "-o", out, "--weights", "q4", "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert load_model(out).description.startswith("corelm v1 q4")
+    assert cli_main(["convert", STORIES, "-o", out, "--weights", "q4", "--no-progress"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert cli_main(["convert", STORIES, "-o", out, "--weights", "bf16", "--no-progress", "--force"]) == 0
+    assert cli_main(["convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x"), "--no-progress"]) == 1
