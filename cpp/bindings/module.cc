@@ -18,6 +18,7 @@ using namespace corelm;
 namespace corelm {
 py::dict amx_info();                 // bindings/amx.cc
 void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
+void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
 }
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -66,6 +67,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   c.rope_inv_freq = get<std::vector<float>>(d, "rope_inv_freq");
   c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
   c.n_threads = get<int>(d, "n_threads");
+  c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
   return c;
 }
 
@@ -96,6 +98,7 @@ PYBIND11_MODULE(_core, m) {
     d["amx"] = amx_info();
     return d;
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
+  bind_runtime(m);
 
   py::class_<PyModel>(m, "Model")
       .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
@@ -129,6 +132,8 @@ PYBIND11_MODULE(_core, m) {
          "Run tokens at positions [pos, pos+len); returns the last token's logits, or all of them.")
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
+      .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
+                             "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

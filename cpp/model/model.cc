@@ -38,7 +38,8 @@ static std::shared_ptr<float> alloc_floats(size_t n) {
   return std::shared_ptr<float>(static_cast<float*>(p), free);  // pages are touched only when used
 }
 
-Model::Model(const ModelConfig& cfg) : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads)) {
+Model::Model(const ModelConfig& cfg)
+    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;
   rope_cos_.resize(cfg_.max_seq_len * half);

@@ -29,6 +29,7 @@ struct ModelConfig {
   std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
   WeightType weight_type = WeightType::F32;
   int n_threads = 1;
+  bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -63,6 +64,7 @@ class Model {
   const KernelTable& kernel_table() const { return kt_; }
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
   int n_threads() const { return pool_.size(); }
+  const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
 
