@@ -256,3 +256,16 @@ def test_cli_convert(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["convert", STORIES, "-o", out, "--weights", "bf16", "--no-progress", "--force"]) == 0
     assert cli_main(["convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x"), "--no-progress"]) == 1
+
+
+@pytest.mark.skipif(not os.path.isfile(DEFAULT_GGUF), reason="embedded SmolLM2 GGUF missing")
+def test_gguf_q8_0_copied_for_q8(tmp_path):
+    """--weights q8 from a GGUF copies its Q8_0 tensors (here the embedding) and quantizes the rest."""
+    out = convert(DEFAULT_GGUF, str(tmp_path / "smol-q8"), weights="q8")
+    w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
+    g = read_gguf(DEFAULT_GGUF)
+    assert g.tensors["token_embd.weight"].type_name == "Q8_0"
+    assert np.array_equal(w.raw("tok_embeddings"), g.raw("token_embd.weight"))
+    assert all(t.type == ("q8" if len(t.shape) == 2 else "f32") for t in w.tensors.values())
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["source"]["format"] == "gguf" and cfg["tensor_types"] == {"q8": 211, "f32": 61}

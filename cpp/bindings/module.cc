@@ -18,6 +18,7 @@ using namespace corelm;
 namespace corelm {
 py::dict amx_info();                 // bindings/amx.cc
 void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
+void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
 }
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -76,6 +77,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
+  c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
   return c;
 }
 
@@ -106,6 +108,7 @@ PYBIND11_MODULE(_core, m) {
     d["amx"] = amx_info();
     return d;
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
+  bind_runtime(m);
 
   py::class_<PyModel>(m, "Model")
       .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
@@ -179,6 +182,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
+      .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
+                             "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

@@ -39,7 +39,7 @@ static int64_t default_kv_blocks(const ModelConfig& c) {
 }
 
 Model::Model(const ModelConfig& cfg)
-    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads)),
+    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;

@@ -33,6 +33,7 @@ struct ModelConfig {
   KVType kv_type = KVType::F32;
   int64_t kv_block_size = 16;      // tokens per KV block
   int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
+  bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -85,6 +86,7 @@ class Model {
   const KernelTable& kernel_table() const { return kt_; }
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
   int n_threads() const { return pool_.size(); }
+  const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
 

@@ -9,6 +9,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace corelm {
@@ -66,7 +67,9 @@ Topology read_topology(const std::string& sysfs_root = "/sys", bool probe_cpuid 
 // The machine's topology, read once (thread-safe).
 const Topology& system_topology();
 
-// The logical CPUs this process may run on (sched_getaffinity), ascending; empty when unknown.
+// The logical CPUs this process may run on, ascending; empty when unknown. Linux keeps the mask per
+// thread: this is the calling thread's (sched_getaffinity), which is what taskset or
+// os.sched_setaffinity set, and what threads it starts inherit.
 std::vector<int> process_allowed_cpus();
 
 struct PlanPolicy {
@@ -90,9 +93,12 @@ int default_thread_count(const Topology& topo, const std::vector<int>& allowed =
 std::vector<int> plan_threads(const Topology& topo, int n_threads, const std::vector<int>& allowed = {},
                               const PlanPolicy& policy = {});
 
-// Pins the calling thread to one logical CPU. False (and the affinity is left alone) when the CPU
-// is negative or the kernel refuses, as it does in containers whose cpuset excludes it.
+// Pins a thread to one logical CPU, or lets it run on a set. False (and the affinity is left alone)
+// when a CPU is negative or the kernel refuses, as it does in containers whose cpuset excludes it.
+bool set_thread_cpus(std::thread::native_handle_type thread, const std::vector<int>& cpus);
+bool pin_thread(std::thread::native_handle_type thread, int cpu);
 bool pin_current_thread(int cpu);
+bool set_current_thread_cpus(const std::vector<int>& cpus);
 
 // Parses a sysfs CPU list ("0-3,8,10-11\n"); false on malformed input (out is then unspecified).
 bool parse_cpu_list(const std::string& text, std::vector<int>* out);

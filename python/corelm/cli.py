@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Show the CPU, its features, the kernels corelm picked, memory, "
                                       "and with MODEL the model's hyper-parameters (without building it).")
     info.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    info.add_argument("-t", "--threads", type=int, default=None,
+                      help="show the thread plan for this many threads (default: the default count)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_info)
 
@@ -518,7 +520,22 @@ def _core_info() -> Dict[str, Any]:
         return {"error": f"corelm._core is not available ({type(e).__name__}: {e})"}
 
 
-def system_info() -> Dict[str, Any]:
+def topology_info(root: Optional[str] = None, threads: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """The C++ core's view of the CPU topology (sysfs below root, default this machine) with the
+    thread plan for `threads` (default: the default count) under "thread_plan"; None without the core."""
+    try:
+        core = importlib.import_module("corelm._core")
+        topo = dict(core.topology(root))
+        plan = list(core.plan_threads(threads, root))
+    except Exception:   # not built, or a core that predates the topology: info still describes the rest
+        return None
+    cpus = {c["id"]: c for c in topo["cpus"]}
+    topo["thread_plan"] = [dict(thread=i, cpu=cpu, **{k: cpus[cpu][k] for k in ("core", "node", "type")})
+                           if cpu in cpus else dict(thread=i, cpu=-1) for i, cpu in enumerate(plan)]
+    return topo
+
+
+def system_info(threads: Optional[int] = None) -> Dict[str, Any]:
     try:
         import psutil
         physical, logical = psutil.cpu_count(logical=False), psutil.cpu_count(logical=True)
@@ -528,15 +545,20 @@ def system_info() -> Dict[str, Any]:
         physical, logical, memory = None, os.cpu_count(), {}
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
     core = _core_info()
+    topo = topology_info(threads=threads) if "error" not in core else None
     info: Dict[str, Any] = {
         "corelm_version": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": {"model": core.get("brand") or _cpuinfo_field("model name") or platform.processor() or None,
                 "arch": platform.machine(), "physical_cores": physical, "logical_cores": logical,
-                "usable_cores": usable, "numa_nodes": _numa_nodes()},
+                "usable_cores": usable, "numa_nodes": len(topo["nodes"]) if topo else _numa_nodes()},
         "memory": memory,
     }
+    if topo:
+        from .engine import default_pin_threads
+        info["thread_plan"] = topo.pop("thread_plan")
+        info.update(topology=topo, pin_threads=default_pin_threads())
     if "error" in core:
         flags = set((_cpuinfo_field("flags") or _cpuinfo_field("Features") or "").split())
         info.update(features=[f for f in _INTERESTING_FLAGS if f in flags], features_source="/proc/cpuinfo",
@@ -573,6 +595,66 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _cpu_ranges(ids: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    ids, parts = sorted(ids), []
+    for i in ids:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_topology(topo: Dict[str, Any], plan: List[Dict[str, Any]], pinned: bool,
+                    max_plan_lines: int = 16) -> List[str]:
+    """Packages, nodes, cores (P/E on hybrid CPUs), SMT, caches, then which thread runs where."""
+    cores = topo["cores"]
+    kinds = ""
+    if topo["hybrid"]:
+        kinds = " (" + " + ".join(f"{sum(c['type'] == t for c in cores)} {t}" for t in ("P", "E")) + ")"
+    tpc = topo["threads_per_core"]
+    lines = [f"Topology:  {_plural(len(topo['packages']), 'package')}, {_plural(len(topo['nodes']), 'NUMA node')}, "
+             f"{_plural(len(cores), 'core')}{kinds}, {_plural(len(topo['cpus']), 'logical CPU')}, "
+             + (f"SMT {tpc}" if tpc > 1 else "no SMT")]
+    for node in topo["nodes"]:
+        ids = [c["id"] for c in topo["cpus"] if c["node"] == node]
+        lines.append(f"           node {node}: CPUs {_cpu_ranges(ids)} "
+                     f"({_plural(sum(c['node'] == node for c in cores), 'core')})")
+    groups: Dict[tuple, int] = {}
+    for c in topo["caches"]:
+        name = f"L{c['level']}" + {"Data": "d", "Instruction": "i"}.get(c["type"], "")
+        groups[(name, c["size"], len(c["cpus"]))] = groups.get((name, c["size"], len(c["cpus"])), 0) + 1
+    if groups:
+        lines.append("Caches:    " + ", ".join(
+            f"{name} {_bytes(size)} x{count}" + (f" (shared by {n} CPUs)" if n > 1 else "")
+            for (name, size, n), count in groups.items()))
+    where = "pinned" if pinned else "not pinned (CORELM_PIN_THREADS=0)"
+    lines.append(f"Threads:   {len(plan)}, workers {where}; thread 0 is the calling thread (not pinned)")
+    for t in plan[:max_plan_lines]:
+        if t["cpu"] < 0:
+            lines.append(f"           thread {t['thread']} -> no CPU (more threads than allowed CPUs): not pinned")
+            continue
+        kind = f", {t['type']}" if t["type"] != "?" else ""
+        lines.append(f"           thread {t['thread']} -> cpu {t['cpu']} (core {t['core']}, node {t['node']}{kind})")
+    if len(plan) > max_plan_lines:
+        lines.append(f"           ... {len(plan) - max_plan_lines} more (see --json)")
+    for note in topo["notes"]:
+        lines.append(f"           note: {note}")
+    return lines
+
+
 def format_info(info: Dict[str, Any]) -> str:
     cpu, mem = info["cpu"], info["memory"]
     lines = [
@@ -592,6 +674,8 @@ def format_info(info: Dict[str, Any]) -> str:
     if amx is not None:
         lines.append("AMX:       " + ("available (AMX-BF16/INT8 GEMM kernels, not yet used by the forward pass)"
                                       if amx.get("available") else f"absent ({amx.get('reason') or '?'})"))
+    if info.get("topology"):
+        lines += format_topology(info["topology"], info["thread_plan"], info["pin_threads"])
     model = info.get("model")
     if model:
         lines += [
@@ -606,7 +690,9 @@ def format_info(info: Dict[str, Any]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = system_info()
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        raise ValueError(f"--threads must be in [1, 1024], got {args.threads}.")
+    info = system_info(threads=args.threads)
     if args.model:
         info["model"] = model_info(args.model)
     print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))

@@ -17,8 +17,14 @@ RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0", "
 
 
 def default_threads() -> int:
-    """Physical cores this process may run on: SMT siblings share execution units and only add
-    contention to bandwidth-bound decode."""
+    """The physical cores of the first NUMA node this process may use (P- and E-cores on hybrid CPUs),
+    as the C++ thread plan counts them: SMT siblings share execution units and only add contention to
+    bandwidth-bound decode, and another node's cores would read the weights across the interconnect."""
+    try:
+        from . import _core
+        return max(1, len(_core.plan_threads()))
+    except Exception:   # the core is not built (or predates the plan): count cores with psutil
+        pass
     try:
         allowed = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -31,6 +37,12 @@ def default_threads() -> int:
         return max(1, min(physical, allowed // per_core))
     except Exception:
         return max(1, allowed)
+
+
+def default_pin_threads() -> bool:
+    """Workers are pinned one per physical core unless CORELM_PIN_THREADS=0 (for a machine shared
+    with other pinned jobs, where two pools pinned to the same cores would take turns)."""
+    return os.environ.get("CORELM_PIN_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -70,14 +82,16 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
     raise ModelLoadError(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
 
 
-def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int) -> Dict[str, Any]:
+def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
+                pin_threads: bool = True) -> Dict[str, Any]:
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < max_seq_len else 0
     return dict(vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
                 n_layers=spec.num_layers, n_heads=spec.num_heads, n_kv_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim, norm_eps=float(spec.rms_norm_eps),
                 tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
                 sliding_window=int(window), max_seq_len=int(max_seq_len),
-                rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads))
+                rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads),
+                pin_threads=bool(pin_threads))
 
 
 _RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
@@ -104,9 +118,10 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
 
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
-                     kv_cache_gb: Optional[float] = None):
+                     kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
-    the packed model plus one fp32 tensor."""
+    the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
+    pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs."""
     from . import _core
     spec = loaded.spec
     threads = default_threads() if threads is None else int(threads)
@@ -118,7 +133,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
-    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len))
+    pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
+    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin)
     config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
