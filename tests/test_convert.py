@@ -16,7 +16,8 @@ from test_quant import ggml_quantize
 import corelm
 from corelm import _core
 from corelm.cli import main as cli_main
-from corelm.convert import cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q8_0, to_bf16
+from corelm.convert import (cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q4_1_search,
+                            quantize_q8_0, to_bf16)
 from corelm.engine import build_core_model
 from corelm.loader import ModelLoadError, load_model
 from corelm.loader.corelm_format import ALIGNMENT, MAGIC, PREFIX, WEIGHTS_FILE, CorelmWeights
@@ -63,6 +64,24 @@ def test_q4_1_matches_the_engines_quantizer():
     assert np.mean(ours != ref) < 1e-3
 
 
+def _q4_1_sse(raw, w):
+    return float(np.sum((_DECODERS["Q4_1"](raw.reshape(-1), w.size).reshape(w.shape) - w) ** 2))
+
+
+def test_q4_1_search_beats_round_to_nearest():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 512)).astype(np.float32) * np.float32(0.02)
+    w[:, ::37] *= 8                                          # outliers, as real weight rows have
+    w[7] = 0
+    raw = quantize_q4_1_search(w)
+    assert raw.shape == quantize_q4_1(w).shape
+    assert _q4_1_sse(raw, w) < 0.9 * _q4_1_sse(quantize_q4_1(w), w)
+    assert (raw.reshape(64, -1, 20)[7, :, 4:] == 0).all()       # zero rows stay zero
+    # weights already on a Q4_1 grid (a dequantized Q4_1 model) come back without loss
+    g = _DECODERS["Q4_1"](ggml_quantize(w, "Q4_1").reshape(-1), w.size).reshape(w.shape)
+    assert _q4_1_sse(quantize_q4_1_search(g), g) <= 1e-6 * float(np.sum(g ** 2))
+
+
 def test_bf16_round_to_nearest_even():
     x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, np.nan, 3.0e38], np.float32)
     b = to_bf16(x)
@@ -75,14 +94,14 @@ def test_bf16_round_to_nearest_even():
 # converted folders compute what the engine builds in memory
 
 def q4m_reference(src):
-    """src with every whole-block matrix as ggml-reference Q4_1 blocks (test_quant's numpy quantizer)."""
+    """src with every whole-block matrix handed to the engine as quantize_q4_1_search blocks."""
     m = load_model(src)
 
     def raw(name):
         w = m.get_weight(name)
         if w.ndim != 2 or w.shape[1] % 32:
             return None
-        return "Q4_1", ggml_quantize(w, "Q4_1"), w.shape
+        return "Q4_1", quantize_q4_1_search(w), w.shape
     m.get_raw_weight = raw
     return m
 
@@ -91,14 +110,14 @@ def q4m_reference(src):
 @pytest.mark.parametrize("src", [STORIES, TINY_QWEN2])
 def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype):
     """f32/bf16/q8 folders compute exactly what the engine builds from the source with that dtype; a q4
-    folder (Q4_1-style blocks) what it builds from ggml-reference Q4_1 blocks (up to rare near-ties)."""
+    folder (Q4_1 blocks from quantize_q4_1_search) what it builds from those blocks."""
     out = convert(src, str(tmp_path / "m"), weights=weights)
     m = load_model(out)
     assert m.source_format == "corelm" and m.spec == load_model(src).spec
     b = logits(out, dtype)
     if weights == "q4":
         a = build_core_model(q4m_reference(src), dtype="q4", threads=1).forward(IDS, 0, True)
-        assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
+        assert np.array_equal(a, b)
     else:
         assert np.array_equal(logits(src, dtype), b)
     # the tokenizer and chat template come along

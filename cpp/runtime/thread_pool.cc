@@ -39,7 +39,7 @@ ThreadPool::~ThreadPool() {
   for (auto& w : workers_) w.join();
 }
 
-int ThreadPool::claim_slots(uint64_t generation) {
+int ThreadPool::claim_slots(uint64_t generation, bool worker) {
   for (int ran = 0;;) {
     uint64_t s = hot_.state.load(std::memory_order_acquire);
     if ((s >> kSlotBits) != generation) return ran;           // that region is over
@@ -48,6 +48,8 @@ int ThreadPool::claim_slots(uint64_t generation) {
     if (!hot_.state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
     hot_.fn(hot_.ctx, slot, hot_.n_slots);  // safe: the region can't end while this slot is unfinished
     ran++;
+    // At once, before looking for another slot: the caller may be waiting on this very count.
+    if (worker) hot_.worker_done.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -69,7 +71,7 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
     cv_.notify_all();
   }
   // When the caller's claim_slots returns, every slot is claimed; workers hold the ones it did not run.
-  worker_done_target_ += n_threads_ - claim_slots(gen);
+  worker_done_target_ += n_threads_ - claim_slots(gen, /*worker=*/false);
   while (hot_.worker_done.load(std::memory_order_acquire) != worker_done_target_) cpu_relax();
 }
 
@@ -92,7 +94,7 @@ void ThreadPool::worker_loop() {
     }
     seen = gen;
     if (stop_.load()) return;
-    if (int ran = claim_slots(gen)) hot_.worker_done.fetch_add(ran, std::memory_order_release);
+    claim_slots(gen, /*worker=*/true);
   }
 }
 

@@ -45,7 +45,7 @@ class ThreadPool {
 
  private:
   void worker_loop();
-  int claim_slots(uint64_t generation);  // returns how many slots this thread ran
+  int claim_slots(uint64_t generation, bool worker);  // returns how many slots this thread ran
 
   static constexpr int kSlotBits = 16;
 
