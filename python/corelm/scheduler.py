@@ -258,12 +258,12 @@ class BatchEngine:
                 self._finish(r)
                 out.append((rid, StreamChunk("", None, "abort")))
             plan = self._schedule()
-        if not plan:
-            if self._waiting and not self._running:
-                r = self._waiting.popleft()  # cannot ever fit: fail it rather than spin
+            if not plan and self._waiting and not self._running:
+                r = self._waiting.popleft()  # cannot fit even in an empty cache: fail it rather than spin
                 r.seq.abort()
                 self._finish(r)
                 out.append((r.rid, StreamChunk("", None, "abort")))
+        if not plan:
             return out
         tokens, slices = [], []
         for r, n in plan:
@@ -280,8 +280,9 @@ class BatchEngine:
             r.tokens.append(chunk.token_id)
             out.append((r.rid, chunk))
             if r.seq.finished:
-                self._running.remove(r)
-                self._finish(r)
+                with self._lock:  # add_request (another thread) reads the id set
+                    self._running.remove(r)
+                    self._finish(r)
         return out
 
     def _register_full_blocks(self, r: _Request) -> None:
