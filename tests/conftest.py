@@ -29,3 +29,22 @@ def corpus_tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture
+def stub_tokenizer(monkeypatch):
+    """The loaders only hand metadata to corelm.tokenizer; a stub keeps loader tests about the loader."""
+    import types
+    mod = types.ModuleType("corelm.tokenizer")
+
+    class Tokenizer:
+        @classmethod
+        def from_gguf_metadata(cls, metadata):
+            return ("gguf", metadata)
+
+        @classmethod
+        def from_hf_folder(cls, folder):
+            return ("hf", folder)
+
+    mod.Tokenizer = Tokenizer
+    monkeypatch.setitem(sys.modules, "corelm.tokenizer", mod)

@@ -1,8 +1,6 @@
 """GGUF parsing, dequantization against scalar references, the llama q/k un-permutation, and GGUF -> LoadedModel."""
 import os
 import struct
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -30,22 +28,7 @@ from conftest import corpus_tool  # noqa: E402
 tool = corpus_tool()
 
 
-@pytest.fixture(autouse=True)
-def stub_tokenizer(monkeypatch):
-    """The loader only hands metadata to corelm.tokenizer; a stub keeps these tests about the loader."""
-    mod = types.ModuleType("corelm.tokenizer")
-
-    class Tokenizer:
-        @classmethod
-        def from_gguf_metadata(cls, metadata):
-            return ("gguf", metadata)
-
-        @classmethod
-        def from_hf_folder(cls, folder):
-            return ("hf", folder)
-
-    mod.Tokenizer = Tokenizer
-    monkeypatch.setitem(sys.modules, "corelm.tokenizer", mod)
+pytestmark = pytest.mark.usefixtures("stub_tokenizer")  # conftest: keeps these tests about the loader
 
 
 # ---------------------------------------------------------------------------------------------------

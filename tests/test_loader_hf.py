@@ -5,7 +5,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -34,21 +33,7 @@ def _tiny(name):
     return d
 
 
-@pytest.fixture(autouse=True)
-def stub_tokenizer(monkeypatch):
-    mod = types.ModuleType("corelm.tokenizer")
-
-    class Tokenizer:
-        @classmethod
-        def from_gguf_metadata(cls, metadata):
-            return ("gguf", metadata)
-
-        @classmethod
-        def from_hf_folder(cls, folder):
-            return ("hf", folder)
-
-    mod.Tokenizer = Tokenizer
-    monkeypatch.setitem(sys.modules, "corelm.tokenizer", mod)
+pytestmark = pytest.mark.usefixtures("stub_tokenizer")  # conftest: keeps these tests about the loader
 
 
 def copy_model(src, dst, config=None, generation_config=None, drop=(), add=None, files=None):
