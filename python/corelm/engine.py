@@ -13,7 +13,7 @@ from .loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
 
 DTYPES = ("auto", "bf16", "fp32", "q8", "q4")
 # GGUF block types kept as they are (repacked, never dequantized) under each dtype.
-RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0", "Q4_1")}
+RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0", "Q4_1", "Q8_0")}
 
 
 def default_threads() -> int:
