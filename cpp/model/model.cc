@@ -39,7 +39,7 @@ static int64_t default_kv_blocks(const ModelConfig& c) {
 }
 
 Model::Model(const ModelConfig& cfg)
-    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads),
+    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads, false, cfg.schedule),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;
@@ -54,6 +54,9 @@ Model::Model(const ModelConfig& cfg)
   identity_blocks_.resize(kv_.n_blocks());
   for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
 }
+
+// A pool thread descheduled in the middle of a chunk may still read the weights and buffers.
+Model::~Model() { pool_.quiesce(); }
 
 // ---------------------------------------------------------------------------------------------
 // Weights
@@ -275,14 +278,13 @@ size_t Model::weight_bytes() const {
 
 void Model::ensure_scratch(int64_t n) {
   if (n <= scratch_tokens_) return;
+  pool_.quiesce();  // a descheduled pool thread may still read the old buffers
   const int64_t T = n, nth = pool_.size();
   const int64_t qkv_dim = (cfg_.n_heads + 2 * cfg_.n_kv_heads) * cfg_.head_dim;
   x_.assign(T * cfg_.dim, 0.f);
   xb_.assign(nth * T * cfg_.dim, 0.f);
   qkv_.assign(T * qkv_dim, 0.f);
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
-  proj_.assign(T * cfg_.dim, 0.f);
-  hb_.assign(T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
   scores_.assign(nth * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
@@ -345,6 +347,136 @@ void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_s
   }
 }
 
+// The kernels' parallel regions (ThreadPool::parallel_chunks). Each task reads only the model's own
+// buffers in compute() and writes the shared outputs only in commit(): under the dynamic schedule a
+// chunk may be computed twice (by a descheduled thread and by the caller that redid it), and only
+// one of them commits. Every compute writes its rows into scratch laid out [token][rows of the chunk];
+// the kernels index outputs by absolute row, hence the `scratch - first row` pointers.
+namespace {
+
+// Target bytes of weights per chunk: small enough that threads can balance each other's leftovers,
+// large enough that claiming a chunk and re-reading its activations (and, for quantized weights,
+// quantizing them again) stay a few percent of streaming it.
+constexpr int64_t kChunkBytes = 96 << 10;
+
+// A grain of whole multiples of `multiple` units reading about kChunkBytes of a matrix.
+Chunking chunking(const PackedMatrix& w, int64_t units, int64_t multiple, int64_t scratch_per_unit) {
+  const double unit_bytes = (double)w.bytes() / (double)units;
+  const int64_t n = std::max<int64_t>(1, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)) / multiple);
+  return Chunking{units, n * multiple, scratch_per_unit, unit_bytes};
+}
+
+// Normalizes all T tokens of x into the buffer index's own copy, so no barrier is needed before a matmul.
+struct NormedInput {
+  const KernelTable* k;
+  const float *x, *norm;
+  float* xb;       // [buffers][ld_buf]
+  int64_t ld_buf, T, d;
+  float eps;
+  const float* rows(int buf) const { return xb + (size_t)buf * ld_buf; }
+  void prepare(int buf) const {
+    float* out = xb + (size_t)buf * ld_buf;
+    for (int64_t t = 0; t < T; t++) k->rmsnorm(out + t * d, x + t * d, norm, d, eps);
+  }
+};
+
+// Attention norm, q/k/v projection, bias and RoPE by whole heads; the commit also writes keys and
+// values to the cache.
+struct QkvTask {
+  NormedInput in;
+  const PackedMatrix* w;
+  const float *bias, *rope_cos, *rope_sin;  // bias may be null
+  const int64_t *tok_pos, *tok_seq;
+  float* qkv;  // [T][qkv_dim]
+  KVCache* kv;
+  const SeqSlice* seqs;
+  int64_t layer, hd, nh, nkv, block_size;
+  void prepare(int buf) const { in.prepare(buf); }
+  void compute(int buf, int64_t h0, int64_t h1, float* s) const {
+    const int64_t width = (h1 - h0) * hd, half = hd / 2;
+    in.k->matmul(in.rows(buf), in.T, in.d, *w, s - h0 * hd, width, h0 * hd, h1 * hd);
+    for (int64_t t = 0; t < in.T; t++) {
+      const float* cs = rope_cos + tok_pos[t] * half;
+      const float* sn = rope_sin + tok_pos[t] * half;
+      for (int64_t h = h0; h < h1; h++) {
+        float* v = s + t * width + (h - h0) * hd;
+        if (bias)
+          for (int64_t i = 0; i < hd; i++) v[i] += bias[h * hd + i];
+        if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
+          for (int64_t i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cs[i] - b * sn[i];
+            v[i + half] = b * cs[i] + a * sn[i];
+          }
+        }
+      }
+    }
+  }
+  void commit(int64_t h0, int64_t h1, const float* s) const {
+    const int64_t width = (h1 - h0) * hd, qkv_dim = (nh + 2 * nkv) * hd;
+    for (int64_t t = 0; t < in.T; t++) {
+      std::memcpy(qkv + t * qkv_dim + h0 * hd, s + t * width, width * sizeof(float));
+      const int64_t p = tok_pos[t];
+      const SeqSlice& seq = seqs[tok_seq[t]];
+      for (int64_t h = std::max(h0, nh); h < h1; h++)  // keys and values go to the cache
+        kv->store(layer, seq.blocks[p / block_size], p % block_size, h < nh + nkv ? h - nh : h - nh - nkv,
+                  h >= nh + nkv, s + t * width + (h - h0) * hd);
+    }
+  }
+};
+
+// MLP norm, the fused gate/up projection and SiLU(gate) * up, by whole gate/up block pairs. Scratch
+// holds the chunk's gate/up rows, then its activations.
+struct GateUpTask {
+  NormedInput in;
+  const PackedMatrix* w;
+  float* act;  // [T][f]
+  int64_t f, block;
+  void prepare(int buf) const { in.prepare(buf); }
+  int64_t rows(int64_t b0, int64_t b1) const { return std::min(2 * b1 * block, 2 * f) - 2 * b0 * block; }
+  void compute(int buf, int64_t b0, int64_t b1, float* s) const {
+    const int64_t r0 = 2 * b0 * block, width = rows(b0, b1), out_width = width / 2, T = in.T;
+    in.k->matmul(in.rows(buf), T, in.d, *w, s - r0, width, r0, r0 + width);
+    float* a = s + T * width;
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t c = std::min(block, f - b * block);
+        const float* g = s + t * width + 2 * (b - b0) * block;
+        in.k->silu_mul(a + t * out_width + (b - b0) * block, g, g + c, c);
+      }
+  }
+  void commit(int64_t b0, int64_t b1, const float* s) const {
+    const int64_t width = rows(b0, b1), out_width = width / 2;
+    for (int64_t t = 0; t < in.T; t++)
+      std::memcpy(act + t * f + b0 * block, s + in.T * width + t * out_width, out_width * sizeof(float));
+  }
+};
+
+// y = in @ W^T by output rows; the commit adds y to x (the residual stream) or stores it (logits).
+struct MatmulTask {
+  const KernelTable* k;
+  const float* in;
+  int64_t m, ld_in;
+  const PackedMatrix* w;
+  float* out;  // [m][n_out]
+  int64_t n_out;
+  bool accumulate;
+  void prepare(int) const {}
+  void compute(int, int64_t n0, int64_t n1, float* s) const { k->matmul(in, m, ld_in, *w, s - n0, n1 - n0, n0, n1); }
+  void commit(int64_t n0, int64_t n1, const float* s) const {
+    for (int64_t t = 0; t < m; t++) {
+      float* y = out + t * n_out + n0;
+      const float* r = s + t * (n1 - n0);
+      if (accumulate)
+        for (int64_t i = 0; i < n1 - n0; i++) y[i] += r[i];
+      else
+        std::memcpy(y, r, (n1 - n0) * sizeof(float));
+    }
+  }
+};
+
+}  // namespace
+
 void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
   int64_t T = 0;
   for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
@@ -352,78 +484,29 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   for (int64_t i = 0, t = 0; i < n_seqs; i++)
     for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
   const KernelTable& k = kt_;
-  const int64_t d = cfg_.dim, hd = cfg_.head_dim, half = hd / 2, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
-  const int64_t f = cfg_.ffn_dim, qkv_dim = (nh + 2 * nkv) * hd, B = kv_.block_size();
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
+  const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
   float* x = x_.data();
   for (int64_t t = 0; t < T; t++) k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
 
-  // Each thread normalizes every token into its own buffer, so no barrier is needed before a matmul.
-  auto norm_rows = [&](int tid, const std::vector<float>& w) -> float* {
-    float* xb = xb_.data() + (size_t)tid * scratch_tokens_ * d;
-    for (int64_t t = 0; t < T; t++) k.rmsnorm(xb + t * d, x + t * d, w.data(), d, cfg_.norm_eps);
-    return xb;
+  auto normed = [&](const std::vector<float>& w) {
+    return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
-  // y = in @ W^T, then x += y, each thread on its own slice of output columns.
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel([&](int tid, int nth) {
-      int64_t n0, n1;
-      split_range(d, tid, nth, 16, &n0, &n1);
-      if (n0 >= n1) return;
-      k.matmul(in, T, ld, w, proj_.data(), d, n0, n1);
-      for (int64_t t = 0; t < T; t++)
-        for (int64_t i = n0; i < n1; i++) x[t * d + i] += proj_[t * d + i];
-    });
+    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 32, T));
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
-    // attention norm, q/k/v projection, bias, RoPE and the KV-cache write, split by whole heads
-    pool_.parallel([&](int tid, int nth) {
-      int64_t h0, h1;
-      split_range(nh + 2 * nkv, tid, nth, 1, &h0, &h1);
-      if (h0 >= h1) return;
-      float* xb = norm_rows(tid, L.attn_norm);
-      k.matmul(xb, T, d, L.wqkv, qkv_.data(), qkv_dim, h0 * hd, h1 * hd);
-      for (int64_t t = 0; t < T; t++) {
-        const int64_t p = tok_pos_[t];
-        const SeqSlice& s = seqs[tok_seq_[t]];
-        const float* cs = rope_cos_.data() + p * half;
-        const float* sn = rope_sin_.data() + p * half;
-        float* row = qkv_.data() + t * qkv_dim;
-        for (int64_t h = h0; h < h1; h++) {
-          float* v = row + h * hd;
-          if (!L.bqkv.empty())
-            for (int64_t i = 0; i < hd; i++) v[i] += L.bqkv[h * hd + i];
-          if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
-            for (int64_t i = 0; i < half; i++) {
-              float a = v[i], b = v[i + half];
-              v[i] = a * cs[i] - b * sn[i];
-              v[i + half] = b * cs[i] + a * sn[i];
-            }
-          }
-          if (h >= nh)  // keys and values go to the cache by the thread that produced them
-            kv_.store(l, s.blocks[p / B], p % B, h < nh + nkv ? h - nh : h - nh - nkv, h >= nh + nkv, v);
-        }
-      }
-    });
+    const QkvTask qkv{normed(L.attn_norm), &L.wqkv, L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
+                      rope_sin_.data(), tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh,
+                      nkv, kv_.block_size()};
+    pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T * hd));
     attention(l, seqs, T);
     matmul_residual(att_.data(), nh * hd, L.wo);
-    // MLP: norm, fused gate/up projection and SiLU(gate) * up, split by whole gate/up block pairs
-    pool_.parallel([&](int tid, int nth) {
-      const int64_t GB = kGateUpBlock, nblocks = (f + GB - 1) / GB;
-      int64_t b0, b1;
-      split_range(nblocks, tid, nth, 1, &b0, &b1);
-      if (b0 >= b1) return;
-      float* xb = norm_rows(tid, L.ffn_norm);
-      int64_t r0 = 2 * b0 * GB, r1 = std::min(2 * b1 * GB, 2 * f);
-      k.matmul(xb, T, d, L.w_gate_up, hb_.data(), 2 * f, r0, r1);
-      for (int64_t t = 0; t < T; t++)
-        for (int64_t b = b0; b < b1; b++) {
-          int64_t c = std::min(GB, f - b * GB);
-          const float* g = hb_.data() + t * 2 * f + 2 * b * GB;
-          k.silu_mul(act_.data() + t * f + b * GB, g, g + c, c);
-        }
-    });
+    const int64_t blocks = (f + GB - 1) / GB;
+    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), &L.w_gate_up, act_.data(), f, GB},
+                          chunking(L.w_gate_up, blocks, 1, T * 3 * GB));
     matmul_residual(act_.data(), f, L.w_down);
   }
 
@@ -435,11 +518,8 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
-  pool_.parallel([&](int tid, int nth) {
-    int64_t n0, n1;
-    split_range(cfg_.vocab_size, tid, nth, 16, &n0, &n1);
-    if (n0 < n1) k.matmul(out_rows_.data(), rows, d, lm_head_, logits, cfg_.vocab_size, n0, n1);
-  });
+  pool_.parallel_chunks(MatmulTask{&k, out_rows_.data(), rows, d, &lm_head_, logits, cfg_.vocab_size, false},
+                        chunking(lm_head_, cfg_.vocab_size, 32, rows));
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

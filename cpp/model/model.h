@@ -34,6 +34,7 @@ struct ModelConfig {
   int64_t kv_block_size = 16;      // tokens per KV block
   int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
   bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)
+  Schedule schedule = Schedule::Dynamic;  // how the kernels' work is split across threads (thread_pool.h)
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -60,6 +61,7 @@ struct SeqSlice {
 class Model {
  public:
   explicit Model(const ModelConfig& cfg);
+  ~Model();
 
   // Takes one weight by internal name (see docs/architecture.md) as a row-major fp32 array.
   void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape);
@@ -86,6 +88,7 @@ class Model {
   const KernelTable& kernel_table() const { return kt_; }
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
   int n_threads() const { return pool_.size(); }
+  const ThreadPool& pool() const { return pool_; }
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
@@ -119,8 +122,6 @@ class Model {
   std::vector<float> xb_;       // [n_threads][T][dim] each thread's own normalized copy (saves a barrier)
   std::vector<float> qkv_;      // [T][qkv_dim]
   std::vector<float> att_;      // [T][n_heads * head_dim]
-  std::vector<float> proj_;     // [T][dim] output of wo / w_down before the residual add
-  std::vector<float> hb_;       // [T][2 * ffn_dim] gate/up interleaved
   std::vector<float> act_;      // [T][ffn_dim]
   std::vector<float> scores_;   // [n_threads][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position

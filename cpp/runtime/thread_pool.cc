@@ -1,6 +1,9 @@
 #include "runtime/thread_pool.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstddef>
 
 #include "runtime/topology.h"
 
@@ -16,15 +19,60 @@ namespace corelm {
 // How long an idle worker polls before it sleeps: long enough to bridge the Python-side work between
 // two decode steps (sampling, detokenizing), short enough not to burn a core when idle.
 static constexpr auto kSpinTime = std::chrono::microseconds(2000);
+// Speeds are folded into the smoothed value once a thread has been busy this long since the last
+// update (single regions are too short to time well), with this weight for the new measurement.
+static constexpr int64_t kMeasureNs = 100000;
+static constexpr double kSmoothing = 0.125;
+// The caller redoes a claimed chunk once nothing has finished for this long plus a few times the
+// chunk's expected time: far below a descheduled thread's milliseconds, far above a running one's.
+static constexpr int64_t kStallNs = 20000;
+static constexpr double kStallChunks = 3;
 
-ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller)
-    : n_threads_(n_threads < 1 ? 1 : n_threads), thread_cpus_(n_threads_, -1) {
+static int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+const char* schedule_name(Schedule s) { return s == Schedule::Static ? "static" : "dynamic"; }
+
+bool parse_schedule(const std::string& name, Schedule* out) {
+  if (name == "static") return *out = Schedule::Static, true;
+  if (name == "dynamic") return *out = Schedule::Dynamic, true;
+  return false;
+}
+
+// A thread's home range of chunks [front, back), tagged with the low bits of the region's generation
+// so a thread still running an earlier region can never claim from this one.
+static constexpr int kRangeBits = 22;
+static constexpr uint64_t kRangeMask = (1ull << kRangeBits) - 1;
+static constexpr int64_t kMaxChunks = (int64_t)kRangeMask;
+static uint64_t pack_range(uint64_t generation, int64_t front, int64_t back) {
+  return (generation << (2 * kRangeBits)) | ((uint64_t)front << kRangeBits) | (uint64_t)back;
+}
+static bool range_tag_is(uint64_t word, uint64_t generation) {
+  return (word >> (2 * kRangeBits)) == (generation & ((1ull << (64 - 2 * kRangeBits)) - 1));
+}
+
+ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller, Schedule schedule)
+    : n_threads_(n_threads < 1 ? 1 : n_threads),
+      schedule_(schedule),
+      thread_cpus_(n_threads_, -1),
+      speed_(n_threads_, 0.0),
+      seen_work_(n_threads_, 0.0),
+      pending_work_(n_threads_, 0.0),
+      seen_busy_(n_threads_, 0),
+      pending_busy_(n_threads_, 0),
+      scratch_store_(n_threads_),
+      scratch_(n_threads_, nullptr),
+      threads_(new ThreadState[n_threads_]) {
+  for (auto& slot : region_words_)
+    for (auto& w : slot) w.store(0, std::memory_order_relaxed);
   hot_.n_slots = n_threads_;
   std::vector<int> plan;
   if (pin || pin_caller) plan = plan_threads(system_topology(), n_threads_, process_allowed_cpus());
   if (pin_caller) caller_cpu_ = thread_cpus_[0] = plan[0];
   for (int t = 1; t < n_threads_; t++) {
-    workers_.emplace_back([this] { worker_loop(); });
+    workers_.emplace_back([this, t] { worker_loop(t); });
     if (pin && pin_thread(workers_.back().native_handle(), plan[t])) thread_cpus_[t] = plan[t];
   }
 }
@@ -33,16 +81,41 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_.store(true);
-    hot_.state.store((generation_ + 1) << kSlotBits);
+    hot_.state.store((generation_ + 1) << kGenShift);
   }
   cv_.notify_all();
   for (auto& w : workers_) w.join();
 }
 
+std::vector<double> ThreadPool::speed_shares() const {
+  std::vector<double> shares(n_threads_, 1.0 / n_threads_);
+  double known = 0, sum = 0;
+  for (double s : speed_) known += s > 0, sum += s;
+  if (known == 0) return shares;
+  const double unknown = sum / known;  // a thread not measured yet counts as average
+  double total = 0;
+  for (int t = 0; t < n_threads_; t++) total += shares[t] = speed_[t] > 0 ? speed_[t] : unknown;
+  for (double& s : shares) s /= total;
+  return shares;
+}
+
+void ThreadPool::quiesce() {
+  for (int t = 1; t < n_threads_; t++)
+    while (threads_[t].in_region.load(std::memory_order_acquire)) std::this_thread::yield();
+}
+
+void ThreadPool::publish(uint64_t state) {
+  hot_.state.store(state, std::memory_order_seq_cst);  // publishes the region; Dekker pair with sleepers_
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(mu_);  // pairs with the sleeper's re-check under the mutex
+    cv_.notify_all();
+  }
+}
+
 int ThreadPool::claim_slots(uint64_t generation, bool worker) {
   for (int ran = 0;;) {
     uint64_t s = hot_.state.load(std::memory_order_acquire);
-    if ((s >> kSlotBits) != generation) return ran;           // that region is over
+    if ((s >> kGenShift) != generation) return ran;           // that region is over
     int slot = (int)(s & ((1u << kSlotBits) - 1));
     if (slot >= hot_.n_slots) return ran;                      // every slot is taken
     if (!hot_.state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
@@ -65,36 +138,244 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   hot_.fn = fn;
   hot_.ctx = ctx;
   const uint64_t gen = ++generation_;
-  hot_.state.store(gen << kSlotBits, std::memory_order_seq_cst);  // publishes fn/ctx; Dekker pair with sleepers_
-  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-    std::lock_guard<std::mutex> lock(mu_);  // pairs with the sleeper's re-check under the mutex
-    cv_.notify_all();
-  }
+  publish(gen << kGenShift);
   // When the caller's claim_slots returns, every slot is claimed; workers hold the ones it did not run.
   worker_done_target_ += n_threads_ - claim_slots(gen, /*worker=*/false);
   while (hot_.worker_done.load(std::memory_order_acquire) != worker_done_target_) cpu_relax();
 }
 
-void ThreadPool::worker_loop() {
+// ---------------------------------------------------------------------------------------------
+// Chunked regions
+
+void ThreadPool::ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats) {
+  if (chunks <= chunk_capacity_ && scratch_floats <= scratch_capacity_) return;
+  quiesce();  // a descheduled thread of an earlier region may still use the old ones
+  if (chunks > chunk_capacity_) {
+    const int64_t n = std::max(chunks, 2 * chunk_capacity_);
+    chunk_state_.reset(new std::atomic<uint64_t>[n]);
+    for (int64_t c = 0; c < n; c++) chunk_state_[c].store(0, std::memory_order_relaxed);
+    chunk_capacity_ = n;
+  }
+  if (scratch_floats > scratch_capacity_) {
+    for (int b = 0; b < n_threads_; b++) {
+      scratch_store_[b].assign(scratch_floats + 16, 0.f);
+      const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_store_[b].data());
+      scratch_[b] = scratch_store_[b].data() + ((64 - p % 64) % 64) / sizeof(float);
+    }
+    scratch_capacity_ = scratch_floats;
+  }
+}
+
+void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
+  if (c.units <= 0) return;
+  Region r = region;
+  r.units = c.units;
+  r.grain = std::max<int64_t>(1, c.grain);
+  if ((r.units + r.grain - 1) / r.grain > kMaxChunks) r.grain = (r.units + kMaxChunks - 1) / kMaxChunks;
+  r.chunks = (r.units + r.grain - 1) / r.grain;
+  r.unit_work = c.unit_work > 0 ? c.unit_work : 1;
+  ensure_chunk_buffers(schedule_ == Schedule::Dynamic ? r.chunks : 0,
+                       std::max<int64_t>(1, r.grain * c.scratch_per_unit));
+  if (schedule_ == Schedule::Static || n_threads_ == 1) return run_chunks_static(r);
+
+  if (caller_cpu_ >= 0 && std::this_thread::get_id() != pinned_caller_) {
+    pin_current_thread(caller_cpu_);
+    pinned_caller_ = std::this_thread::get_id();
+  }
+  const uint64_t gen = ++generation_;
+  // Home ranges in proportion to the threads' smoothed speeds.
+  update_speeds();
+  const std::vector<double> shares = speed_shares();
+  double cum = 0;
+  int64_t front = 0;
+  for (int t = 0; t < n_threads_; t++) {
+    cum += shares[t];
+    const int64_t back = t == n_threads_ - 1 ? r.chunks : std::min<int64_t>(r.chunks, std::llround(cum * r.chunks));
+    threads_[t].range.store(pack_range(gen, front, std::max(front, back)), std::memory_order_relaxed);
+    front = std::max(front, back);
+  }
+  // The description for the workers' seqlock copy: the release fence orders the previous region's
+  // publication before these stores, so a reader that sees them also sees the generation move on.
+  std::atomic_thread_fence(std::memory_order_release);
+  uint64_t words[kRegionWords];
+  std::memcpy(words, &r, sizeof(r));
+  const int64_t n_words = kRegionWords - kTaskBytes / 8 + r.task_words;
+  for (int64_t i = 0; i < n_words; i++) region_words_[gen & 1][i].store(words[i], std::memory_order_relaxed);
+  publish((gen << kGenShift) | kChunked);
+
+  bool prepared = false;
+  const int own = work_chunks(gen, 0, r, &prepared);
+  wait_or_redo(gen, r, own, &prepared);
+}
+
+void ThreadPool::run_chunks_static(const Region& r) {
+  parallel([&](int slot, int n) {
+    int64_t c0, c1;
+    split_range(r.chunks, slot, n, 1, &c0, &c1);
+    if (c0 < c1) r.prepare(r.task, slot);
+    for (int64_t c = c0; c < c1; c++) {
+      const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
+      r.compute(r.task, slot, u0, u1, scratch(slot));
+      r.commit(r.task, u0, u1, scratch(slot));
+    }
+  });
+}
+
+bool ThreadPool::load_region(uint64_t generation, Region* r) const {
+  uint64_t words[kRegionWords];
+  const std::atomic<uint64_t>* src = region_words_[generation & 1];
+  const int64_t header = kRegionWords - kTaskBytes / 8;
+  for (int64_t i = 0; i < header; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  int64_t task_words;
+  std::memcpy(&task_words, &words[offsetof(Region, task_words) / 8], 8);
+  const int64_t n_words = header + std::min<int64_t>(std::max<int64_t>(task_words, 0), kTaskBytes / 8);
+  for (int64_t i = header; i < n_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if ((hot_.state.load(std::memory_order_relaxed) >> kGenShift) != generation) return false;  // torn
+  std::memcpy(static_cast<void*>(r), words, n_words * 8);
+  return true;
+}
+
+int64_t ThreadPool::claim_chunk(uint64_t generation, int thread) {
+  // Own range, from the front: a thread keeps the same contiguous rows region after region.
+  std::atomic<uint64_t>& own = threads_[thread].range;
+  uint64_t w = own.load(std::memory_order_acquire);
+  for (;;) {
+    if (!range_tag_is(w, generation)) return -1;  // a later region: this thread is late
+    const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
+    if (front >= back) break;
+    if (own.compare_exchange_weak(w, pack_range(generation, front + 1, back), std::memory_order_acq_rel))
+      return front;
+  }
+  // Others' ranges, one chunk from the back, leaving the owner its contiguous front.
+  for (int i = 1; i < n_threads_; i++) {
+    std::atomic<uint64_t>& other = threads_[(thread + i) % n_threads_].range;
+    w = other.load(std::memory_order_acquire);
+    for (;;) {
+      if (!range_tag_is(w, generation)) return -1;
+      const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
+      if (front >= back) break;
+      if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel))
+        return back - 1;
+    }
+  }
+  return -1;
+}
+
+bool ThreadPool::commit_chunk(uint64_t generation, int64_t chunk, const Region& r, int buf, const float* scratch) {
+  (void)buf;
+  std::atomic<uint64_t>& state = chunk_state_[chunk];
+  uint64_t s = state.load(std::memory_order_acquire);
+  // Committed in this region already (by a thread that redid it), or this thread is from an earlier
+  // region, every chunk of which was committed before it ended.
+  if (s >= generation) return false;
+  if (!state.compare_exchange_strong(s, generation, std::memory_order_acq_rel)) return false;
+  const int64_t u0 = chunk * r.grain, u1 = std::min(u0 + r.grain, r.units);
+  r.commit(r.task, u0, u1, scratch);
+  return true;
+}
+
+int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bool* prepared) {
+  const bool worker = thread != 0;
+  int committed = 0;
+  int64_t start = -1;
+  double work = 0;
+  for (int64_t c; (c = claim_chunk(generation, thread)) >= 0;) {
+    if (start < 0) start = now_ns();
+    if (!*prepared) r.prepare(r.task, thread), *prepared = true;
+    const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
+    r.compute(r.task, thread, u0, u1, scratch(thread));
+    work += (double)(u1 - u0) * r.unit_work;
+    if (commit_chunk(generation, c, r, thread, scratch(thread))) {
+      committed++;
+      // At once: the caller may be waiting on this very count.
+      if (worker) hot_.worker_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  if (start >= 0) {  // totals written only by this thread; the caller folds them into speeds
+    ThreadState& ts = threads_[thread];
+    ts.work_done.store(ts.work_done.load(std::memory_order_relaxed) + work, std::memory_order_relaxed);
+    ts.busy_ns.store(ts.busy_ns.load(std::memory_order_relaxed) + now_ns() - start, std::memory_order_relaxed);
+  }
+  return committed;
+}
+
+void ThreadPool::wait_or_redo(uint64_t generation, const Region& r, int caller_commits, bool* prepared) {
+  const uint64_t base = worker_done_target_;
+  int own = caller_commits;
+  const double speed = speed_[0];
+  const int64_t stall_ns = kStallNs + (speed > 0 ? (int64_t)(kStallChunks * r.grain * r.unit_work / speed) : 0);
+  uint64_t last_done = hot_.worker_done.load(std::memory_order_acquire);
+  int64_t last_progress = -1;
+  for (uint32_t i = 0;; i++) {
+    const uint64_t done = hot_.worker_done.load(std::memory_order_acquire);
+    if (done == base + (uint64_t)(r.chunks - own)) break;
+    cpu_relax();
+    if ((i & 63) != 63) continue;
+    const int64_t t = now_ns();
+    if (last_progress < 0 || done != last_done) {
+      last_done = done, last_progress = t;
+      continue;
+    }
+    if (t - last_progress < stall_ns) continue;
+    // Nothing finished for a long while: a thread holding a chunk is descheduled. Redo the first
+    // chunk not committed yet (every chunk is claimed by now) into the caller's own scratch.
+    for (int64_t c = 0; c < r.chunks; c++) {
+      if (chunk_state_[c].load(std::memory_order_acquire) >= generation) continue;
+      if (!*prepared) r.prepare(r.task, 0), *prepared = true;
+      const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
+      r.compute(r.task, 0, u0, u1, scratch(0));
+      if (commit_chunk(generation, c, r, 0, scratch(0))) own++, redone_++;
+      break;
+    }
+    last_progress = now_ns();
+  }
+  worker_done_target_ = base + (uint64_t)(r.chunks - own);
+}
+
+void ThreadPool::update_speeds() {
+  for (int t = 0; t < n_threads_; t++) {
+    const double work = threads_[t].work_done.load(std::memory_order_relaxed);
+    const int64_t busy = threads_[t].busy_ns.load(std::memory_order_relaxed);
+    pending_work_[t] += work - seen_work_[t], pending_busy_[t] += busy - seen_busy_[t];
+    seen_work_[t] = work, seen_busy_[t] = busy;
+    if (pending_busy_[t] < kMeasureNs) continue;
+    const double measured = pending_work_[t] / (double)pending_busy_[t];
+    speed_[t] = speed_[t] > 0 ? speed_[t] + kSmoothing * (measured - speed_[t]) : measured;
+    pending_work_[t] = 0, pending_busy_[t] = 0;
+  }
+}
+
+void ThreadPool::worker_loop(int thread) {
   uint64_t seen = 0;
   for (;;) {
     auto spin_start = std::chrono::steady_clock::now();
-    uint64_t gen;
+    uint64_t s, gen;
     for (uint32_t i = 0;; i++) {
-      gen = hot_.state.load(std::memory_order_acquire) >> kSlotBits;
+      s = hot_.state.load(std::memory_order_acquire);
+      gen = s >> kGenShift;
       if (gen != seen) break;
       cpu_relax();
       if ((i & 255) == 255 && std::chrono::steady_clock::now() - spin_start > kSpinTime) {
         std::unique_lock<std::mutex> lock(mu_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        cv_.wait(lock, [&] { return (hot_.state.load(std::memory_order_seq_cst) >> kSlotBits) != seen; });
+        cv_.wait(lock, [&] { return (hot_.state.load(std::memory_order_seq_cst) >> kGenShift) != seen; });
         sleepers_.fetch_sub(1, std::memory_order_relaxed);
         spin_start = std::chrono::steady_clock::now();
       }
     }
     seen = gen;
     if (stop_.load()) return;
-    claim_slots(gen, /*worker=*/true);
+    if (!(s & kChunked)) {
+      claim_slots(gen, /*worker=*/true);
+      continue;
+    }
+    // Marked before the first claim, so quiesce() cannot miss a thread that holds a chunk.
+    threads_[thread].in_region.store(1, std::memory_order_seq_cst);
+    Region r;
+    bool prepared = false;
+    if (load_region(gen, &r)) work_chunks(gen, thread, r, &prepared);
+    threads_[thread].in_region.store(0, std::memory_order_release);
   }
 }
 

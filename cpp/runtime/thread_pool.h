@@ -2,9 +2,24 @@
 // runs a few hundred of them, so waking threads through the kernel each time would dominate), then
 // sleep on a condition variable. The calling thread takes part in every region.
 //
-// A region has n_threads slots; fn(slot, n_threads) runs once per slot. Threads claim slots from a
-// shared counter instead of owning one each, so a thread that the OS has descheduled (another process
-// on its core) does not stall the region: whoever is running takes its slot.
+// Two kinds of region:
+//
+// parallel(fn): n_threads slots, fn(slot, n_threads) runs once per slot. Threads claim slots from a
+// shared counter instead of owning one each, so a thread that the OS descheduled before the region
+// began does not stall it: whoever is running takes its slot. The region ends when every slot is done.
+//
+// parallel_chunks(task, chunking): the kernels' regions. The work (rows, heads, blocks) is cut into
+// chunks of `grain` units; how chunks reach threads is the pool's Schedule:
+//   Static   the chunks are split into n_threads equal contiguous slots, claimed as above.
+//   Dynamic  each thread owns a contiguous home range of chunks sized by its measured speed (work per
+//            busy nanosecond, smoothed, re-measured every region), takes chunks from its front, and
+//            when it runs out steals single chunks from the back of the others' ranges. A thread that
+//            the OS deschedules while it computes a chunk (another process on its core, for
+//            milliseconds) would still stall the region, so the caller, once every chunk is claimed,
+//            redoes a chunk that stays unfinished well past its expected time. Whoever finishes first
+//            commits: the chunk's state word goes to the region's generation by one CAS, and only the
+//            winner writes the shared outputs. A late finisher's CAS fails and its result is dropped.
+// Redo needs tasks whose compute() is idempotent and writes only the thread's scratch; see ChunkTask.
 //
 // Workers are pinned one per physical core by the thread plan (runtime/topology.h): thread t of the
 // plan is worker t for t >= 1, and plan[0] is left free for the calling thread, which is not pinned
@@ -15,25 +30,62 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
 namespace corelm {
 
+enum class Schedule : int { Static = 0, Dynamic = 1 };
+const char* schedule_name(Schedule s);
+bool parse_schedule(const std::string& name, Schedule* out);  // "static" / "dynamic"
+
+// How a chunked region's work is cut. units are the task's indivisible items (a grain is a multiple
+// of what the task's kernels need whole, e.g. 16 rows); unit_work is a unit's relative cost (bytes of
+// weights it reads), so speeds measured on different regions are comparable.
+struct Chunking {
+  int64_t units = 0;
+  int64_t grain = 1;
+  int64_t scratch_per_unit = 0;  // floats of scratch compute() needs per unit
+  double unit_work = 1;
+};
+
+// The interface parallel_chunks expects (a struct with these three const members; it must be
+// trivially copyable and at most kTaskBytes, because every thread works on its own copy):
+//   prepare(buf)                 once per buffer index and region, before that index's first chunk
+//   compute(buf, u0, u1, scratch) the results of units [u0, u1) into scratch. It may also write
+//                                memory private to buffer index buf, and must read only memory that
+//                                stays allocated until ThreadPool::quiesce(): a descheduled thread may
+//                                still be running it after the region is over (its result is dropped).
+//   commit(u0, u1, scratch)      writes the results to the shared outputs; runs exactly once per chunk,
+//                                while the region is live.
+// buf is in [0, n_threads): the thread (dynamic) or the slot (static), never used by two threads at
+// once. Per-buffer scratch is the pool's; compute gets grain * scratch_per_unit floats of it.
+
 class ThreadPool {
  public:
+  static constexpr size_t kTaskBytes = 256;
+
   // pin: pin workers to the plan's CPUs (failures, e.g. a cpuset that forbids them, are ignored).
   // pin_caller: also pin every thread that calls run() to plan[0], permanently (opt-in).
-  explicit ThreadPool(int n_threads, bool pin = true, bool pin_caller = false);
+  explicit ThreadPool(int n_threads, bool pin = true, bool pin_caller = false,
+                      Schedule schedule = Schedule::Dynamic);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return n_threads_; }
+  Schedule schedule() const { return schedule_; }
   // The CPU each thread is pinned to, -1 where it is not; [0] is the calling thread.
   const std::vector<int>& thread_cpus() const { return thread_cpus_; }
+  // Each thread's smoothed speed as a share of the pool's (dynamic schedule; equal before any
+  // measurement), and how many chunks the caller has redone, for tests and benchmarks.
+  std::vector<double> speed_shares() const;
+  uint64_t redone_chunks() const { return redone_; }
 
   // Runs fn(slot, n_threads) for every slot in [0, n_threads) and returns when all have finished.
   template <class F>
@@ -43,33 +95,109 @@ class ThreadPool {
   }
   void run(void (*fn)(void*, int, int), void* ctx);
 
+  // Runs a ChunkTask over c.units units and returns when every chunk is committed.
+  template <class Task>
+  void parallel_chunks(const Task& task, const Chunking& c) {
+    static_assert(std::is_trivially_copyable<Task>::value, "a chunk task is copied by every thread");
+    static_assert(sizeof(Task) <= kTaskBytes && alignof(Task) <= 8, "chunk task too large");
+    Region r;
+    r.prepare = [](const void* t, int buf) { static_cast<const Task*>(t)->prepare(buf); };
+    r.compute = [](const void* t, int buf, int64_t u0, int64_t u1, float* s) {
+      static_cast<const Task*>(t)->compute(buf, u0, u1, s);
+    };
+    r.commit = [](const void* t, int64_t u0, int64_t u1, const float* s) {
+      static_cast<const Task*>(t)->commit(u0, u1, s);
+    };
+    std::memcpy(r.task, &task, sizeof(Task));
+    r.task_words = (sizeof(Task) + 7) / 8;
+    run_chunks(r, c);
+  }
+
+  // Returns once no worker is inside a chunked region any more, not even a descheduled one finishing
+  // a chunk whose result was already dropped. Call before freeing or reallocating anything a task's
+  // compute() reads, and before destroying it.
+  void quiesce();
+
  private:
-  void worker_loop();
+  // What a chunked region's threads copy (the task and how to run it), trivially copyable.
+  struct Region {
+    void (*prepare)(const void*, int) = nullptr;
+    void (*compute)(const void*, int, int64_t, int64_t, float*) = nullptr;
+    void (*commit)(const void*, int64_t, int64_t, const float*) = nullptr;
+    int64_t units = 0, grain = 1, chunks = 0;
+    double unit_work = 1;
+    int64_t task_words = 0;  // words of task in use: only those are copied
+    alignas(8) unsigned char task[kTaskBytes];
+  };
+  static constexpr size_t kRegionWords = sizeof(Region) / 8;
+  static_assert(sizeof(Region) % 8 == 0, "a region is copied in 8-byte words");
+
+  // Per thread, on its own line: its home range of the current region's chunks and its busy time.
+  struct alignas(64) ThreadState {
+    std::atomic<uint64_t> range{0};       // generation tag | front | back, see pack_range()
+    std::atomic<uint64_t> in_region{0};   // nonzero while the thread runs a chunked region (quiesce)
+    std::atomic<double> work_done{0};     // totals, written by the thread only
+    std::atomic<int64_t> busy_ns{0};
+  };
+
+  void worker_loop(int thread);
   int claim_slots(uint64_t generation, bool worker);  // returns how many slots this thread ran
+  void run_chunks(const Region& r, const Chunking& c);
+  void run_chunks_static(const Region& r);
+  void publish(uint64_t state);
+  bool load_region(uint64_t generation, Region* r) const;
+  // Claims and computes chunks until none is left; returns how many this thread committed.
+  int work_chunks(uint64_t generation, int thread, const Region& r, bool* prepared);
+  int64_t claim_chunk(uint64_t generation, int thread);
+  bool commit_chunk(uint64_t generation, int64_t chunk, const Region& r, int buf, const float* scratch);
+  void wait_or_redo(uint64_t generation, const Region& r, int caller_commits, bool* prepared);
+  void update_speeds();
+  void ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats);
+  float* scratch(int buf) { return scratch_[buf]; }
 
   static constexpr int kSlotBits = 16;
+  static constexpr uint64_t kChunked = 1ull << kSlotBits;  // state flag: a chunked region
+  static constexpr int kGenShift = kSlotBits + 1;
 
   // Caller-only state: workers never read these lines, so writing them costs no transfers.
   int n_threads_;
+  Schedule schedule_;
   std::vector<std::thread> workers_;
   std::vector<int> thread_cpus_;
   int caller_cpu_ = -1;                // plan[0] when pin_caller, else -1
   std::thread::id pinned_caller_;      // the last calling thread pinned to caller_cpu_
   uint64_t generation_ = 0;
   uint64_t worker_done_target_ = 0;    // hot_.worker_done once the current region is over
+  std::vector<double> speed_;          // per thread: smoothed work per busy ns
+  std::vector<double> seen_work_, pending_work_;  // totals already folded into speed_, and not yet
+  std::vector<int64_t> seen_busy_, pending_busy_;
+  uint64_t redone_ = 0;
+  // Chunk commit states (the generation that committed it) and per-buffer scratch; grown only after
+  // quiesce(), since a descheduled thread may still be using them.
+  std::unique_ptr<std::atomic<uint64_t>[]> chunk_state_;
+  int64_t chunk_capacity_ = 0;
+  std::vector<std::vector<float>> scratch_store_;
+  std::vector<float*> scratch_;  // 64-byte aligned inside scratch_store_
+  int64_t scratch_capacity_ = 0;
 
   // Everything a region touches, on one cache line: the caller publishes fn/ctx with state, workers
   // claim slots and count finished ones on it. One line moving between cores per region instead of
   // three (fn/ctx, state, done) took the 2-thread region from about 0.55 to 0.35 us on a Xeon.
   struct alignas(64) Hot {
-    std::atomic<uint64_t> state{0};        // (generation << kSlotBits) | next unclaimed slot
-    std::atomic<uint64_t> worker_done{0};  // slots finished by workers, ever: never reset, so the
-                                           // caller need not write it for each region
+    std::atomic<uint64_t> state{0};        // (generation << kGenShift) | chunked flag | next free slot
+    std::atomic<uint64_t> worker_done{0};  // slots (or chunks) finished by workers, ever: never reset,
+                                           // so the caller need not write it for each region
     void (*fn)(void*, int, int) = nullptr;
     void* ctx = nullptr;
     int n_slots = 1;
   } hot_;
   static_assert(sizeof(Hot) == 64, "the region's state must fit one cache line");
+
+  // A chunked region's description, double-buffered by generation: a worker copies it word by word
+  // and keeps the copy only if the generation has not moved on meanwhile (a seqlock), so it never
+  // depends on the caller's stack.
+  std::atomic<uint64_t> region_words_[2][kRegionWords];
+  std::unique_ptr<ThreadState[]> threads_;
 
   // The sleep path, off the hot line.
   alignas(64) std::atomic<int> sleepers_{0};
