@@ -78,6 +78,8 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
+  if (d.contains("schedule") && !parse_schedule(d["schedule"].cast<std::string>(), &c.schedule))
+    throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
   return c;
 }
 
@@ -184,6 +186,18 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
       .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
                              "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
+      .def_property("schedule", [](PyModel& s) { return std::string(schedule_name(s.model.pool().schedule())); },
+                    [](PyModel& s, const std::string& name) {
+                      Schedule sched;
+                      if (!parse_schedule(name, &sched)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
+                      py::gil_scoped_release release;
+                      std::lock_guard<std::mutex> lock(s.mu);
+                      s.model.set_schedule(sched);
+                    }, "How kernels split work across threads: 'dynamic' or 'static' (settable between forwards).")
+      .def_property_readonly("speed_shares", [](PyModel& s) { return s.model.pool().speed_shares(); },
+                             "Each thread's smoothed speed as a share of the pool's (dynamic schedule).")
+      .def_property_readonly("redone_chunks", [](PyModel& s) { return s.model.pool().redone_chunks(); },
+                             "Chunks the calling thread redid because the thread holding them was descheduled.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

@@ -119,6 +119,32 @@ void bind_runtime(py::module_& m) {
      py::arg("pin_caller") = false, py::arg("idle_us") = 0.0,
      "Mean wall time of a parallel region of a fresh pool (region_us), the serial time of one slot's "
      "work (slot_us) and the share of slots run by workers.");
+
+  m.def("bench_chunk_regions", [](int n_threads, int n_regions, int64_t units, int64_t align, int64_t grain,
+                                  int work, const std::string& schedule, bool pin, int stall_every,
+                                  double stall_us, int slow_worker) {
+    if (n_threads < 1 || n_threads > 1024) throw std::invalid_argument("n_threads must be in [1, 1024]");
+    if (units < 1 || units > (1 << 24)) throw std::invalid_argument("units must be in [1, 16M]");
+    ChunkBenchConfig cfg;
+    if (!parse_schedule(schedule, &cfg.schedule)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
+    cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.units = units, cfg.align = align;
+    cfg.grain = grain, cfg.work = work, cfg.pin = pin, cfg.stall_every = stall_every;
+    cfg.stall_us = stall_us, cfg.slow_worker = slow_worker;
+    ChunkBenchResult r;
+    {
+      py::gil_scoped_release release;
+      r = bench_chunk_regions(cfg);
+    }
+    py::dict d;
+    d["region_us"] = r.region_us, d["exactly_once"] = r.exactly_once, d["no_late_commits"] = r.no_late_commits;
+    d["redone"] = r.redone, d["stalls"] = r.stalls, d["shares"] = r.shares;
+    return d;
+  }, py::arg("n_threads"), py::arg("n_regions") = 1000, py::arg("units") = 256, py::arg("align") = 1,
+     py::arg("grain") = 1, py::arg("work") = 0, py::arg("schedule") = "dynamic", py::arg("pin") = true,
+     py::arg("stall_every") = 0, py::arg("stall_us") = 2000.0, py::arg("slow_worker") = 1,
+     "Runs chunked regions whose every unit must be committed exactly once with its own region's value; "
+     "stall_every makes a worker sleep inside a chunk it holds (as if descheduled). Returns the mean "
+     "region time, the checks, chunks redone by the caller, stalls and the pool's speed shares.");
 }
 
 }  // namespace corelm

@@ -359,11 +359,10 @@ namespace {
 // quantizing them again) stay a few percent of streaming it.
 constexpr int64_t kChunkBytes = 96 << 10;
 
-// A grain of whole multiples of `multiple` units reading about kChunkBytes of a matrix.
-Chunking chunking(const PackedMatrix& w, int64_t units, int64_t multiple, int64_t scratch_per_unit) {
+// Chunks of whole multiples of `align` units reading about kChunkBytes of a matrix.
+Chunking chunking(const PackedMatrix& w, int64_t units, int64_t align, int64_t scratch_per_unit) {
   const double unit_bytes = (double)w.bytes() / (double)units;
-  const int64_t n = std::max<int64_t>(1, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)) / multiple);
-  return Chunking{units, n * multiple, scratch_per_unit, unit_bytes};
+  return Chunking{units, align, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), scratch_per_unit, unit_bytes};
 }
 
 // Normalizes all T tokens of x into the buffer index's own copy, so no barrier is needed before a matmul.
@@ -493,7 +492,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 32, T));
+    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 16, T));
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
@@ -519,7 +518,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
   pool_.parallel_chunks(MatmulTask{&k, out_rows_.data(), rows, d, &lm_head_, logits, cfg_.vocab_size, false},
-                        chunking(lm_head_, cfg_.vocab_size, 32, rows));
+                        chunking(lm_head_, cfg_.vocab_size, 16, rows));
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

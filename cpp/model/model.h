@@ -89,6 +89,7 @@ class Model {
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
   int n_threads() const { return pool_.size(); }
   const ThreadPool& pool() const { return pool_; }
+  void set_schedule(Schedule s) { pool_.set_schedule(s), cfg_.schedule = s; }
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating

@@ -27,6 +27,8 @@ static constexpr double kSmoothing = 0.125;
 // chunk's expected time: far below a descheduled thread's milliseconds, far above a running one's.
 static constexpr int64_t kStallNs = 20000;
 static constexpr double kStallChunks = 3;
+// Chunks per thread the grain is shrunk to allow, so leftovers can be balanced.
+static constexpr int64_t kMinChunksPerThread = 4;
 
 static int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -170,8 +172,12 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   if (c.units <= 0) return;
   Region r = region;
   r.units = c.units;
-  r.grain = std::max<int64_t>(1, c.grain);
-  if ((r.units + r.grain - 1) / r.grain > kMaxChunks) r.grain = (r.units + kMaxChunks - 1) / kMaxChunks;
+  r.align = std::max<int64_t>(1, c.align);
+  const int64_t aligned_units = (r.units + r.align - 1) / r.align;  // the split works in these
+  int64_t per_chunk = std::max<int64_t>(1, c.grain / r.align);
+  per_chunk = std::min(per_chunk, std::max<int64_t>(1, aligned_units / (kMinChunksPerThread * n_threads_)));
+  per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - 1) / kMaxChunks);
+  r.grain = per_chunk * r.align;
   r.chunks = (r.units + r.grain - 1) / r.grain;
   r.unit_work = c.unit_work > 0 ? c.unit_work : 1;
   ensure_chunk_buffers(schedule_ == Schedule::Dynamic ? r.chunks : 0,
@@ -208,15 +214,17 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   wait_or_redo(gen, r, own, &prepared);
 }
 
+// Equal parts (in multiples of align) per slot, each computed grain by grain through the same
+// scratch-and-commit path as the dynamic schedule, so both give bitwise identical results.
 void ThreadPool::run_chunks_static(const Region& r) {
   parallel([&](int slot, int n) {
-    int64_t c0, c1;
-    split_range(r.chunks, slot, n, 1, &c0, &c1);
-    if (c0 < c1) r.prepare(r.task, slot);
-    for (int64_t c = c0; c < c1; c++) {
-      const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
-      r.compute(r.task, slot, u0, u1, scratch(slot));
-      r.commit(r.task, u0, u1, scratch(slot));
+    int64_t u0, u1;
+    split_range(r.units, slot, n, r.align, &u0, &u1);
+    if (u0 < u1) r.prepare(r.task, slot);
+    for (int64_t a = u0; a < u1; a += r.grain) {
+      const int64_t b = std::min(a + r.grain, u1);
+      r.compute(r.task, slot, a, b, scratch(slot));
+      r.commit(r.task, a, b, scratch(slot));
     }
   });
 }

@@ -44,11 +44,14 @@ enum class Schedule : int { Static = 0, Dynamic = 1 };
 const char* schedule_name(Schedule s);
 bool parse_schedule(const std::string& name, Schedule* out);  // "static" / "dynamic"
 
-// How a chunked region's work is cut. units are the task's indivisible items (a grain is a multiple
-// of what the task's kernels need whole, e.g. 16 rows); unit_work is a unit's relative cost (bytes of
-// weights it reads), so speeds measured on different regions are comparable.
+// How a chunked region's work is cut. units are the task's items (rows, heads, blocks); every chunk
+// boundary is a multiple of align (what the task's kernels need whole, e.g. 16 rows). grain is the
+// wanted chunk size, which the pool shrinks (in multiples of align) until every thread has a few
+// chunks to balance with. unit_work is a unit's relative cost (bytes of weights it reads), so speeds
+// measured on different regions are comparable.
 struct Chunking {
   int64_t units = 0;
+  int64_t align = 1;
   int64_t grain = 1;
   int64_t scratch_per_unit = 0;  // floats of scratch compute() needs per unit
   double unit_work = 1;
@@ -80,6 +83,12 @@ class ThreadPool {
 
   int size() const { return n_threads_; }
   Schedule schedule() const { return schedule_; }
+  // Between regions only. Buffer indices mean threads under one schedule and slots under the other,
+  // so this first waits until no descheduled thread still uses its buffers.
+  void set_schedule(Schedule s) {
+    quiesce();
+    schedule_ = s;
+  }
   // The CPU each thread is pinned to, -1 where it is not; [0] is the calling thread.
   const std::vector<int>& thread_cpus() const { return thread_cpus_; }
   // Each thread's smoothed speed as a share of the pool's (dynamic schedule; equal before any
@@ -124,7 +133,7 @@ class ThreadPool {
     void (*prepare)(const void*, int) = nullptr;
     void (*compute)(const void*, int, int64_t, int64_t, float*) = nullptr;
     void (*commit)(const void*, int64_t, int64_t, const float*) = nullptr;
-    int64_t units = 0, grain = 1, chunks = 0;
+    int64_t units = 0, align = 1, grain = 1, chunks = 0;
     double unit_work = 1;
     int64_t task_words = 0;  // words of task in use: only those are copied
     alignas(8) unsigned char task[kTaskBytes];

@@ -47,6 +47,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: physical cores)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
+    p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
+                   help="how kernels split work across threads: by measured thread speed, stealing "
+                        "leftovers (dynamic), or in equal parts (static) (default: $CORELM_SCHEDULE or dynamic)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own)")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -173,8 +176,9 @@ def llm_from_args(args: argparse.Namespace):
         raise ValueError(f"--threads must be at least 1, got {args.threads}.")
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
+    extra = {"schedule": args.schedule} if getattr(args, "schedule", None) else {}
     return _make_llm(model=args.model, threads=args.threads, dtype=args.dtype,
-                     max_seq_len=args.ctx_size or None)
+                     max_seq_len=args.ctx_size or None, **extra)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -45,6 +45,23 @@ def default_pin_threads() -> bool:
     return os.environ.get("CORELM_PIN_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+SCHEDULES = ("dynamic", "static")
+
+
+def default_schedule() -> str:
+    """How the kernels split work across threads: "dynamic" (each thread's share follows its measured
+    speed, idle threads take over leftovers and chunks held by descheduled threads) unless
+    CORELM_SCHEDULE=static asks for equal parts."""
+    return resolve_schedule(os.environ.get("CORELM_SCHEDULE") or "dynamic")
+
+
+def resolve_schedule(schedule: str) -> str:
+    value = str(schedule).strip().lower()
+    if value not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    return value
+
+
 def resolve_dtype(dtype: str) -> str:
     """"auto" is bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads),
     otherwise fp32. "q8" and "q4" quantize matrices at load (blocks of 32 with an fp16 scale)."""
@@ -83,7 +100,7 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
 
 
 def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
-                pin_threads: bool = True) -> Dict[str, Any]:
+                pin_threads: bool = True, schedule: str = "dynamic") -> Dict[str, Any]:
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < max_seq_len else 0
     return dict(vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
                 n_layers=spec.num_layers, n_heads=spec.num_heads, n_kv_heads=spec.num_kv_heads,
@@ -91,7 +108,7 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
                 sliding_window=int(window), max_seq_len=int(max_seq_len),
                 rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads),
-                pin_threads=bool(pin_threads))
+                pin_threads=bool(pin_threads), schedule=schedule)
 
 
 _RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
@@ -118,10 +135,12 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
 
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
-                     kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None):
+                     kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
+                     schedule: Optional[str] = None):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
-    pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs."""
+    pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs.
+    schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md."""
     from . import _core
     spec = loaded.spec
     threads = default_threads() if threads is None else int(threads)
@@ -134,7 +153,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
-    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin)
+    schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
+    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, schedule)
     config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
