@@ -15,6 +15,12 @@ overhead = region - slot: what the pool adds over a perfect split (slots run con
 is the share of slots run by workers rather than the caller; with empty regions the caller claims
 every slot before a worker gets there, which is the slot-claiming design working as intended.
 
+Then the kernels' chunked regions (parallel_chunks, 64 units in chunks of 4), under the static and the
+dynamic schedule, alternating run by run:
+
+    chunks0    empty units: publishing the task, claiming and committing 16 chunks, the join
+    chunks     each unit a 100-step chain (about the size of a decode region's chunk on a small model)
+
     python tools/bench_runtime.py [--threads 1 2] [--repeats 5] [--json]
 """
 from __future__ import annotations
@@ -47,6 +53,19 @@ def measure(threads: int, pin: bool, work: int, regions: int, idle_us: float, re
             "pinned_workers": runs[0]["pinned_workers"]}
 
 
+CHUNK_CASES = [("chunks0", 0, 20000), ("chunks", 100, 2000)]   # name, work per unit, regions per run
+
+
+def measure_chunks(threads: int, work: int, regions: int, repeats: int) -> dict:
+    runs = {"static": [], "dynamic": []}
+    for _ in range(repeats):
+        for sched in runs:
+            r = _core.bench_chunk_regions(threads, regions, units=64, align=1, grain=4, work=work, schedule=sched)
+            assert r["exactly_once"] and r["no_late_commits"]
+            runs[sched].append(r["region_us"])
+    return {s: statistics.median(v) for s, v in runs.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=None,
@@ -62,15 +81,21 @@ def main(argv=None) -> int:
                 if n == 1 and pin:
                     continue   # one thread has no workers to pin
                 rows.append(dict(case=name, work=work, **measure(n, pin, work, regions, idle, args.repeats)))
+    chunk_rows = [dict(case=name, threads=n, **measure_chunks(n, work, regions, args.repeats))
+                  for name, work, regions in CHUNK_CASES for n in threads]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.json:
-        print(json.dumps({"cpu": _core.cpu_info()["brand"], "loadavg_1min": load, "rows": rows}, indent=2))
+        print(json.dumps({"cpu": _core.cpu_info()["brand"], "loadavg_1min": load, "rows": rows,
+                          "chunk_rows": chunk_rows}, indent=2))
         return 0
     print(f"{_core.cpu_info()['brand']}; plan {_core.plan_threads()}; 1-min load average {load}")
     print(f"{'case':7} {'threads':>7} {'pin':>4} {'slot us':>8} {'region us':>10} {'overhead us':>12} {'worker':>7}")
     for r in rows:
         print(f"{r['case']:7} {r['threads']:7d} {'yes' if r['pin'] else 'no':>4} {r['slot_us']:8.3f} "
               f"{r['region_us']:10.3f} {r['overhead_us']:12.3f} {r['worker_share']:7.2f}")
+    print(f"\n{'case':7} {'threads':>7} {'static us':>10} {'dynamic us':>11}")
+    for r in chunk_rows:
+        print(f"{r['case']:7} {r['threads']:7d} {r['static']:10.3f} {r['dynamic']:11.3f}")
     return 0
 
 

@@ -29,6 +29,9 @@ static constexpr int64_t kStallNs = 20000;
 static constexpr double kStallChunks = 3;
 // Chunks per thread the grain is shrunk to allow, so leftovers can be balanced.
 static constexpr int64_t kMinChunksPerThread = 4;
+// The static schedule computes its part in pieces as large as this much scratch allows (one kernel
+// call per part in decode), since it has nothing to balance.
+static constexpr int64_t kStaticScratchFloats = 1 << 18;
 
 static int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -180,9 +183,13 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   r.grain = per_chunk * r.align;
   r.chunks = (r.units + r.grain - 1) / r.grain;
   r.unit_work = c.unit_work > 0 ? c.unit_work : 1;
-  ensure_chunk_buffers(schedule_ == Schedule::Dynamic ? r.chunks : 0,
-                       std::max<int64_t>(1, r.grain * c.scratch_per_unit));
-  if (schedule_ == Schedule::Static || n_threads_ == 1) return run_chunks_static(r);
+  if (schedule_ == Schedule::Static || n_threads_ == 1) {
+    const int64_t fit = kStaticScratchFloats / std::max<int64_t>(1, c.scratch_per_unit) / r.align * r.align;
+    r.grain = std::max(r.grain, fit);
+    ensure_chunk_buffers(0, std::max<int64_t>(1, r.grain * c.scratch_per_unit));
+    return run_chunks_static(r);
+  }
+  ensure_chunk_buffers(r.chunks, std::max<int64_t>(1, r.grain * c.scratch_per_unit));
 
   if (caller_cpu_ >= 0 && std::this_thread::get_id() != pinned_caller_) {
     pin_current_thread(caller_cpu_);

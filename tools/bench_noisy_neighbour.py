@@ -1,0 +1,138 @@
+"""Decode speed of the static and dynamic schedules, with and without a noisy neighbour.
+
+The neighbour is a process pinned to one CPU (default: CPU 1, where the 2-thread pool pins its worker)
+that busy-loops for duty * period and sleeps for the rest of each period, like a co-tenant's periodic
+job. While it runs, the OS time-slices that CPU between it and the pool's worker in millisecond
+slices, so the worker is sometimes not running at all: under the static split every region waits for
+its share, under the dynamic schedule the calling thread takes over the worker's leftovers and redoes
+a chunk the worker holds while descheduled.
+
+One model per thread count; the schedule is switched on the same model (`model.schedule`), and each
+round measures every (neighbour, schedule) pair in alternating order, so drift in the machine's load
+hits all of them alike. The neighbour is paused (SIGSTOP) when off. Reports median decode tokens/s per
+cell, the dynamic/static ratio, and the 1-minute load average before and after.
+
+    python tools/bench_noisy_neighbour.py [MODEL] [--dtype bf16] [--threads 1 2] [--rounds 5]
+        [--tokens 32] [--duty 0.5] [--period-ms 4] [--cpu 1] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+
+import numpy as np  # noqa: E402
+
+DEFAULT_MODEL = os.path.expanduser("~/corelm-peers/models/qwen0.5b-dims-rand")
+
+# Busy for duty * period, then sleep to the end of the period, on absolute time so the cycle keeps
+# its rate however long the OS holds it off the CPU.
+NEIGHBOUR = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+period, duty = float(sys.argv[2]) / 1000, float(sys.argv[3])
+t = time.perf_counter()
+while True:
+    while time.perf_counter() < t + duty * period:
+        pass
+    t += period
+    time.sleep(max(0.0, t - time.perf_counter()))
+"""
+
+
+class Neighbour:
+    def __init__(self, cpu: int, period_ms: float, duty: float):
+        self.proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(cpu), str(period_ms), str(duty)])
+        self.running = True
+        self.pause()
+
+    def pause(self):
+        if self.running:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            self.running = False
+
+    def resume(self):
+        if not self.running:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.running = True
+
+    def close(self):
+        self.resume()
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def decode_rate(core, tokens: int, warmup: int = 4) -> float:
+    """Tokens/s of one-token forwards (greedy, fed back) at positions 0.. of the default sequence."""
+    tok = np.array([1], dtype=np.int32)
+    for pos in range(warmup):
+        tok[0] = int(np.argmax(core.forward(tok, pos, False)))
+    t0 = time.perf_counter()
+    for pos in range(warmup, warmup + tokens):
+        tok[0] = int(np.argmax(core.forward(tok, pos, False)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per measurement")
+    ap.add_argument("--duty", type=float, default=0.5, help="share of each period the neighbour is busy")
+    ap.add_argument("--period-ms", type=float, default=4.0)
+    ap.add_argument("--cpu", type=int, default=1, help="the CPU the neighbour is pinned to")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from corelm import LLM
+    load_before = os.getloadavg()[0]
+    neighbour = Neighbour(args.cpu, args.period_ms, args.duty)
+    rows = []
+    try:
+        for n in args.threads:
+            llm = LLM(args.model, threads=n, dtype=args.dtype, max_seq_len=args.tokens + 16)
+            core = llm._core
+            cells = {(noisy, s): [] for noisy in (False, True) for s in ("static", "dynamic")}
+            order = list(cells)
+            for r in range(args.rounds):
+                for noisy, sched in (order if r % 2 == 0 else order[::-1]):
+                    (neighbour.resume if noisy else neighbour.pause)()
+                    core.schedule = sched
+                    cells[(noisy, sched)].append(decode_rate(core, args.tokens))
+                neighbour.pause()
+            for noisy in (False, True):
+                st, dy = (statistics.median(cells[(noisy, s)]) for s in ("static", "dynamic"))
+                rows.append(dict(threads=n, neighbour=noisy, static=st, dynamic=dy, ratio=dy / st,
+                                 static_runs=cells[(noisy, "static")], dynamic_runs=cells[(noisy, "dynamic")]))
+            rows[-1]["redone_chunks"] = core.redone_chunks
+            del llm, core
+    finally:
+        neighbour.close()
+    load_after = os.getloadavg()[0]
+    info = dict(model=args.model, dtype=args.dtype, tokens=args.tokens, rounds=args.rounds, duty=args.duty,
+                period_ms=args.period_ms, neighbour_cpu=args.cpu, loadavg_1min_before=load_before,
+                loadavg_1min_after=load_after, rows=rows)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{os.path.basename(args.model.rstrip('/'))} {args.dtype}, {args.tokens} tokens x {args.rounds} rounds; "
+          f"neighbour on CPU {args.cpu}: {args.duty:.0%} of every {args.period_ms:g} ms; "
+          f"1-min load {load_before:.2f} -> {load_after:.2f}")
+    print(f"{'threads':>7} {'neighbour':>9} {'static tok/s':>12} {'dynamic tok/s':>13} {'dyn/static':>10}")
+    for r in rows:
+        print(f"{r['threads']:7d} {'yes' if r['neighbour'] else 'no':>9} {r['static']:12.1f} {r['dynamic']:13.1f} "
+              f"{r['ratio']:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
