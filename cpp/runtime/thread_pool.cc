@@ -63,6 +63,7 @@ ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller, Schedule schedu
       schedule_(schedule),
       thread_cpus_(n_threads_, -1),
       speed_(n_threads_, 0.0),
+      shares_(n_threads_, 0.0),
       seen_work_(n_threads_, 0.0),
       pending_work_(n_threads_, 0.0),
       seen_busy_(n_threads_, 0),
@@ -93,15 +94,25 @@ ThreadPool::~ThreadPool() {
 }
 
 std::vector<double> ThreadPool::speed_shares() const {
-  std::vector<double> shares(n_threads_, 1.0 / n_threads_);
+  std::vector<double> shares(n_threads_);
+  compute_shares(shares.data());
+  return shares;
+}
+
+void ThreadPool::compute_shares(double* shares) const {
   double known = 0, sum = 0;
   for (double s : speed_) known += s > 0, sum += s;
-  if (known == 0) return shares;
-  const double unknown = sum / known;  // a thread not measured yet counts as average
+  const double unknown = known > 0 ? sum / known : 1.0;  // a thread not measured yet counts as average
   double total = 0;
   for (int t = 0; t < n_threads_; t++) total += shares[t] = speed_[t] > 0 ? speed_[t] : unknown;
-  for (double& s : shares) s /= total;
-  return shares;
+  for (int t = 0; t < n_threads_; t++) shares[t] /= total;
+}
+
+void ThreadPool::pin_caller_once() {
+  if (caller_cpu_ >= 0 && std::this_thread::get_id() != pinned_caller_) {
+    pin_current_thread(caller_cpu_);
+    pinned_caller_ = std::this_thread::get_id();
+  }
 }
 
 void ThreadPool::quiesce() {
@@ -132,10 +143,7 @@ int ThreadPool::claim_slots(uint64_t generation, bool worker) {
 }
 
 void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
-  if (caller_cpu_ >= 0 && std::this_thread::get_id() != pinned_caller_) {  // once per calling thread
-    pin_current_thread(caller_cpu_);
-    pinned_caller_ = std::this_thread::get_id();
-  }
+  pin_caller_once();
   if (n_threads_ == 1) {
     fn(ctx, 0, 1);
     return;
@@ -191,18 +199,15 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   }
   ensure_chunk_buffers(r.chunks, std::max<int64_t>(1, r.grain * c.scratch_per_unit));
 
-  if (caller_cpu_ >= 0 && std::this_thread::get_id() != pinned_caller_) {
-    pin_current_thread(caller_cpu_);
-    pinned_caller_ = std::this_thread::get_id();
-  }
+  pin_caller_once();
   const uint64_t gen = ++generation_;
   // Home ranges in proportion to the threads' smoothed speeds.
   update_speeds();
-  const std::vector<double> shares = speed_shares();
+  compute_shares(shares_.data());
   double cum = 0;
   int64_t front = 0;
   for (int t = 0; t < n_threads_; t++) {
-    cum += shares[t];
+    cum += shares_[t];
     const int64_t back = t == n_threads_ - 1 ? r.chunks : std::min<int64_t>(r.chunks, std::llround(cum * r.chunks));
     threads_[t].range.store(pack_range(gen, front, std::max(front, back)), std::memory_order_relaxed);
     front = std::max(front, back);

@@ -150,6 +150,8 @@ class ThreadPool {
   };
 
   void worker_loop(int thread);
+  void pin_caller_once();
+  void compute_shares(double* shares) const;
   int claim_slots(uint64_t generation, bool worker);  // returns how many slots this thread ran
   void run_chunks(const Region& r, const Chunking& c);
   void run_chunks_static(const Region& r);
@@ -177,7 +179,8 @@ class ThreadPool {
   std::thread::id pinned_caller_;      // the last calling thread pinned to caller_cpu_
   uint64_t generation_ = 0;
   uint64_t worker_done_target_ = 0;    // hot_.worker_done once the current region is over
-  std::vector<double> speed_;          // per thread: smoothed work per busy ns
+  std::vector<double> speed_;          // per thread: smoothed work per busy ns (0: not measured yet)
+  std::vector<double> shares_;         // the current region's split
   std::vector<double> seen_work_, pending_work_;  // totals already folded into speed_, and not yet
   std::vector<int64_t> seen_busy_, pending_busy_;
   uint64_t redone_ = 0;
