@@ -27,8 +27,10 @@ static constexpr double kSmoothing = 0.125;
 // chunk's expected time: far below a descheduled thread's milliseconds, far above a running one's.
 static constexpr int64_t kStallNs = 20000;
 static constexpr double kStallChunks = 3;
-// Chunks per thread the grain is shrunk to allow, so leftovers can be balanced.
+// Chunks per thread: the grain shrinks to give each thread at least the first (so leftovers can be
+// balanced) and grows to give it at most the second (claims and kernel calls stay few).
 static constexpr int64_t kMinChunksPerThread = 4;
+static constexpr int64_t kMaxChunksPerThread = 16;
 // The static schedule computes its part in pieces as large as this much scratch allows (one kernel
 // call per part in decode), since it has nothing to balance.
 static constexpr int64_t kStaticScratchFloats = 1 << 18;
@@ -186,6 +188,7 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   r.align = std::max<int64_t>(1, c.align);
   const int64_t aligned_units = (r.units + r.align - 1) / r.align;  // the split works in these
   int64_t per_chunk = std::max<int64_t>(1, c.grain / r.align);
+  per_chunk = std::max(per_chunk, aligned_units / (kMaxChunksPerThread * n_threads_));
   per_chunk = std::min(per_chunk, std::max<int64_t>(1, aligned_units / (kMinChunksPerThread * n_threads_)));
   per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - 1) / kMaxChunks);
   r.grain = per_chunk * r.align;
@@ -282,8 +285,7 @@ int64_t ThreadPool::claim_chunk(uint64_t generation, int thread) {
   return -1;
 }
 
-bool ThreadPool::commit_chunk(uint64_t generation, int64_t chunk, const Region& r, int buf, const float* scratch) {
-  (void)buf;
+bool ThreadPool::commit_chunk(uint64_t generation, int64_t chunk, const Region& r, const float* scratch) {
   std::atomic<uint64_t>& state = chunk_state_[chunk];
   uint64_t s = state.load(std::memory_order_acquire);
   // Committed in this region already (by a thread that redid it), or this thread is from an earlier
@@ -306,7 +308,7 @@ int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bo
     const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
     r.compute(r.task, thread, u0, u1, scratch(thread));
     work += (double)(u1 - u0) * r.unit_work;
-    if (commit_chunk(generation, c, r, thread, scratch(thread))) {
+    if (commit_chunk(generation, c, r, scratch(thread))) {
       committed++;
       // At once: the caller may be waiting on this very count.
       if (worker) hot_.worker_done.fetch_add(1, std::memory_order_release);
@@ -345,7 +347,7 @@ void ThreadPool::wait_or_redo(uint64_t generation, const Region& r, int caller_c
       if (!*prepared) r.prepare(r.task, 0), *prepared = true;
       const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
       r.compute(r.task, 0, u0, u1, scratch(0));
-      if (commit_chunk(generation, c, r, 0, scratch(0))) own++, redone_++;
+      if (commit_chunk(generation, c, r, scratch(0))) own++, redone_++;
       break;
     }
     last_progress = now_ns();

@@ -46,8 +46,8 @@ bool parse_schedule(const std::string& name, Schedule* out);  // "static" / "dyn
 
 // How a chunked region's work is cut. units are the task's items (rows, heads, blocks); every chunk
 // boundary is a multiple of align (what the task's kernels need whole, e.g. 16 rows). grain is the
-// wanted chunk size, which the pool shrinks (in multiples of align) until every thread has a few
-// chunks to balance with. unit_work is a unit's relative cost (bytes of weights it reads), so speeds
+// wanted chunk size, which the pool resizes (in multiples of align) so every thread has 4 to 16
+// chunks: enough to balance with, few enough to keep claims and kernel calls cheap. unit_work is a unit's relative cost (bytes of weights it reads), so speeds
 // measured on different regions are comparable.
 struct Chunking {
   int64_t units = 0;
@@ -160,7 +160,7 @@ class ThreadPool {
   // Claims and computes chunks until none is left; returns how many this thread committed.
   int work_chunks(uint64_t generation, int thread, const Region& r, bool* prepared);
   int64_t claim_chunk(uint64_t generation, int thread);
-  bool commit_chunk(uint64_t generation, int64_t chunk, const Region& r, int buf, const float* scratch);
+  bool commit_chunk(uint64_t generation, int64_t chunk, const Region& r, const float* scratch);
   void wait_or_redo(uint64_t generation, const Region& r, int caller_commits, bool* prepared);
   void update_speeds();
   void ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats);
