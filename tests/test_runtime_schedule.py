@@ -27,13 +27,13 @@ def test_every_unit_is_committed_exactly_once(schedule, threads, units, align, g
 def test_chunks_of_a_descheduled_worker_are_redone_once(threads):
     # A worker sleeps 20 ms inside its first chunk of every 25th region: the caller redoes that chunk,
     # the worker's own result must then be dropped, in that region or (finishing late) in a later one.
-    for _ in range(5):   # a worker starved by other processes may miss every stalled region; retry
+    redone = False
+    for _ in range(10):   # a worker starved by other processes may miss every stalled region; retry
         r = _core.bench_chunk_regions(threads, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
                                       stall_every=25, stall_us=20000.0)
         assert r["exactly_once"] and r["no_late_commits"]
-        if r["stalls"]:
-            break
-    assert r["stalls"] > 0 and r["redone"] > 0
+        redone = redone or (r["stalls"] > 0 and r["redone"] > 0)
+    assert redone
 
 
 def test_static_schedule_waits_for_a_descheduled_worker():

@@ -285,6 +285,7 @@ void Model::ensure_scratch(int64_t n) {
   xb_.assign(nth * T * cfg_.dim, 0.f);
   qkv_.assign(T * qkv_dim, 0.f);
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
+  hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
   scores_.assign(nth * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
@@ -350,19 +351,19 @@ void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_s
 // The kernels' parallel regions (ThreadPool::parallel_chunks). Each task reads only the model's own
 // buffers in compute() and writes the shared outputs only in commit(): under the dynamic schedule a
 // chunk may be computed twice (by a descheduled thread and by the caller that redid it), and only
-// one of them commits. Every compute writes its rows into scratch laid out [token][rows of the chunk];
-// the kernels index outputs by absolute row, hence the `scratch - first row` pointers.
+// one of them commits. compute() leaves token t's results at scratch + t * ld; the kernels index
+// outputs by absolute row, hence the `scratch - first row` pointers.
 namespace {
 
 // Target bytes of weights per chunk: small enough that threads can balance each other's leftovers,
-// large enough that claiming a chunk and re-reading its activations (and, for quantized weights,
-// quantizing them again) stay a few percent of streaming it.
+// large enough that a chunk's claim and commit stay a few percent of streaming it.
 constexpr int64_t kChunkBytes = 96 << 10;
 
-// Chunks of whole multiples of `align` units reading about kChunkBytes of a matrix.
-Chunking chunking(const PackedMatrix& w, int64_t units, int64_t align, int64_t scratch_per_unit) {
+// Chunks of whole multiples of `align` units reading about kChunkBytes of a matrix; each unit gives
+// `cols` floats per token.
+Chunking chunking(const PackedMatrix& w, int64_t units, int64_t align, int64_t tokens, int64_t cols) {
   const double unit_bytes = (double)w.bytes() / (double)units;
-  return Chunking{units, align, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), scratch_per_unit, unit_bytes};
+  return Chunking{units, align, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), tokens, cols, unit_bytes};
 }
 
 // Normalizes all T tokens of x into the buffer index's own copy, so no barrier is needed before a matmul.
@@ -391,14 +392,14 @@ struct QkvTask {
   const SeqSlice* seqs;
   int64_t layer, hd, nh, nkv, block_size;
   void prepare(int buf) const { in.prepare(buf); }
-  void compute(int buf, int64_t h0, int64_t h1, float* s) const {
-    const int64_t width = (h1 - h0) * hd, half = hd / 2;
-    in.k->matmul(in.rows(buf), in.T, in.d, *w, s - h0 * hd, width, h0 * hd, h1 * hd);
+  void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
+    const int64_t half = hd / 2;
+    in.k->matmul(in.rows(buf), in.T, in.d, *w, s - h0 * hd, ld, h0 * hd, h1 * hd);
     for (int64_t t = 0; t < in.T; t++) {
       const float* cs = rope_cos + tok_pos[t] * half;
       const float* sn = rope_sin + tok_pos[t] * half;
       for (int64_t h = h0; h < h1; h++) {
-        float* v = s + t * width + (h - h0) * hd;
+        float* v = s + t * ld + (h - h0) * hd;
         if (bias)
           for (int64_t i = 0; i < hd; i++) v[i] += bias[h * hd + i];
         if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
@@ -411,43 +412,42 @@ struct QkvTask {
       }
     }
   }
-  void commit(int64_t h0, int64_t h1, const float* s) const {
-    const int64_t width = (h1 - h0) * hd, qkv_dim = (nh + 2 * nkv) * hd;
+  void commit(int64_t h0, int64_t h1, const float* s, int64_t ld) const {
+    const int64_t qkv_dim = (nh + 2 * nkv) * hd;
     for (int64_t t = 0; t < in.T; t++) {
-      std::memcpy(qkv + t * qkv_dim + h0 * hd, s + t * width, width * sizeof(float));
+      std::memcpy(qkv + t * qkv_dim + h0 * hd, s + t * ld, (h1 - h0) * hd * sizeof(float));
       const int64_t p = tok_pos[t];
       const SeqSlice& seq = seqs[tok_seq[t]];
       for (int64_t h = std::max(h0, nh); h < h1; h++)  // keys and values go to the cache
         kv->store(layer, seq.blocks[p / block_size], p % block_size, h < nh + nkv ? h - nh : h - nh - nkv,
-                  h >= nh + nkv, s + t * width + (h - h0) * hd);
+                  h >= nh + nkv, s + t * ld + (h - h0) * hd);
     }
   }
 };
 
-// MLP norm, the fused gate/up projection and SiLU(gate) * up, by whole gate/up block pairs. Scratch
-// holds the chunk's gate/up rows, then its activations.
+// MLP norm, the fused gate/up projection (into the buffer index's own rows of hb) and SiLU(gate) * up
+// (into scratch), by whole gate/up block pairs.
 struct GateUpTask {
   NormedInput in;
   const PackedMatrix* w;
+  float* hb;   // [buffers][T][2 * f]
   float* act;  // [T][f]
   int64_t f, block;
   void prepare(int buf) const { in.prepare(buf); }
-  int64_t rows(int64_t b0, int64_t b1) const { return std::min(2 * b1 * block, 2 * f) - 2 * b0 * block; }
-  void compute(int buf, int64_t b0, int64_t b1, float* s) const {
-    const int64_t r0 = 2 * b0 * block, width = rows(b0, b1), out_width = width / 2, T = in.T;
-    in.k->matmul(in.rows(buf), T, in.d, *w, s - r0, width, r0, r0 + width);
-    float* a = s + T * width;
+  void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
+    const int64_t T = in.T;
+    float* h = hb + (size_t)buf * T * 2 * f;
+    in.k->matmul(in.rows(buf), T, in.d, *w, h, 2 * f, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
     for (int64_t t = 0; t < T; t++)
       for (int64_t b = b0; b < b1; b++) {
         const int64_t c = std::min(block, f - b * block);
-        const float* g = s + t * width + 2 * (b - b0) * block;
-        in.k->silu_mul(a + t * out_width + (b - b0) * block, g, g + c, c);
+        const float* g = h + t * 2 * f + 2 * b * block;
+        in.k->silu_mul(s + t * ld + (b - b0) * block, g, g + c, c);
       }
   }
-  void commit(int64_t b0, int64_t b1, const float* s) const {
-    const int64_t width = rows(b0, b1), out_width = width / 2;
-    for (int64_t t = 0; t < in.T; t++)
-      std::memcpy(act + t * f + b0 * block, s + in.T * width + t * out_width, out_width * sizeof(float));
+  void commit(int64_t b0, int64_t b1, const float* s, int64_t ld) const {
+    const int64_t width = std::min(b1 * block, f) - b0 * block;
+    for (int64_t t = 0; t < in.T; t++) std::memcpy(act + t * f + b0 * block, s + t * ld, width * sizeof(float));
   }
 };
 
@@ -461,11 +461,13 @@ struct MatmulTask {
   int64_t n_out;
   bool accumulate;
   void prepare(int) const {}
-  void compute(int, int64_t n0, int64_t n1, float* s) const { k->matmul(in, m, ld_in, *w, s - n0, n1 - n0, n0, n1); }
-  void commit(int64_t n0, int64_t n1, const float* s) const {
+  void compute(int, int64_t n0, int64_t n1, float* s, int64_t ld) const {
+    k->matmul(in, m, ld_in, *w, s - n0, ld, n0, n1);
+  }
+  void commit(int64_t n0, int64_t n1, const float* s, int64_t ld) const {
     for (int64_t t = 0; t < m; t++) {
       float* y = out + t * n_out + n0;
-      const float* r = s + t * (n1 - n0);
+      const float* r = s + t * ld;
       if (accumulate)
         for (int64_t i = 0; i < n1 - n0; i++) y[i] += r[i];
       else
@@ -492,7 +494,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 16, T));
+    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 16, T, 1));
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
@@ -500,12 +502,12 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     const QkvTask qkv{normed(L.attn_norm), &L.wqkv, L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
                       rope_sin_.data(), tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh,
                       nkv, kv_.block_size()};
-    pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T * hd));
+    pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     attention(l, seqs, T);
     matmul_residual(att_.data(), nh * hd, L.wo);
     const int64_t blocks = (f + GB - 1) / GB;
-    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), &L.w_gate_up, act_.data(), f, GB},
-                          chunking(L.w_gate_up, blocks, 1, T * 3 * GB));
+    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), &L.w_gate_up, hb_.data(), act_.data(), f, GB},
+                          chunking(L.w_gate_up, blocks, 1, T, GB));
     matmul_residual(act_.data(), f, L.w_down);
   }
 
@@ -518,7 +520,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
   pool_.parallel_chunks(MatmulTask{&k, out_rows_.data(), rows, d, &lm_head_, logits, cfg_.vocab_size, false},
-                        chunking(lm_head_, cfg_.vocab_size, 16, rows));
+                        chunking(lm_head_, cfg_.vocab_size, 16, rows, 1));
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

@@ -123,6 +123,7 @@ class Model {
   std::vector<float> xb_;       // [n_threads][T][dim] each thread's own normalized copy (saves a barrier)
   std::vector<float> qkv_;      // [T][qkv_dim]
   std::vector<float> att_;      // [T][n_heads * head_dim]
+  std::vector<float> hb_;       // [n_threads][T][2 * ffn_dim] each thread's gate/up rows (interleaved)
   std::vector<float> act_;      // [T][ffn_dim]
   std::vector<float> scores_;   // [n_threads][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position

@@ -99,7 +99,7 @@ struct CheckTask {
   StallFlag* stalled;    // [n_threads]
   std::atomic<int64_t>* stalls;
   void prepare(int) const {}
-  void compute(int buf, int64_t u0, int64_t u1, float* s) const {
+  void compute(int buf, int64_t u0, int64_t u1, float* s, int64_t) const {
     if (buf != 0 && stall_every > 0 && region % stall_every == 0 &&
         stalled[buf].region.exchange(region, std::memory_order_relaxed) != region) {
       stalls->fetch_add(1, std::memory_order_relaxed);
@@ -112,7 +112,7 @@ struct CheckTask {
       s[u - u0] = unit_value(region, u) + (x > 2.f ? 1.f : 0.f);  // x stays below 2: keeps the chain
     }
   }
-  void commit(int64_t u0, int64_t u1, const float* s) const {
+  void commit(int64_t u0, int64_t u1, const float* s, int64_t) const {
     for (int64_t u = u0; u < u1; u++) out[u] = s[u - u0], commits[u]++;
   }
 };
@@ -127,7 +127,7 @@ ChunkBenchResult bench_chunk_regions(const ChunkBenchConfig& cfg) {
   std::vector<StallFlag> stalled(std::max(1, cfg.n_threads));
   std::atomic<int64_t> stalls{0};
   ThreadPool pool(cfg.n_threads, cfg.pin, false, cfg.schedule);
-  Chunking c{units, cfg.align, cfg.grain, 1, 1.0};
+  Chunking c{units, cfg.align, cfg.grain, 1, 1, 1.0};
   CheckTask task{out.data(), commits.data(), 0, cfg.stall_every, std::max(0, cfg.work),
                  std::max(1, cfg.slow_worker), cfg.stall_us, stalled.data(), &stalls};
   r.exactly_once = true;

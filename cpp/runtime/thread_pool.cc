@@ -31,9 +31,8 @@ static constexpr double kStallChunks = 3;
 // balanced) and grows to give it at most the second (claims and kernel calls stay few).
 static constexpr int64_t kMinChunksPerThread = 4;
 static constexpr int64_t kMaxChunksPerThread = 16;
-// The static schedule computes its part in pieces as large as this much scratch allows (one kernel
-// call per part in decode), since it has nothing to balance.
-static constexpr int64_t kStaticScratchFloats = 1 << 18;
+// Scratch per buffer index: bounds how many chunks one claim (or one piece of a static part) spans.
+static constexpr int64_t kClaimScratchFloats = 1 << 18;
 
 static int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -186,6 +185,10 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   Region r = region;
   r.units = c.units;
   r.align = std::max<int64_t>(1, c.align);
+  r.tokens = std::max<int64_t>(1, c.tokens);
+  r.cols = std::max<int64_t>(1, c.cols);
+  r.unit_work = c.unit_work > 0 ? c.unit_work : 1;
+  const int64_t unit_floats = r.tokens * r.cols;
   const int64_t aligned_units = (r.units + r.align - 1) / r.align;  // the split works in these
   int64_t per_chunk = std::max<int64_t>(1, c.grain / r.align);
   per_chunk = std::max(per_chunk, aligned_units / (kMaxChunksPerThread * n_threads_));
@@ -193,14 +196,10 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - 1) / kMaxChunks);
   r.grain = per_chunk * r.align;
   r.chunks = (r.units + r.grain - 1) / r.grain;
-  r.unit_work = c.unit_work > 0 ? c.unit_work : 1;
-  if (schedule_ == Schedule::Static || n_threads_ == 1) {
-    const int64_t fit = kStaticScratchFloats / std::max<int64_t>(1, c.scratch_per_unit) / r.align * r.align;
-    r.grain = std::max(r.grain, fit);
-    ensure_chunk_buffers(0, std::max<int64_t>(1, r.grain * c.scratch_per_unit));
-    return run_chunks_static(r);
-  }
-  ensure_chunk_buffers(r.chunks, std::max<int64_t>(1, r.grain * c.scratch_per_unit));
+  // A claim (or a static part) spans as many chunks as kClaimScratchFloats of scratch hold, at least one.
+  r.max_claim = std::max<int64_t>(1, kClaimScratchFloats / (r.grain * unit_floats));
+  ensure_chunk_buffers(r.chunks, std::min(r.chunks, r.max_claim) * r.grain * unit_floats);
+  if (schedule_ == Schedule::Static || n_threads_ == 1) return run_chunks_static(r);
 
   pin_caller_once();
   const uint64_t gen = ++generation_;
@@ -229,17 +228,17 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   wait_or_redo(gen, r, own, &prepared);
 }
 
-// Equal parts (in multiples of align) per slot, each computed grain by grain through the same
-// scratch-and-commit path as the dynamic schedule, so both give bitwise identical results.
+// Equal parts (in multiples of align) per slot, computed in pieces of up to max_claim chunks through
+// the same scratch-and-commit path as the dynamic schedule, so both give bitwise identical results.
 void ThreadPool::run_chunks_static(const Region& r) {
   parallel([&](int slot, int n) {
     int64_t u0, u1;
     split_range(r.units, slot, n, r.align, &u0, &u1);
     if (u0 < u1) r.prepare(r.task, slot);
-    for (int64_t a = u0; a < u1; a += r.grain) {
-      const int64_t b = std::min(a + r.grain, u1);
-      r.compute(r.task, slot, a, b, scratch(slot));
-      r.commit(r.task, a, b, scratch(slot));
+    for (int64_t a = u0; a < u1; a += r.max_claim * r.grain) {
+      const int64_t b = std::min(a + r.max_claim * r.grain, u1), ld = (b - a) * r.cols;
+      r.compute(r.task, slot, a, b, scratch(slot), ld);
+      r.commit(r.task, a, b, scratch(slot), ld);
     }
   });
 }
@@ -259,16 +258,20 @@ bool ThreadPool::load_region(uint64_t generation, Region* r) const {
   return true;
 }
 
-int64_t ThreadPool::claim_chunk(uint64_t generation, int thread) {
-  // Own range, from the front: a thread keeps the same contiguous rows region after region.
+int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_claim, int64_t* first) {
+  // Own range, from the front: most of what is left (a quarter stays for whoever finishes first), so
+  // a thread keeps the same contiguous rows region after region in few kernel calls.
   std::atomic<uint64_t>& own = threads_[thread].range;
   uint64_t w = own.load(std::memory_order_acquire);
   for (;;) {
     if (!range_tag_is(w, generation)) return -1;  // a later region: this thread is late
-    const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
-    if (front >= back) break;
-    if (own.compare_exchange_weak(w, pack_range(generation, front + 1, back), std::memory_order_acq_rel))
-      return front;
+    const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask, left = back - front;
+    if (left <= 0) break;
+    const int64_t take = std::min(max_claim, std::max<int64_t>(1, left - std::max<int64_t>(1, left / 4)));
+    if (own.compare_exchange_weak(w, pack_range(generation, front + take, back), std::memory_order_acq_rel)) {
+      *first = front;
+      return front + take;
+    }
   }
   // Others' ranges, one chunk from the back, leaving the owner its contiguous front.
   for (int i = 1; i < n_threads_; i++) {
@@ -278,41 +281,45 @@ int64_t ThreadPool::claim_chunk(uint64_t generation, int thread) {
       if (!range_tag_is(w, generation)) return -1;
       const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
       if (front >= back) break;
-      if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel))
-        return back - 1;
+      if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel)) {
+        *first = back - 1;
+        return back;
+      }
     }
   }
   return -1;
 }
 
-bool ThreadPool::commit_chunk(uint64_t generation, int64_t chunk, const Region& r, const float* scratch) {
-  std::atomic<uint64_t>& state = chunk_state_[chunk];
-  uint64_t s = state.load(std::memory_order_acquire);
-  // Committed in this region already (by a thread that redid it), or this thread is from an earlier
-  // region, every chunk of which was committed before it ended.
-  if (s >= generation) return false;
-  if (!state.compare_exchange_strong(s, generation, std::memory_order_acq_rel)) return false;
-  const int64_t u0 = chunk * r.grain, u1 = std::min(u0 + r.grain, r.units);
-  r.commit(r.task, u0, u1, scratch);
-  return true;
+int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t c0, int64_t c1) {
+  const int64_t u0 = c0 * r.grain, u1 = std::min(c1 * r.grain, r.units), ld = (u1 - u0) * r.cols;
+  float* s = scratch(buf);
+  r.compute(r.task, buf, u0, u1, s, ld);
+  int committed = 0;
+  for (int64_t c = c0; c < c1; c++) {
+    // Committed in this region already (by a thread that redid it), or this thread is from an earlier
+    // region, every chunk of which was committed before it ended: the CAS fails, the result is dropped.
+    std::atomic<uint64_t>& state = chunk_state_[c];
+    uint64_t old = state.load(std::memory_order_acquire);
+    if (old >= generation || !state.compare_exchange_strong(old, generation, std::memory_order_acq_rel)) continue;
+    const int64_t a = c * r.grain, b = std::min(a + r.grain, r.units);
+    r.commit(r.task, a, b, s + (a - u0) * r.cols, ld);
+    committed++;
+  }
+  return committed;
 }
 
 int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bool* prepared) {
-  const bool worker = thread != 0;
   int committed = 0;
   int64_t start = -1;
   double work = 0;
-  for (int64_t c; (c = claim_chunk(generation, thread)) >= 0;) {
+  for (int64_t c0, c1; (c1 = claim_chunks(generation, thread, r.max_claim, &c0)) >= 0;) {
     if (start < 0) start = now_ns();
     if (!*prepared) r.prepare(r.task, thread), *prepared = true;
-    const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
-    r.compute(r.task, thread, u0, u1, scratch(thread));
-    work += (double)(u1 - u0) * r.unit_work;
-    if (commit_chunk(generation, c, r, scratch(thread))) {
-      committed++;
-      // At once: the caller may be waiting on this very count.
-      if (worker) hot_.worker_done.fetch_add(1, std::memory_order_release);
-    }
+    const int n = run_claim(generation, thread, r, c0, c1);
+    work += (double)(std::min(c1 * r.grain, r.units) - c0 * r.grain) * r.unit_work;
+    committed += n;
+    // At once: the caller may be waiting on this very count.
+    if (thread != 0 && n) hot_.worker_done.fetch_add(n, std::memory_order_release);
   }
   if (start >= 0) {  // totals written only by this thread; the caller folds them into speeds
     ThreadState& ts = threads_[thread];
@@ -340,17 +347,16 @@ void ThreadPool::wait_or_redo(uint64_t generation, const Region& r, int caller_c
       continue;
     }
     if (t - last_progress < stall_ns) continue;
-    // Nothing finished for a long while: a thread holding a chunk is descheduled. Redo the first
-    // chunk not committed yet (every chunk is claimed by now) into the caller's own scratch.
+    // Nothing finished for a long while: a thread holding chunks is descheduled. Every chunk is
+    // claimed by now; redo the first one not committed yet into the caller's own scratch, then look
+    // again (a thread that was only slow commits the rest itself).
     for (int64_t c = 0; c < r.chunks; c++) {
       if (chunk_state_[c].load(std::memory_order_acquire) >= generation) continue;
       if (!*prepared) r.prepare(r.task, 0), *prepared = true;
-      const int64_t u0 = c * r.grain, u1 = std::min(u0 + r.grain, r.units);
-      r.compute(r.task, 0, u0, u1, scratch(0));
-      if (commit_chunk(generation, c, r, scratch(0))) own++, redone_++;
+      const int n = run_claim(generation, 0, r, c, c + 1);
+      own += n, redone_ += n;
       break;
     }
-    last_progress = now_ns();
   }
   worker_done_target_ = base + (uint64_t)(r.chunks - own);
 }

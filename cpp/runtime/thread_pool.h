@@ -47,27 +47,32 @@ bool parse_schedule(const std::string& name, Schedule* out);  // "static" / "dyn
 // How a chunked region's work is cut. units are the task's items (rows, heads, blocks); every chunk
 // boundary is a multiple of align (what the task's kernels need whole, e.g. 16 rows). grain is the
 // wanted chunk size, which the pool resizes (in multiples of align) so every thread has 4 to 16
-// chunks: enough to balance with, few enough to keep claims and kernel calls cheap. unit_work is a unit's relative cost (bytes of weights it reads), so speeds
-// measured on different regions are comparable.
+// chunks: enough to balance with. A thread claims several consecutive chunks of its own at once
+// (most of what is left of its range), so undisturbed it makes about two kernel calls per region.
+// unit_work is a unit's relative cost (bytes of weights it reads), so speeds measured on different
+// regions are comparable.
 struct Chunking {
   int64_t units = 0;
   int64_t align = 1;
   int64_t grain = 1;
-  int64_t scratch_per_unit = 0;  // floats of scratch compute() needs per unit
+  int64_t tokens = 1;  // results per unit: tokens x cols floats
+  int64_t cols = 1;
   double unit_work = 1;
 };
 
 // The interface parallel_chunks expects (a struct with these three const members; it must be
 // trivially copyable and at most kTaskBytes, because every thread works on its own copy):
-//   prepare(buf)                 once per buffer index and region, before that index's first chunk
-//   compute(buf, u0, u1, scratch) the results of units [u0, u1) into scratch. It may also write
-//                                memory private to buffer index buf, and must read only memory that
-//                                stays allocated until ThreadPool::quiesce(): a descheduled thread may
-//                                still be running it after the region is over (its result is dropped).
-//   commit(u0, u1, scratch)      writes the results to the shared outputs; runs exactly once per chunk,
-//                                while the region is live.
+//   prepare(buf)                   once per buffer index and region, before that index's first chunk
+//   compute(buf, u0, u1, s, ld)    the results of units [u0, u1) into scratch: token t's start at
+//                                  s + t * ld, unit u's cols of them at offset (u - u0) * cols. It may
+//                                  also write memory private to buffer index buf, and must read only
+//                                  memory that stays allocated until ThreadPool::quiesce(): a
+//                                  descheduled thread may still run it after the region is over (its
+//                                  result is then dropped).
+//   commit(u0, u1, s, ld)          writes the results of [u0, u1) (same layout, s at unit u0) to the
+//                                  shared outputs; runs exactly once per unit, while the region is live.
 // buf is in [0, n_threads): the thread (dynamic) or the slot (static), never used by two threads at
-// once. Per-buffer scratch is the pool's; compute gets grain * scratch_per_unit floats of it.
+// once. The scratch is the pool's, one buffer per index.
 
 class ThreadPool {
  public:
@@ -111,11 +116,11 @@ class ThreadPool {
     static_assert(sizeof(Task) <= kTaskBytes && alignof(Task) <= 8, "chunk task too large");
     Region r;
     r.prepare = [](const void* t, int buf) { static_cast<const Task*>(t)->prepare(buf); };
-    r.compute = [](const void* t, int buf, int64_t u0, int64_t u1, float* s) {
-      static_cast<const Task*>(t)->compute(buf, u0, u1, s);
+    r.compute = [](const void* t, int buf, int64_t u0, int64_t u1, float* s, int64_t ld) {
+      static_cast<const Task*>(t)->compute(buf, u0, u1, s, ld);
     };
-    r.commit = [](const void* t, int64_t u0, int64_t u1, const float* s) {
-      static_cast<const Task*>(t)->commit(u0, u1, s);
+    r.commit = [](const void* t, int64_t u0, int64_t u1, const float* s, int64_t ld) {
+      static_cast<const Task*>(t)->commit(u0, u1, s, ld);
     };
     std::memcpy(r.task, &task, sizeof(Task));
     r.task_words = (sizeof(Task) + 7) / 8;
@@ -131,9 +136,11 @@ class ThreadPool {
   // What a chunked region's threads copy (the task and how to run it), trivially copyable.
   struct Region {
     void (*prepare)(const void*, int) = nullptr;
-    void (*compute)(const void*, int, int64_t, int64_t, float*) = nullptr;
-    void (*commit)(const void*, int64_t, int64_t, const float*) = nullptr;
+    void (*compute)(const void*, int, int64_t, int64_t, float*, int64_t) = nullptr;
+    void (*commit)(const void*, int64_t, int64_t, const float*, int64_t) = nullptr;
     int64_t units = 0, align = 1, grain = 1, chunks = 0;
+    int64_t tokens = 1, cols = 1;
+    int64_t max_claim = 1;  // chunks one claim may take: what the scratch holds
     double unit_work = 1;
     int64_t task_words = 0;  // words of task in use: only those are copied
     alignas(8) unsigned char task[kTaskBytes];
@@ -159,8 +166,11 @@ class ThreadPool {
   bool load_region(uint64_t generation, Region* r) const;
   // Claims and computes chunks until none is left; returns how many this thread committed.
   int work_chunks(uint64_t generation, int thread, const Region& r, bool* prepared);
-  int64_t claim_chunk(uint64_t generation, int thread);
-  bool commit_chunk(uint64_t generation, int64_t chunk, const Region& r, const float* scratch);
+  // Claims chunks [*first, returned) of this region: consecutive ones from the front of the thread's
+  // own range, else one from the back of another's; returns -1 when none is left.
+  int64_t claim_chunks(uint64_t generation, int thread, int64_t max_claim, int64_t* first);
+  // Computes chunks [c0, c1) in one call and commits each one nobody has committed; returns how many.
+  int run_claim(uint64_t generation, int buf, const Region& r, int64_t c0, int64_t c1);
   void wait_or_redo(uint64_t generation, const Region& r, int caller_commits, bool* prepared);
   void update_speeds();
   void ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats);
