@@ -33,6 +33,9 @@ static constexpr int64_t kMinChunksPerThread = 4;
 static constexpr int64_t kMaxChunksPerThread = 16;
 // Scratch per buffer index: bounds how many chunks one claim (or one piece of a static part) spans.
 static constexpr int64_t kClaimScratchFloats = 1 << 18;
+// Work (unit_work, bytes of weights for the model) one dynamic claim may span: a thread descheduled
+// in the middle of a claim finishes it when it runs again, for nothing if it was redone meanwhile.
+static constexpr double kClaimWork = 1 << 20;
 
 static int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -200,6 +203,7 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   r.max_claim = std::max<int64_t>(1, kClaimScratchFloats / (r.grain * unit_floats));
   ensure_chunk_buffers(r.chunks, std::min(r.chunks, r.max_claim) * r.grain * unit_floats);
   if (schedule_ == Schedule::Static || n_threads_ == 1) return run_chunks_static(r);
+  r.max_claim = std::min(r.max_claim, std::max<int64_t>(1, (int64_t)(kClaimWork / (r.grain * r.unit_work))));
 
   pin_caller_once();
   const uint64_t gen = ++generation_;
