@@ -12,11 +12,12 @@
 // chunks of `grain` units; how chunks reach threads is the pool's Schedule:
 //   Static   the chunks are split into n_threads equal contiguous slots, claimed as above.
 //   Dynamic  each thread owns a contiguous home range of chunks sized by its measured speed (work per
-//            busy nanosecond, smoothed, re-measured every region), takes chunks from its front, and
-//            when it runs out steals single chunks from the back of the others' ranges. A thread that
+//            busy nanosecond, smoothed, re-measured every region), claims most of what is left of it
+//            from the front (consecutive chunks, one kernel call), and when it runs out steals single
+//            chunks from the back of the others' ranges. A thread that
 //            the OS deschedules while it computes a chunk (another process on its core, for
 //            milliseconds) would still stall the region, so the caller, once every chunk is claimed,
-//            redoes a chunk that stays unfinished well past its expected time. Whoever finishes first
+//            redoes chunks that stay unfinished well past their expected time. Whoever finishes first
 //            commits: the chunk's state word goes to the region's generation by one CAS, and only the
 //            winner writes the shared outputs. A late finisher's CAS fails and its result is dropped.
 // Redo needs tasks whose compute() is idempotent and writes only the thread's scratch; see ChunkTask.
