@@ -19,6 +19,8 @@ namespace corelm {
 py::dict amx_info();                 // bindings/amx.cc
 void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
 void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
+NumaPolicy numa_policy_arg(const std::string& s);  // bindings/runtime.cc
+py::dict numa_dict(const Model& model);            // bindings/runtime.cc: Model.numa
 }
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -78,6 +80,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
+  if (d.contains("numa") && !d["numa"].is_none()) c.numa = numa_policy_arg(d["numa"].cast<std::string>());
   return c;
 }
 
@@ -184,6 +187,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
       .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
                              "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
+      .def_property_readonly("numa", [](PyModel& s) { return numa_dict(s.model); },
+                             "The NUMA policy, each thread's node, and where each placed buffer's pages are.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

@@ -38,8 +38,21 @@ static int64_t default_kv_blocks(const ModelConfig& c) {
   return c.kv_blocks > 0 ? c.kv_blocks : (c.max_seq_len + c.kv_block_size - 1) / c.kv_block_size;
 }
 
+static NumaLayout numa_layout_for(const ModelConfig& cfg) {
+  const Topology& topo = system_topology();
+  NumaLayout n;
+  n.policy = cfg.numa;
+  PlanPolicy policy;
+  policy.numa = cfg.numa;
+  policy.home_node = current_node(topo);
+  n.thread_cpus = plan_threads(topo, cfg.n_threads, process_allowed_cpus(), policy);
+  n.thread_node = thread_nodes(topo, n.thread_cpus);
+  if (cfg.numa != NumaPolicy::Default) n.shares = node_shares(topo, n.thread_cpus);
+  return n;
+}
+
 Model::Model(const ModelConfig& cfg)
-    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads),
+    : cfg_(cfg), kt_(kernels()), numa_((cfg.validate(), numa_layout_for(cfg))), pool_(cfg.n_threads, cfg.pin_threads),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;
@@ -53,6 +66,85 @@ Model::Model(const ModelConfig& cfg)
     }
   identity_blocks_.resize(kv_.n_blocks());
   for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
+  place_kv_cache();
+}
+
+// ---------------------------------------------------------------------------------------------
+// NUMA placement (runtime/numa.h): weights by rows, the KV cache by blocks, each node's part on it
+
+// Only under Distribute or Isolate, and only where there is more than one node to choose from;
+// CORELM_NUMA_FORCE=1 places anyway, so a one-node machine can test the path (everything on node 0).
+bool Model::numa_places_memory() const {
+  const char* force = std::getenv("CORELM_NUMA_FORCE");
+  return !numa_.shares.empty() && (system_topology().nodes.size() > 1 || (force && std::string(force) == "1"));
+}
+
+void Model::place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges,
+                  bool strict) {
+  if ((uintptr_t)base % page_bytes() != 0) return;  // a small buffer sharing its pages: left where it is
+  PlacedBuffer p{name, base, bytes, std::move(byte_ranges), ""};
+  for (const RowRange& r : p.byte_ranges) {
+    std::string err = numa_place(static_cast<const char*>(base) + r.begin, r.end - r.begin, r.node, strict);
+    if (!err.empty() && p.error.empty()) p.error = err;
+  }
+  placed_.push_back(std::move(p));
+}
+
+// Preferred, not bound: the cache fills while serving, and a full node should spill, not fail.
+void Model::place_kv_cache() {
+  if (!numa_places_memory()) return;
+  const int64_t nb = kv_.n_blocks(), per_layer = nb;
+  const std::vector<RowRange> blocks = numa_.ranges(nb, 1);
+  const char* names[] = {"kv.k", "kv.v", "kv.k_scale", "kv.v_scale"};
+  int i = 0;
+  for (const auto& buf : kv_.buffers()) {
+    const size_t stride = buf.second / (size_t)(cfg_.n_layers * nb);  // bytes per (layer, block)
+    std::vector<RowRange> bytes;
+    for (int64_t l = 0; l < cfg_.n_layers; l++)
+      for (const RowRange& b : blocks)
+        bytes.push_back({b.node, (int64_t)((l * per_layer + b.begin) * stride), (int64_t)((l * per_layer + b.end) * stride)});
+    place(names[i++], buf.first, buf.second, std::move(bytes), /*strict=*/false);
+  }
+}
+
+// Bound: every matrix's node ranges follow the grain its parallel loop splits by. The embedding table
+// is read a row per token by the calling thread and stays where it was written (unless tied, when it
+// is lm_head).
+void Model::place_weights() {
+  if (!numa_places_memory()) return;
+  auto matrix = [&](const std::string& name, const PackedMatrix& m, int64_t grain) {
+    std::vector<RowRange> bytes;
+    for (const RowRange& r : numa_.ranges(m.rows, grain))
+      bytes.push_back({r.node, (int64_t)row_offset(r.begin, m.rows, m.nbytes), (int64_t)row_offset(r.end, m.rows, m.nbytes)});
+    place(name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
+  };
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    const LayerWeights& L = layers_[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    matrix(p + "wqkv", L.wqkv, cfg_.head_dim);
+    matrix(p + "wo", L.wo, kRowGrain);
+    matrix(p + "w_gate_up", L.w_gate_up, 2 * kGateUpBlock);
+    matrix(p + "w_down", L.w_down, kRowGrain);
+  }
+  matrix("lm_head", lm_head_, kRowGrain);
+}
+
+static std::string numa_summary(const NumaLayout& n, bool placing, const std::vector<PlacedBuffer>& placed) {
+  std::string s = std::string("numa ") + numa_policy_name(n.policy) + ": ";
+  if (n.shares.empty()) return s + "memory stays where first touch puts it";
+  std::string nodes;
+  for (const NodeShare& sh : n.shares)
+    nodes += (nodes.empty() ? "" : ", ") + std::to_string(sh.node) + " (" + std::to_string(sh.threads) + " threads)";
+  s += "threads on node " + nodes + "; ";
+  if (!placing)
+    return s + (system_topology().nodes.size() > 1 ? "nothing placed" : "one NUMA node, nothing to place");
+  int failed = 0;
+  std::string first_error;
+  for (const PlacedBuffer& p : placed)
+    if (!p.error.empty()) first_error = first_error.empty() ? p.error : first_error, failed++;
+  s += std::to_string(placed.size()) + " buffers placed by node";
+  if (failed) s += ", " + std::to_string(failed) + " failed (" + first_error + ")";
+  return s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,6 +353,8 @@ void Model::finalize() {
   }
   pending_.clear();
   pending_raw_.clear();
+  place_weights();
+  numa_status_ = numa_summary(numa_, numa_places_memory(), placed_);
   ready_ = true;
 }
 
