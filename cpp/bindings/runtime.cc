@@ -194,6 +194,9 @@ void bind_runtime(py::module_& m) {
   }, py::arg("rows"), py::arg("grain"), py::arg("shares"),
      "[(node, begin, end)]: rows cut into one range per (node, threads) share, in groups of grain rows.");
 
+  m.def("numa_row_grain", &Model::row_grain, py::arg("matrix"), py::arg("head_dim"),
+        "The rows a matrix's parallel loop (and so its NUMA split) cuts in: 'wqkv', 'wo', 'w_gate_up', "
+        "'w_down' or 'lm_head'.");
   m.def("numa_row_offset", &row_offset, py::arg("row"), py::arg("rows"), py::arg("nbytes"),
         "The byte offset of a row in a packed matrix of rows rows and nbytes bytes.");
   m.def("page_bytes", &page_bytes);

@@ -93,7 +93,7 @@ void Model::place(const std::string& name, const void* base, size_t bytes, std::
 // Preferred, not bound: the cache fills while serving, and a full node should spill, not fail.
 void Model::place_kv_cache() {
   if (!numa_places_memory()) return;
-  const int64_t nb = kv_.n_blocks(), per_layer = nb;
+  const int64_t nb = kv_.n_blocks();
   const std::vector<RowRange> blocks = numa_.ranges(nb, 1);
   const char* names[] = {"kv.k", "kv.v", "kv.k_scale", "kv.v_scale"};
   int i = 0;
@@ -102,9 +102,16 @@ void Model::place_kv_cache() {
     std::vector<RowRange> bytes;
     for (int64_t l = 0; l < cfg_.n_layers; l++)
       for (const RowRange& b : blocks)
-        bytes.push_back({b.node, (int64_t)((l * per_layer + b.begin) * stride), (int64_t)((l * per_layer + b.end) * stride)});
+        bytes.push_back({b.node, (int64_t)((l * nb + b.begin) * stride), (int64_t)((l * nb + b.end) * stride)});
     place(names[i++], buf.first, buf.second, std::move(bytes), /*strict=*/false);
   }
+}
+
+int64_t Model::row_grain(const std::string& matrix, int64_t head_dim) {
+  if (matrix == "wqkv") return head_dim;
+  if (matrix == "w_gate_up") return 2 * kGateUpBlock;
+  if (matrix == "wo" || matrix == "w_down" || matrix == "lm_head") return kRowGrain;
+  throw std::invalid_argument("no row grain for '" + matrix + "'");
 }
 
 // Bound: every matrix's node ranges follow the grain its parallel loop splits by. The embedding table
@@ -112,21 +119,20 @@ void Model::place_kv_cache() {
 // is lm_head).
 void Model::place_weights() {
   if (!numa_places_memory()) return;
-  auto matrix = [&](const std::string& name, const PackedMatrix& m, int64_t grain) {
+  auto matrix = [&](const std::string& name, const PackedMatrix& m, const std::string& kind) {
     std::vector<RowRange> bytes;
-    for (const RowRange& r : numa_.ranges(m.rows, grain))
+    for (const RowRange& r : numa_.ranges(m.rows, row_grain(kind, cfg_.head_dim)))
       bytes.push_back({r.node, (int64_t)row_offset(r.begin, m.rows, m.nbytes), (int64_t)row_offset(r.end, m.rows, m.nbytes)});
     place(name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
   };
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
     const std::string p = "layers." + std::to_string(l) + ".";
-    matrix(p + "wqkv", L.wqkv, cfg_.head_dim);
-    matrix(p + "wo", L.wo, kRowGrain);
-    matrix(p + "w_gate_up", L.w_gate_up, 2 * kGateUpBlock);
-    matrix(p + "w_down", L.w_down, kRowGrain);
+    const std::pair<const char*, const PackedMatrix*> kinds[] = {
+        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
+    for (const auto& k : kinds) matrix(p + k.first, *k.second, k.first);
   }
-  matrix("lm_head", lm_head_, kRowGrain);
+  matrix("lm_head", lm_head_, "lm_head");
 }
 
 static std::string numa_summary(const NumaLayout& n, bool placing, const std::vector<PlacedBuffer>& placed) {
