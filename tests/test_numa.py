@@ -281,3 +281,15 @@ def test_info_shows_the_policy_and_where_weights_go(capsys):
     assert "node 0 50% (8 threads), node 1 50% (8 threads)" in lines[0]
     assert "           w_gate_up: rows 0-4863 on node 0, rows 4864-9727 on node 1" in lines
     assert cli.format_numa({"policy": "default", "shares": [[0, 2]]}, 1)[0].startswith("Placement: --numa not set")
+
+
+def test_batch_takes_numa(monkeypatch, tmp_path):
+    import corelm.batch
+    from corelm.batch import runner
+    with pytest.raises(ValueError, match="numa"):
+        runner.run_batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), numa="interleave")
+    seen = {}
+    summary = dict(requests=0, errors=0, skipped=0, generated_tokens=0, seconds=0.0, restarts=0)
+    monkeypatch.setattr(corelm.batch, "run_batch", lambda *a, **kw: seen.update(kw) or summary)
+    assert cli.main(["batch", "in.jsonl", "-o", "out.jsonl", "--numa", "isolate"]) == 0
+    assert seen["numa"] == "isolate"

@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "pinned to its own NUMA node or core set (default: %(default)s)")
     batch.add_argument("-t", "--threads", type=int, default=None,
                        help="threads per worker (default: the cores of its set; 1 per Ray actor)")
+    _add_numa_arg(batch)
     batch.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto")
     batch.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N", help="context length (default: the model's)")
     batch.add_argument("--task-size", type=int, default=8, metavar="N",
@@ -770,7 +771,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import run_batch
     s = run_batch(args.input, args.output, workers=args.workers, threads=args.threads, model=args.model,
                   dtype=args.dtype, max_seq_len=args.ctx_size or None, task_size=args.task_size,
-                  progress=args.progress, ray_address=args.ray)
+                  progress=args.progress, ray_address=args.ray, numa=args.numa)
     print(f"corelm batch: {s['requests']} written ({s['errors']} errors), {s['skipped']} already done, "
           f"{s['generated_tokens']} tokens in {s['seconds']:.1f} s, {s['restarts']} worker restarts -> {args.output}",
           file=sys.stderr)
