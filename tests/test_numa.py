@@ -174,9 +174,9 @@ SPEC = ModelSpec(arch="llama", vocab_size=512, hidden_size=256, intermediate_siz
                  num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4)
 
 
-def random_model(numa, kv_type="fp32"):
+def random_model(numa, kv_type="fp32", pin_threads=True):
     """Matrices of 256 KiB to 1 MiB (each its own mapping) and a 256 KiB KV buffer per kind."""
-    cfg = core_config(SPEC, "fp32", 2, 256, numa=numa)
+    cfg = core_config(SPEC, "fp32", 2, 256, pin_threads=pin_threads, numa=numa)
     cfg.update(kv_type=kv_type)
     m = _core.Model(cfg)
     rng = np.random.default_rng(0)
@@ -187,17 +187,23 @@ def random_model(numa, kv_type="fp32"):
 
 
 def test_default_policy_places_nothing():
-    m = random_model(None)
-    assert m.numa["policy"] == "default" and m.numa["shares"] == [] and m.numa["placed"] == []
-    assert "first touch" in m.numa["status"]
+    info = random_model(None).numa_info()
+    assert info["policy"] == "default" and info["shares"] == [] and info["placed"] == []
+    assert info["status"] == "numa default: memory stays where first touch puts it"
+
+
+def test_unpinned_threads_place_nothing(monkeypatch):
+    monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
+    info = random_model("distribute", pin_threads=False).numa_info()
+    assert info["shares"] == [] and info["placed"] == [] and "threads are not pinned" in info["status"]
 
 
 @pytest.mark.skipif(len(_core.topology()["nodes"]) > 1, reason="checks the one-node no-op")
 def test_one_node_places_nothing_and_says_so(monkeypatch):
     monkeypatch.delenv("CORELM_NUMA_FORCE", raising=False)
-    m = random_model("distribute")
-    assert m.numa["placed"] == [] and "one NUMA node, nothing to place" in m.numa["status"]
-    assert m.numa["shares"] == [(0, 2)]
+    info = random_model("distribute").numa_info()
+    assert info["placed"] == [] and "one NUMA node, nothing to place" in info["status"]
+    assert info["shares"] == [(0, 2)]
 
 
 @pytest.mark.parametrize("kv_type", ["fp32", "int8"])
@@ -206,7 +212,7 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
     the weights' pages there at once, the KV cache's as they are first written."""
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
     m = random_model("distribute", kv_type)
-    numa = m.numa
+    numa = m.numa_info(pages=True)
     assert numa["thread_node"] == [0, 0] and numa["shares"] == [(0, 2)]
     placed = {p["name"]: p for p in numa["placed"]}
     # int8 scales here are 8 KiB: buffers under 64 KiB share pages with other data and stay put.
@@ -226,7 +232,8 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
             assert all(set(r["pages"]) == {ENOENT} for r in p["ranges"])       # untouched until used
     m.forward(np.arange(40, dtype=np.int32), 0, False)
     for name in kv:
-        for r in m.numa["placed"][[p["name"] for p in m.numa["placed"]].index(name)]["ranges"]:
+        placed = {p["name"]: p for p in m.numa_info(pages=True)["placed"]}
+        for r in placed[name]["ranges"]:
             assert r["pages"].get(0, 0) >= 1 and set(r["pages"]) <= {0, ENOENT}  # written pages: node 0
 
 

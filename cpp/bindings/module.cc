@@ -20,7 +20,7 @@ py::dict amx_info();                 // bindings/amx.cc
 void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
 void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
 NumaPolicy numa_policy_arg(const std::string& s);  // bindings/runtime.cc
-py::dict numa_dict(const Model& model);            // bindings/runtime.cc: Model.numa
+py::dict numa_dict(const Model& model, bool pages);  // bindings/runtime.cc: Model.numa_info
 }
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -187,8 +187,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
       .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
                              "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
-      .def_property_readonly("numa", [](PyModel& s) { return numa_dict(s.model); },
-                             "The NUMA policy, each thread's node, and where each placed buffer's pages are.")
+      .def("numa_info", [](PyModel& s, bool pages) { return numa_dict(s.model, pages); }, py::arg("pages") = false,
+           "The NUMA policy, each thread's node, the buffers placed by node and (pages=True, a move_pages "
+           "call per range) where their pages are now.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

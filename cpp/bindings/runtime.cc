@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -116,19 +117,20 @@ NumaPolicy numa_policy_arg(const std::string& s) {
   return p;
 }
 
-py::dict numa_dict(const Model& model) {
+py::dict numa_dict(const Model& model, bool pages) {
   const NumaLayout& n = model.numa_layout();
   py::list shares, placed;
   for (const NodeShare& s : n.shares) shares.append(py::make_tuple(s.node, s.threads));
   for (const PlacedBuffer& p : model.numa_placed()) {
     py::list ranges;
     for (const RowRange& r : p.byte_ranges) {
-      // Where the range's pages are now: {node: pages}; -2 (-ENOENT) counts pages never touched.
-      py::dict pages;
-      for (int node : numa_page_nodes(static_cast<const char*>(p.base) + r.begin, r.end - r.begin))
-        pages[py::int_(node)] = pages.contains(py::int_(node)) ? pages[py::int_(node)].cast<int>() + 1 : 1;
       py::dict d;
-      d["node"] = r.node, d["begin"] = r.begin, d["end"] = r.end, d["pages"] = pages;
+      d["node"] = r.node, d["begin"] = r.begin, d["end"] = r.end;
+      if (pages) {  // where the range's pages are now: {node: pages}; -2 (-ENOENT) counts pages never touched
+        std::map<int, int> count;
+        for (int node : numa_page_nodes(static_cast<const char*>(p.base) + r.begin, r.end - r.begin)) count[node]++;
+        d["pages"] = count;
+      }
       ranges.append(d);
     }
     py::dict d;

@@ -47,7 +47,8 @@ static NumaLayout numa_layout_for(const ModelConfig& cfg) {
   policy.home_node = current_node(topo);
   n.thread_cpus = plan_threads(topo, cfg.n_threads, process_allowed_cpus(), policy);
   n.thread_node = thread_nodes(topo, n.thread_cpus);
-  if (cfg.numa != NumaPolicy::Default) n.shares = node_shares(topo, n.thread_cpus);
+  // Unpinned threads go wherever the OS puts them: nothing to place memory near.
+  if (cfg.numa != NumaPolicy::Default && cfg.pin_threads) n.shares = node_shares(topo, n.thread_cpus);
   return n;
 }
 
@@ -137,7 +138,8 @@ void Model::place_weights() {
 
 static std::string numa_summary(const NumaLayout& n, bool placing, const std::vector<PlacedBuffer>& placed) {
   std::string s = std::string("numa ") + numa_policy_name(n.policy) + ": ";
-  if (n.shares.empty()) return s + "memory stays where first touch puts it";
+  if (n.shares.empty())
+    return s + (n.policy == NumaPolicy::Default ? "" : "threads are not pinned, so ") + "memory stays where first touch puts it";
   std::string nodes;
   for (const NodeShare& sh : n.shares)
     nodes += (nodes.empty() ? "" : ", ") + std::to_string(sh.node) + " (" + std::to_string(sh.threads) + " threads)";

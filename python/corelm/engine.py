@@ -140,7 +140,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
-    (see check_numa) chooses the plan across NUMA nodes; `model.numa` says where memory went."""
+    (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went."""
     from . import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -177,6 +177,6 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         loaded.release_weight(name)
     model.finalize()
     if numa is not None:
-        log.info(model.numa["status"])
+        log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)
     return model
