@@ -18,7 +18,7 @@ namespace py = pybind11;
 
 namespace corelm {
 
-NumaPolicy numa_policy_arg(const std::string& s);  // below: "distribute" or "isolate", else throws
+NumaPolicy numa_policy_arg(const std::string& s);  // below: "default", "distribute" or "isolate", else throws
 
 namespace {
 
@@ -97,6 +97,12 @@ PlanPolicy plan_policy(const Target& t, const std::optional<std::vector<int>>& a
 
 // ---- NUMA (runtime/numa.h) --------------------------------------------------------------------
 
+py::list shares_list(const std::vector<NodeShare>& shares) {
+  py::list out;
+  for (const NodeShare& s : shares) out.append(py::make_tuple(s.node, s.threads));
+  return out;
+}
+
 py::list ranges_list(const std::vector<RowRange>& ranges) {
   py::list out;
   for (const RowRange& r : ranges) out.append(py::make_tuple(r.node, r.begin, r.end));
@@ -119,8 +125,7 @@ NumaPolicy numa_policy_arg(const std::string& s) {
 
 py::dict numa_dict(const Model& model, bool pages) {
   const NumaLayout& n = model.numa_layout();
-  py::list shares, placed;
-  for (const NodeShare& s : n.shares) shares.append(py::make_tuple(s.node, s.threads));
+  py::list placed;
   for (const PlacedBuffer& p : model.numa_placed()) {
     py::list ranges;
     for (const RowRange& r : p.byte_ranges) {
@@ -141,7 +146,7 @@ py::dict numa_dict(const Model& model, bool pages) {
   d["policy"] = numa_policy_name(n.policy);
   d["thread_cpus"] = n.thread_cpus;
   d["thread_node"] = n.thread_node;
-  d["shares"] = shares;
+  d["shares"] = shares_list(n.shares);
   d["status"] = model.numa_status();
   d["placed"] = placed;
   return d;
@@ -176,10 +181,9 @@ void bind_runtime(py::module_& m) {
     Target t = target(root, allowed);
     std::vector<int> plan = plan_threads(*t.topo, n_threads.value_or(0), t.allowed,
                                          plan_policy(t, allowed, n_threads, true, true, numa, home_node));
-    py::list shares;
-    for (const NodeShare& s : node_shares(*t.topo, plan)) shares.append(py::make_tuple(s.node, s.threads));
     py::dict d;
-    d["thread_cpus"] = plan, d["thread_node"] = thread_nodes(*t.topo, plan), d["shares"] = shares;
+    d["thread_cpus"] = plan, d["thread_node"] = thread_nodes(*t.topo, plan);
+    d["shares"] = shares_list(node_shares(*t.topo, plan));
     return d;
   }, py::arg("n_threads") = py::none(), py::arg("root") = py::none(), py::arg("allowed") = py::none(),
      py::arg("numa") = py::none(), py::arg("home_node") = py::none(),
