@@ -101,7 +101,7 @@ def test_chat_flags_reach_the_engine_and_sampling_params(monkeypatch, fake):
     run_chat(monkeypatch, "hi\n", "some/model", "-t", "3", "--dtype", "bf16", "-c", "512", "--temp", "0.5",
              "--top-k", "10", "--seed", "7", "-n", "32", "--system", "Be brief.")
     llm = fake.llm
-    assert llm.kwargs == dict(model="some/model", threads=3, dtype="bf16", max_seq_len=512)
+    assert llm.kwargs == dict(model="some/model", threads=3, dtype="bf16", max_seq_len=512, numa=None)
     _, messages, params = llm.calls[0]
     assert messages == [{"role": "system", "content": "Be brief."}, user("hi")]
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0.5, 10, 0.95, 0.05)
@@ -110,7 +110,7 @@ def test_chat_flags_reach_the_engine_and_sampling_params(monkeypatch, fake):
 
 def test_chat_defaults_follow_llama_cli(monkeypatch, fake):
     run_chat(monkeypatch, "hi\n")
-    assert fake.llm.kwargs == dict(model=None, threads=None, dtype="auto", max_seq_len=None)
+    assert fake.llm.kwargs == dict(model=None, threads=None, dtype="auto", max_seq_len=None, numa=None)
     params = fake.llm.calls[0][2]
     assert params.seed is None and params.max_tokens is None and params.repetition_penalty == 1.0
 

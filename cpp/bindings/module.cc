@@ -19,6 +19,8 @@ namespace corelm {
 py::dict amx_info();                 // bindings/amx.cc
 void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
 void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
+NumaPolicy numa_policy_arg(const std::string& s);  // bindings/runtime.cc
+py::dict numa_dict(const Model& model, bool pages);  // bindings/runtime.cc: Model.numa_info
 }
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -80,6 +82,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
   if (d.contains("schedule") && !parse_schedule(d["schedule"].cast<std::string>(), &c.schedule))
     throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
+  if (d.contains("numa") && !d["numa"].is_none()) c.numa = numa_policy_arg(d["numa"].cast<std::string>());
   return c;
 }
 
@@ -198,6 +201,9 @@ PYBIND11_MODULE(_core, m) {
                              "Each thread's smoothed speed as a share of the pool's (dynamic schedule).")
       .def_property_readonly("redone_chunks", [](PyModel& s) { return s.model.pool().redone_chunks(); },
                              "Chunks the calling thread redid because the thread holding them was descheduled.")
+      .def("numa_info", [](PyModel& s, bool pages) { return numa_dict(s.model, pages); }, py::arg("pages") = false,
+           "The NUMA policy, each thread's node, the buffers placed by node and (pages=True, a move_pages "
+           "call per range) where their pages are now.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })

@@ -2,16 +2,23 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <pybind11/numpy.h>
+
+#include "model/model.h"
+#include "runtime/numa.h"
 #include "runtime/region_bench.h"
 #include "runtime/topology.h"
 
 namespace py = pybind11;
 
 namespace corelm {
+
+NumaPolicy numa_policy_arg(const std::string& s);  // below: "default", "distribute" or "isolate", else throws
 
 namespace {
 
@@ -75,7 +82,75 @@ Target target(const std::optional<std::string>& root, const std::optional<std::v
   return t;
 }
 
+PlanPolicy plan_policy(const Target& t, const std::optional<std::vector<int>>& allowed,
+                       const std::optional<int>& n_threads, bool smt_siblings, bool e_cores,
+                       const std::optional<std::string>& numa, const std::optional<int>& home_node) {
+  if (n_threads && (*n_threads < 1 || *n_threads > 1024)) throw std::invalid_argument("n_threads must be in [1, 1024]");
+  if (allowed && t.allowed.empty()) throw std::invalid_argument("allowed must name at least one CPU");
+  PlanPolicy policy;
+  policy.smt_siblings = smt_siblings;
+  policy.e_cores = e_cores;
+  policy.numa = numa ? numa_policy_arg(*numa) : NumaPolicy::Default;
+  policy.home_node = home_node ? *home_node : t.topo == &system_topology() ? current_node(*t.topo) : -1;
+  return policy;
+}
+
+// ---- NUMA (runtime/numa.h) --------------------------------------------------------------------
+
+py::list shares_list(const std::vector<NodeShare>& shares) {
+  py::list out;
+  for (const NodeShare& s : shares) out.append(py::make_tuple(s.node, s.threads));
+  return out;
+}
+
+py::list ranges_list(const std::vector<RowRange>& ranges) {
+  py::list out;
+  for (const RowRange& r : ranges) out.append(py::make_tuple(r.node, r.begin, r.end));
+  return out;
+}
+
+// The base address and byte size of a writable, C-contiguous array (the tests' mmap-backed buffers).
+std::pair<char*, size_t> array_bytes(py::array a) {
+  if (!(a.flags() & py::array::c_style) || !a.writeable()) throw std::invalid_argument("need a writable C-contiguous array");
+  return {static_cast<char*>(a.mutable_data()), (size_t)a.nbytes()};
+}
+
 }  // namespace
+
+NumaPolicy numa_policy_arg(const std::string& s) {
+  NumaPolicy p;
+  if (!parse_numa_policy(s, &p)) throw std::invalid_argument("numa must be 'default', 'distribute' or 'isolate', got '" + s + "'");
+  return p;
+}
+
+py::dict numa_dict(const Model& model, bool pages) {
+  const NumaLayout& n = model.numa_layout();
+  py::list placed;
+  for (const PlacedBuffer& p : model.numa_placed()) {
+    py::list ranges;
+    for (const RowRange& r : p.byte_ranges) {
+      py::dict d;
+      d["node"] = r.node, d["begin"] = r.begin, d["end"] = r.end;
+      if (pages) {  // where the range's pages are now: {node: pages}; -2 (-ENOENT) counts pages never touched
+        std::map<int, int> count;
+        for (int node : numa_page_nodes(static_cast<const char*>(p.base) + r.begin, r.end - r.begin)) count[node]++;
+        d["pages"] = count;
+      }
+      ranges.append(d);
+    }
+    py::dict d;
+    d["name"] = p.name, d["bytes"] = p.bytes, d["ranges"] = ranges, d["error"] = p.error;
+    placed.append(d);
+  }
+  py::dict d;
+  d["policy"] = numa_policy_name(n.policy);
+  d["thread_cpus"] = n.thread_cpus;
+  d["thread_node"] = n.thread_node;
+  d["shares"] = shares_list(n.shares);
+  d["status"] = model.numa_status();
+  d["placed"] = placed;
+  return d;
+}
 
 void bind_runtime(py::module_& m) {
   m.def("topology", [](std::optional<std::string> root) {
@@ -86,19 +161,66 @@ void bind_runtime(py::module_& m) {
      "may use in 'allowed_cpus').");
 
   m.def("plan_threads", [](std::optional<int> n_threads, std::optional<std::string> root,
-                           std::optional<std::vector<int>> allowed, bool smt_siblings, bool e_cores) {
-    if (n_threads && (*n_threads < 1 || *n_threads > 1024))
-      throw std::invalid_argument("n_threads must be in [1, 1024]");
+                           std::optional<std::vector<int>> allowed, bool smt_siblings, bool e_cores,
+                           std::optional<std::string> numa, std::optional<int> home_node) {
     Target t = target(root, allowed);
-    if (allowed && t.allowed.empty()) throw std::invalid_argument("allowed must name at least one CPU");
-    PlanPolicy policy;
-    policy.smt_siblings = smt_siblings;
-    policy.e_cores = e_cores;
-    return plan_threads(*t.topo, n_threads.value_or(0), t.allowed, policy);
+    return plan_threads(*t.topo, n_threads.value_or(0), t.allowed,
+                        plan_policy(t, allowed, n_threads, smt_siblings, e_cores, numa, home_node));
   }, py::arg("n_threads") = py::none(), py::arg("root") = py::none(), py::arg("allowed") = py::none(),
-     py::arg("smt_siblings") = true, py::arg("e_cores") = true,
+     py::arg("smt_siblings") = true, py::arg("e_cores") = true, py::arg("numa") = py::none(),
+     py::arg("home_node") = py::none(),
      "The logical CPU of each thread (-1: not pinned). n_threads=None: the default count, the physical "
-     "cores of the first NUMA node this process may use.");
+     "cores of the first NUMA node this process may use (numa='isolate': of the home node, "
+     "numa='distribute': of every node). home_node: isolate's node (default: the node this thread runs "
+     "on, or for a fake tree the first node).");
+
+  // NUMA placement decisions and the calls behind them (runtime/numa.h).
+  m.def("numa_plan", [](std::optional<int> n_threads, std::optional<std::string> root,
+                        std::optional<std::vector<int>> allowed, std::optional<std::string> numa,
+                        std::optional<int> home_node) {
+    Target t = target(root, allowed);
+    std::vector<int> plan = plan_threads(*t.topo, n_threads.value_or(0), t.allowed,
+                                         plan_policy(t, allowed, n_threads, true, true, numa, home_node));
+    py::dict d;
+    d["thread_cpus"] = plan, d["thread_node"] = thread_nodes(*t.topo, plan);
+    d["shares"] = shares_list(node_shares(*t.topo, plan));
+    return d;
+  }, py::arg("n_threads") = py::none(), py::arg("root") = py::none(), py::arg("allowed") = py::none(),
+     py::arg("numa") = py::none(), py::arg("home_node") = py::none(),
+     "The thread plan under a NUMA policy with each thread's node and the (node, threads) shares.");
+
+  m.def("numa_split", [](int64_t rows, int64_t grain, const std::vector<std::pair<int, int>>& shares) {
+    if (rows < 0 || grain < 1) throw std::invalid_argument("rows must be >= 0 and grain >= 1");
+    std::vector<NodeShare> s;
+    for (const auto& p : shares) {
+      if (p.first < 0 || p.second < 0) throw std::invalid_argument("shares are (node >= 0, threads >= 0)");
+      s.push_back({p.first, p.second});
+    }
+    return ranges_list(split_by_node(rows, grain, s));
+  }, py::arg("rows"), py::arg("grain"), py::arg("shares"),
+     "[(node, begin, end)]: rows cut into one range per (node, threads) share, in groups of grain rows.");
+
+  m.def("numa_row_grain", &Model::row_grain, py::arg("matrix"), py::arg("head_dim"),
+        "The rows a matrix's parallel loop (and so its NUMA split) cuts in: 'wqkv', 'wo', 'w_gate_up', "
+        "'w_down' or 'lm_head'.");
+  m.def("numa_row_offset", &row_offset, py::arg("row"), py::arg("rows"), py::arg("nbytes"),
+        "The byte offset of a row in a packed matrix of rows rows and nbytes bytes.");
+  m.def("page_bytes", &page_bytes);
+
+  m.def("numa_place", [](py::array a, size_t begin, size_t end, int node, bool strict) {
+    auto [base, bytes] = array_bytes(a);
+    if (begin > end || end > bytes) throw std::invalid_argument("need 0 <= begin <= end <= the array's bytes");
+    return numa_place(base + begin, end - begin, node, strict);
+  }, py::arg("array"), py::arg("begin"), py::arg("end"), py::arg("node"), py::arg("strict") = true,
+     "Puts the pages starting in bytes [begin, end) of an array on node (mbind); '' or the error. The "
+     "array must own whole pages (an mmap-backed one does).");
+
+  m.def("numa_page_nodes", [](py::array a, size_t begin, size_t end) {
+    auto [base, bytes] = array_bytes(a);
+    if (begin > end || end > bytes) throw std::invalid_argument("need 0 <= begin <= end <= the array's bytes");
+    return numa_page_nodes(base + begin, end - begin);
+  }, py::arg("array"), py::arg("begin"), py::arg("end"),
+     "The node of each page starting in bytes [begin, end) of an array (move_pages); -2: not touched yet.");
 
   m.def("bench_parallel_regions", [](int n_threads, int n_regions, int work, bool pin, bool pin_caller,
                                      double idle_us) {

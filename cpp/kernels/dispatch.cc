@@ -9,6 +9,9 @@
 #if defined(CORELM_HAVE_X86)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace corelm {
 
@@ -22,7 +25,19 @@ const char* weight_type_name(WeightType t) {
   }
 }
 
+// Buffers of at least this many bytes get their own mapping: page-aligned and sharing no page with
+// other data, so NUMA placement (runtime/numa.h) can move their pages without moving anything else,
+// and the policy goes away with the mapping. Fresh pages are zero and untouched until written.
+static constexpr size_t kOwnMappingBytes = 64 << 10;
+
 std::shared_ptr<void> aligned_buffer(size_t bytes) {
+#if defined(__linux__)
+  if (bytes >= kOwnMappingBytes) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    return std::shared_ptr<void>(m, [bytes](void* q) { munmap(q, bytes); });
+  }
+#endif
   void* p = nullptr;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) throw std::bad_alloc();
   return std::shared_ptr<void>(p, free);

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -21,6 +23,15 @@ class KVCache {
   int64_t block_size() const { return block_size_; }
   KVType type() const { return type_; }
   size_t bytes() const;  // reserved (pages are touched only when used)
+
+  // The storage (keys, values, int8 scales) as (base, bytes), each [layer][block][...] with an equal
+  // stride per (layer, block): what NUMA placement hands to nodes by block.
+  std::vector<std::pair<const void*, size_t>> buffers() const {
+    const size_t rows = (size_t)n_layers_ * n_blocks_ * n_kv_heads_ * block_size_;
+    std::vector<std::pair<const void*, size_t>> b = {{k_.get(), rows * head_dim_ * esz_}, {v_.get(), rows * head_dim_ * esz_}};
+    if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(float)}, {v_scale_.get(), rows * sizeof(float)}});
+    return b;
+  }
 
   // Stores one token's key (or, with value, its value) for one kv head at (block, slot).
   void store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x);

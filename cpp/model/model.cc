@@ -38,8 +38,22 @@ static int64_t default_kv_blocks(const ModelConfig& c) {
   return c.kv_blocks > 0 ? c.kv_blocks : (c.max_seq_len + c.kv_block_size - 1) / c.kv_block_size;
 }
 
+static NumaLayout numa_layout_for(const ModelConfig& cfg) {
+  const Topology& topo = system_topology();
+  NumaLayout n;
+  n.policy = cfg.numa;
+  PlanPolicy policy;
+  policy.numa = cfg.numa;
+  policy.home_node = current_node(topo);
+  n.thread_cpus = plan_threads(topo, cfg.n_threads, process_allowed_cpus(), policy);
+  n.thread_node = thread_nodes(topo, n.thread_cpus);
+  // Unpinned threads go wherever the OS puts them: nothing to place memory near.
+  if (cfg.numa != NumaPolicy::Default && cfg.pin_threads) n.shares = node_shares(topo, n.thread_cpus);
+  return n;
+}
+
 Model::Model(const ModelConfig& cfg)
-    : cfg_(cfg), kt_(kernels()), pool_((cfg.validate(), cfg.n_threads), cfg.pin_threads, false, cfg.schedule),
+    : cfg_(cfg), kt_(kernels()), numa_((cfg.validate(), numa_layout_for(cfg))), pool_(cfg.n_threads, cfg.pin_threads, false, cfg.schedule),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;
@@ -53,6 +67,92 @@ Model::Model(const ModelConfig& cfg)
     }
   identity_blocks_.resize(kv_.n_blocks());
   for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
+  place_kv_cache();
+}
+
+// ---------------------------------------------------------------------------------------------
+// NUMA placement (runtime/numa.h): weights by rows, the KV cache by blocks, each node's part on it
+
+// Only under Distribute or Isolate, and only where there is more than one node to choose from;
+// CORELM_NUMA_FORCE=1 places anyway, so a one-node machine can test the path (everything on node 0).
+bool Model::numa_places_memory() const {
+  const char* force = std::getenv("CORELM_NUMA_FORCE");
+  return !numa_.shares.empty() && (system_topology().nodes.size() > 1 || (force && std::string(force) == "1"));
+}
+
+void Model::place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges,
+                  bool strict) {
+  if ((uintptr_t)base % page_bytes() != 0) return;  // a small buffer sharing its pages: left where it is
+  PlacedBuffer p{name, base, bytes, std::move(byte_ranges), ""};
+  for (const RowRange& r : p.byte_ranges) {
+    std::string err = numa_place(static_cast<const char*>(base) + r.begin, r.end - r.begin, r.node, strict);
+    if (!err.empty() && p.error.empty()) p.error = err;
+  }
+  placed_.push_back(std::move(p));
+}
+
+// Preferred, not bound: the cache fills while serving, and a full node should spill, not fail.
+void Model::place_kv_cache() {
+  if (!numa_places_memory()) return;
+  const int64_t nb = kv_.n_blocks();
+  const std::vector<RowRange> blocks = numa_.ranges(nb, 1);
+  const char* names[] = {"kv.k", "kv.v", "kv.k_scale", "kv.v_scale"};
+  int i = 0;
+  for (const auto& buf : kv_.buffers()) {
+    const size_t stride = buf.second / (size_t)(cfg_.n_layers * nb);  // bytes per (layer, block)
+    std::vector<RowRange> bytes;
+    for (int64_t l = 0; l < cfg_.n_layers; l++)
+      for (const RowRange& b : blocks)
+        bytes.push_back({b.node, (int64_t)((l * nb + b.begin) * stride), (int64_t)((l * nb + b.end) * stride)});
+    place(names[i++], buf.first, buf.second, std::move(bytes), /*strict=*/false);
+  }
+}
+
+int64_t Model::row_grain(const std::string& matrix, int64_t head_dim) {
+  if (matrix == "wqkv") return head_dim;
+  if (matrix == "w_gate_up") return 2 * kGateUpBlock;
+  if (matrix == "wo" || matrix == "w_down" || matrix == "lm_head") return kRowGrain;
+  throw std::invalid_argument("no row grain for '" + matrix + "'");
+}
+
+// Bound: every matrix's node ranges follow the grain its parallel loop splits by. The embedding table
+// is read a row per token by the calling thread and stays where it was written (unless tied, when it
+// is lm_head).
+void Model::place_weights() {
+  if (!numa_places_memory()) return;
+  auto matrix = [&](const std::string& name, const PackedMatrix& m, const std::string& kind) {
+    std::vector<RowRange> bytes;
+    for (const RowRange& r : numa_.ranges(m.rows, row_grain(kind, cfg_.head_dim)))
+      bytes.push_back({r.node, (int64_t)row_offset(r.begin, m.rows, m.nbytes), (int64_t)row_offset(r.end, m.rows, m.nbytes)});
+    place(name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
+  };
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    const LayerWeights& L = layers_[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const std::pair<const char*, const PackedMatrix*> kinds[] = {
+        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
+    for (const auto& k : kinds) matrix(p + k.first, *k.second, k.first);
+  }
+  matrix("lm_head", lm_head_, "lm_head");
+}
+
+static std::string numa_summary(const NumaLayout& n, bool placing, const std::vector<PlacedBuffer>& placed) {
+  std::string s = std::string("numa ") + numa_policy_name(n.policy) + ": ";
+  if (n.shares.empty())
+    return s + (n.policy == NumaPolicy::Default ? "" : "threads are not pinned, so ") + "memory stays where first touch puts it";
+  std::string nodes;
+  for (const NodeShare& sh : n.shares)
+    nodes += (nodes.empty() ? "" : ", ") + std::to_string(sh.node) + " (" + std::to_string(sh.threads) + " threads)";
+  s += "threads on node " + nodes + "; ";
+  if (!placing)
+    return s + (system_topology().nodes.size() > 1 ? "nothing placed" : "one NUMA node, nothing to place");
+  int failed = 0;
+  std::string first_error;
+  for (const PlacedBuffer& p : placed)
+    if (!p.error.empty()) first_error = first_error.empty() ? p.error : first_error, failed++;
+  s += std::to_string(placed.size()) + " buffers placed by node";
+  if (failed) s += ", " + std::to_string(failed) + " failed (" + first_error + ")";
+  return s;
 }
 
 // A pool thread descheduled in the middle of a chunk may still read the weights and buffers.
@@ -264,6 +364,8 @@ void Model::finalize() {
   }
   pending_.clear();
   pending_raw_.clear();
+  place_weights();
+  numa_status_ = numa_summary(numa_, numa_places_memory(), placed_);
   ready_ = true;
 }
 
@@ -494,7 +596,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, 16, T, 1));
+    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, kRowGrain, T, 1));
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
@@ -520,7 +622,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
   pool_.parallel_chunks(MatmulTask{&k, out_rows_.data(), rows, d, &lm_head_, logits, cfg_.vocab_size, false},
-                        chunking(lm_head_, cfg_.vocab_size, 16, rows, 1));
+                        chunking(lm_head_, cfg_.vocab_size, kRowGrain, rows, 1));
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

@@ -10,7 +10,9 @@
 
 #include "kernels/kernels.h"
 #include "model/kv_cache.h"
+#include "runtime/numa.h"
 #include "runtime/thread_pool.h"
+#include "runtime/topology.h"
 
 namespace corelm {
 
@@ -35,6 +37,7 @@ struct ModelConfig {
   int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
   bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)
   Schedule schedule = Schedule::Dynamic;  // how the kernels' work is split across threads (thread_pool.h)
+  NumaPolicy numa = NumaPolicy::Default;  // thread plan and memory placement across NUMA nodes
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -46,6 +49,31 @@ struct LayerWeights {
   PackedMatrix wo;                         // [dim, n_heads * head_dim]
   PackedMatrix w_gate_up;                  // [2 * ffn_dim, dim]: gate and up rows interleaved in blocks
   PackedMatrix w_down;                     // [dim, ffn_dim]
+};
+
+// Where the NUMA policy puts the threads and their shares of the memory (runtime/numa.h).
+//
+// For the scheduler: a parallel loop over n items in groups of grain (the split grains below) should
+// let each thread claim the items of ranges(n, grain) for its thread_node first, and take another
+// node's items only when its own are gone; a thread with node -1 takes any. A node's weight rows are
+// then read from its own memory. KV blocks: a sequence whose blocks lie in a node's ranges(kv_blocks,
+// 1) is attended fastest by that node's threads, so the block allocator should give a sequence blocks
+// of one node, and attention tasks should go to that node.
+struct NumaLayout {
+  NumaPolicy policy = NumaPolicy::Default;
+  std::vector<int> thread_cpus;   // the plan under this policy; [0] is the CPU left for the calling thread
+  std::vector<int> thread_node;   // each thread's node; -1: not pinned
+  std::vector<NodeShare> shares;  // the nodes and their threads; empty (Default policy): no split by node
+  std::vector<RowRange> ranges(int64_t n, int64_t grain) const { return split_by_node(n, grain, shares); }
+};
+
+// One buffer's pages given to nodes: byte ranges from base, each with its node.
+struct PlacedBuffer {
+  std::string name;
+  const void* base = nullptr;
+  size_t bytes = 0;
+  std::vector<RowRange> byte_ranges;
+  std::string error;  // "" or why a range could not be placed
 };
 
 // One sequence's part of a batched forward: n_tokens new tokens at positions [pos, pos + n_tokens),
@@ -93,15 +121,29 @@ class Model {
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
+  // The row grains the parallel loops split matrices by, which the NUMA split follows: wqkv by whole
+  // heads (head_dim rows), w_gate_up by gate/up block pairs (2 * kGateUpBlock rows), wo, w_down and
+  // lm_head by kRowGrain rows. row_grain("wqkv" | "wo" | "w_gate_up" | "w_down" | "lm_head", head_dim).
+  static constexpr int64_t kRowGrain = 16;
+  static int64_t row_grain(const std::string& matrix, int64_t head_dim);
+
+  const NumaLayout& numa_layout() const { return numa_; }
+  const std::vector<PlacedBuffer>& numa_placed() const { return placed_; }
+  const std::string& numa_status() const { return numa_status_; }
 
  private:
   void check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const;
   void run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
   void attention(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
   void ensure_scratch(int64_t n);
+  bool numa_places_memory() const;
+  void place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges, bool strict);
+  void place_kv_cache();
+  void place_weights();
 
   ModelConfig cfg_;
   const KernelTable& kt_;
+  NumaLayout numa_;  // before pool_: the pool is to run the same plan (see docs/architecture.md)
   ThreadPool pool_;
   bool ready_ = false;
 
@@ -128,6 +170,9 @@ class Model {
   std::vector<float> scores_;   // [n_threads][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position
   std::vector<float> out_rows_;  // [rows][dim] normalized rows whose logits are wanted
+
+  std::vector<PlacedBuffer> placed_;
+  std::string numa_status_;
 };
 
 }  // namespace corelm

@@ -473,11 +473,33 @@ bool set_current_thread_cpus(const std::vector<int>& cpus) {
 
 bool pin_current_thread(int cpu) { return set_current_thread_cpus({cpu}); }
 
+const char* numa_policy_name(NumaPolicy p) {
+  return p == NumaPolicy::Distribute ? "distribute" : p == NumaPolicy::Isolate ? "isolate" : "default";
+}
+
+bool parse_numa_policy(const std::string& text, NumaPolicy* out) {
+  for (NumaPolicy p : {NumaPolicy::Default, NumaPolicy::Distribute, NumaPolicy::Isolate})
+    if (text == numa_policy_name(p)) return *out = p, true;
+  if (text.empty()) return *out = NumaPolicy::Default, true;
+  return false;
+}
+
+int current_node(const Topology& topo) {
+#if defined(__linux__)
+  const LogicalCpu* c = topo.cpu(sched_getcpu());
+  return c ? c->node : -1;
+#else
+  (void)topo;
+  return -1;
+#endif
+}
+
 namespace {
 
 // The cores threads may use under a policy, in plan order: node (ascending, so the first node that
-// has an allowed CPU comes first), then P, unknown, E, then first CPU. Each entry is the core's
-// allowed CPUs, ascending.
+// has an allowed CPU comes first; under Distribute the nodes take turns: each node's first core, then
+// each node's second...), then P, unknown, E, then first CPU. Under Isolate only the home node's
+// cores. Each entry is (node, the core's allowed CPUs ascending).
 std::vector<std::pair<int, std::vector<int>>> usable_cores(const Topology& topo, std::vector<int> allowed,
                                                            const PlanPolicy& policy) {
   std::sort(allowed.begin(), allowed.end());
@@ -502,6 +524,24 @@ std::vector<std::pair<int, std::vector<int>>> usable_cores(const Topology& topo,
     if (!policy.e_cores && any_non_e && pc.type == CoreType::Efficiency) continue;
     cores.emplace_back(pc.node, intersect(pc.cpus, ok));
   }
+  if (cores.empty()) return cores;
+  if (policy.numa == NumaPolicy::Isolate) {
+    int home = cores[0].first;
+    for (const auto& c : cores)
+      if (c.first == policy.home_node) home = c.first;
+    cores.erase(std::remove_if(cores.begin(), cores.end(), [&](const auto& c) { return c.first != home; }),
+                cores.end());
+  } else if (policy.numa == NumaPolicy::Distribute) {
+    std::map<int, int> seen;  // node -> cores of it so far
+    std::vector<std::pair<int, int>> turn(cores.size());  // (turn within its node, node)
+    for (size_t i = 0; i < cores.size(); i++) turn[i] = {seen[cores[i].first]++, cores[i].first};
+    std::vector<size_t> idx(cores.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return turn[a] < turn[b]; });
+    std::vector<std::pair<int, std::vector<int>>> dealt;
+    for (size_t i : idx) dealt.push_back(cores[i]);
+    cores = std::move(dealt);
+  }
   return cores;
 }
 
@@ -510,11 +550,11 @@ std::vector<std::pair<int, std::vector<int>>> usable_cores(const Topology& topo,
 int default_thread_count(const Topology& topo, const std::vector<int>& allowed, const PlanPolicy& policy) {
   auto cores = usable_cores(topo, allowed, policy);
   if (cores.empty()) return 1;
+  if (policy.numa == NumaPolicy::Distribute) return (int)cores.size();
   int count = 0;
   for (const auto& c : cores) count += c.first == cores[0].first;
   return count;
 }
-
 std::vector<int> plan_threads(const Topology& topo, int n_threads, const std::vector<int>& allowed,
                               const PlanPolicy& policy) {
   if (n_threads <= 0) n_threads = default_thread_count(topo, allowed, policy);

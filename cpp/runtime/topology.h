@@ -72,24 +72,44 @@ const Topology& system_topology();
 // os.sched_setaffinity set, and what threads it starts inherit.
 std::vector<int> process_allowed_cpus();
 
+// How a plan uses NUMA nodes (llama.cpp's --numa):
+//   Default     the first allowed node's cores, then the next node's (one node unless more threads
+//               are asked for than it has cores); memory is left where first touch puts it
+//   Distribute  every allowed node, threads dealt to the nodes in turn so any count spreads evenly;
+//               the weights are split by node (runtime/numa.h)
+//   Isolate     only the home node (the node the process started on)
+enum class NumaPolicy : uint8_t { Default, Distribute, Isolate };
+const char* numa_policy_name(NumaPolicy p);  // "default", "distribute" or "isolate"
+// "default" (or ""), "distribute", "isolate"; false on anything else.
+bool parse_numa_policy(const std::string& text, NumaPolicy* out);
+
 struct PlanPolicy {
   // Once every allowed physical core has a thread, put further threads on SMT siblings. Off: they
   // run unpinned instead.
   bool smt_siblings = true;
   // Use E-cores of hybrid CPUs. Off: only P-cores (and unknown-type cores) are planned.
   bool e_cores = true;
+  NumaPolicy numa = NumaPolicy::Default;
+  // Isolate's node; -1 or a node without allowed CPUs: the first node that has one. The real
+  // machine's is current_node(), the node the calling thread runs on.
+  int home_node = -1;
 };
 
-// The physical cores of the first NUMA node that has an allowed CPU (P+E cores on hybrid CPUs), the
-// thread count that saturates one memory controller without crossing a node or sharing a core.
+// The NUMA node of the CPU the calling thread runs on; -1 when unknown.
+int current_node(const Topology& topo);
+
+// The physical cores (P+E cores on hybrid CPUs) of the first NUMA node that has an allowed CPU, the
+// thread count that saturates one memory controller without crossing a node or sharing a core; of
+// the home node under Isolate, of every allowed node under Distribute.
 // allowed: the CPUs threads may use; empty means every CPU of the topology.
 int default_thread_count(const Topology& topo, const std::vector<int>& allowed = {},
                          const PlanPolicy& policy = {});
 
 // The logical CPU for each of n_threads threads (n_threads <= 0: the default count): physical
 // cores first (the first allowed SMT sibling of each), P-cores before E-cores, one NUMA node filled
-// before the next (the first allowed node first); then SMT siblings in the same order. Threads
-// beyond what the policy allows get -1, meaning "do not pin".
+// before the next (the first allowed node first; under Distribute the nodes take turns, under
+// Isolate only the home node); then SMT siblings in the same order. Threads beyond what the policy
+// allows get -1, meaning "do not pin".
 std::vector<int> plan_threads(const Topology& topo, int n_threads, const std::vector<int>& allowed = {},
                               const PlanPolicy& policy = {});
 

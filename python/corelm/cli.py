@@ -45,6 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: physical cores)")
+    _add_numa_arg(p)
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
     p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
@@ -54,6 +55,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default 0: the model's own)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print prompt and generation speed after each answer")
+
+
+def _add_numa_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numa", choices=["distribute", "isolate"], default=None,
+                   help="distribute: threads on every NUMA node, each matrix's rows and the KV cache split by "
+                        "node; isolate: threads and memory on the node corelm started on (default: the first "
+                        "node's cores, memory where first touch puts it)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", default=None, metavar="MODEL")
     info.add_argument("-t", "--threads", type=int, default=None,
                       help="show the thread plan for this many threads (default: the default count)")
+    _add_numa_arg(info)
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_info)
 
@@ -134,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "pinned to its own NUMA node or core set (default: %(default)s)")
     batch.add_argument("-t", "--threads", type=int, default=None,
                        help="threads per worker (default: the cores of its set; 1 per Ray actor)")
+    _add_numa_arg(batch)
     batch.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto")
     batch.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N", help="context length (default: the model's)")
     batch.add_argument("--task-size", type=int, default=8, metavar="N",
@@ -178,7 +188,7 @@ def llm_from_args(args: argparse.Namespace):
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     extra = {"schedule": args.schedule} if getattr(args, "schedule", None) else {}
     return _make_llm(model=args.model, threads=args.threads, dtype=args.dtype,
-                     max_seq_len=args.ctx_size or None, **extra)
+                     max_seq_len=args.ctx_size or None, numa=args.numa, **extra)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -524,22 +534,26 @@ def _core_info() -> Dict[str, Any]:
         return {"error": f"corelm._core is not available ({type(e).__name__}: {e})"}
 
 
-def topology_info(root: Optional[str] = None, threads: Optional[int] = None) -> Optional[Dict[str, Any]]:
+def topology_info(root: Optional[str] = None, threads: Optional[int] = None,
+                  numa: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """The C++ core's view of the CPU topology (sysfs below root, default this machine) with the
-    thread plan for `threads` (default: the default count) under "thread_plan"; None without the core."""
+    thread plan for `threads` (default: the default count) under the NUMA policy `numa` under
+    "thread_plan", and the plan's (node, threads) shares under "numa"; None without the core."""
     try:
         core = importlib.import_module("corelm._core")
         topo = dict(core.topology(root))
-        plan = list(core.plan_threads(threads, root))
+        numa_plan = dict(core.numa_plan(threads, root, numa=numa))
+        plan = list(numa_plan["thread_cpus"])
     except Exception:   # not built, or a core that predates the topology: info still describes the rest
         return None
+    topo["numa"] = {"policy": numa or "default", "shares": [list(s) for s in numa_plan["shares"]]}
     cpus = {c["id"]: c for c in topo["cpus"]}
     topo["thread_plan"] = [dict(thread=i, cpu=cpu, **{k: cpus[cpu][k] for k in ("core", "node", "type")})
                            if cpu in cpus else dict(thread=i, cpu=-1) for i, cpu in enumerate(plan)]
     return topo
 
 
-def system_info(threads: Optional[int] = None) -> Dict[str, Any]:
+def system_info(threads: Optional[int] = None, numa: Optional[str] = None) -> Dict[str, Any]:
     try:
         import psutil
         physical, logical = psutil.cpu_count(logical=False), psutil.cpu_count(logical=True)
@@ -549,7 +563,7 @@ def system_info(threads: Optional[int] = None) -> Dict[str, Any]:
         physical, logical, memory = None, os.cpu_count(), {}
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
     core = _core_info()
-    topo = topology_info(threads=threads) if "error" not in core else None
+    topo = topology_info(threads=threads, numa=numa) if "error" not in core else None
     info: Dict[str, Any] = {
         "corelm_version": __version__,
         "python": platform.python_version(),
@@ -656,6 +670,33 @@ def format_topology(topo: Dict[str, Any], plan: List[Dict[str, Any]], pinned: bo
         lines.append(f"           ... {len(plan) - max_plan_lines} more (see --json)")
     for note in topo["notes"]:
         lines.append(f"           note: {note}")
+    if "numa" in topo:
+        lines += format_numa(topo["numa"], len(topo["nodes"]))
+    return lines
+
+
+def numa_split(model: Dict[str, Any], shares: List[List[int]]) -> Dict[str, List[List[int]]]:
+    """Where a model's layer matrices and lm_head would go under a plan's (node, threads) shares:
+    {matrix: [[node, first row, end row], ...]}, cut as the engine cuts them."""
+    core = importlib.import_module("corelm._core")
+    hd, d, f = model["head_dim"], model["hidden_size"], model["intermediate_size"]
+    rows = {"wqkv": (model["heads"] + 2 * model["kv_heads"]) * hd, "wo": d, "w_gate_up": 2 * f, "w_down": d,
+            "lm_head": model["vocab_size"]}
+    return {name: [list(r) for r in core.numa_split(n, core.numa_row_grain(name, hd), [tuple(s) for s in shares])]
+            for name, n in rows.items()}
+
+
+def format_numa(numa: Dict[str, Any], n_nodes: int) -> List[str]:
+    """The policy and where its memory goes."""
+    policy, shares = numa["policy"], numa["shares"]
+    if policy == "default":
+        return ["Placement: --numa not set: weights and KV cache where first touch puts them"]
+    total = sum(t for _, t in shares) or 1
+    split = ", ".join(f"node {n} {100 * t / total:.0f}% ({_plural(t, 'thread')})" for n, t in shares)
+    lines = [f"Placement: --numa {policy}: each matrix's rows and the KV-cache blocks split by node: {split}"
+             + ("" if n_nodes > 1 else " (one node: nothing to move)")]
+    for name, ranges in (numa.get("model_split") or {}).items():
+        lines.append(f"           {name}: " + ", ".join(f"rows {a}-{b - 1} on node {n}" for n, a, b in ranges if b > a))
     return lines
 
 
@@ -696,9 +737,11 @@ def format_info(info: Dict[str, Any]) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     if args.threads is not None and not 1 <= args.threads <= 1024:
         raise ValueError(f"--threads must be in [1, 1024], got {args.threads}.")
-    info = system_info(threads=args.threads)
+    info = system_info(threads=args.threads, numa=args.numa)
     if args.model:
         info["model"] = model_info(args.model)
+        if info.get("topology") and args.numa:
+            info["topology"]["numa"]["model_split"] = numa_split(info["model"], info["topology"]["numa"]["shares"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
     return 0
 
@@ -732,7 +775,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import run_batch
     s = run_batch(args.input, args.output, workers=args.workers, threads=args.threads, model=args.model,
                   dtype=args.dtype, max_seq_len=args.ctx_size or None, task_size=args.task_size,
-                  progress=args.progress, ray_address=args.ray)
+                  progress=args.progress, ray_address=args.ray, numa=args.numa)
     print(f"corelm batch: {s['requests']} written ({s['errors']} errors), {s['skipped']} already done, "
           f"{s['generated_tokens']} tokens in {s['seconds']:.1f} s, {s['restarts']} worker restarts -> {args.output}",
           file=sys.stderr)

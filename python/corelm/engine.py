@@ -3,6 +3,7 @@ count, computes the RoPE frequencies, and hands the weights over one tensor at a
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 from typing import Any, Dict, Optional
@@ -11,18 +12,34 @@ import numpy as np
 
 from .loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
 
+log = logging.getLogger("corelm")
+
 DTYPES = ("auto", "bf16", "fp32", "q8", "q4")
 # GGUF block types kept as they are (repacked, never dequantized) under each dtype.
 RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0", "Q4_1", "Q8_0")}
 
 
-def default_threads() -> int:
+NUMA_POLICIES = ("distribute", "isolate")
+
+
+def check_numa(numa: Optional[str]) -> Optional[str]:
+    """None (the default plan, memory where first touch puts it), "distribute" (threads on every node,
+    each matrix's rows and the KV blocks split by node) or "isolate" (threads and memory on the node the
+    process started on), as llama.cpp's --numa."""
+    if numa is not None and numa not in NUMA_POLICIES:
+        raise ValueError(f"numa must be None or one of {', '.join(NUMA_POLICIES)}, got {numa!r}.")
+    return numa
+
+
+def default_threads(numa: Optional[str] = None) -> int:
     """The physical cores of the first NUMA node this process may use (P- and E-cores on hybrid CPUs),
     as the C++ thread plan counts them: SMT siblings share execution units and only add contention to
-    bandwidth-bound decode, and another node's cores would read the weights across the interconnect."""
+    bandwidth-bound decode, and another node's cores would read the weights across the interconnect.
+    numa="distribute": the physical cores of every node; "isolate": of the node this process runs on."""
+    check_numa(numa)
     try:
         from . import _core
-        return max(1, len(_core.plan_threads()))
+        return max(1, len(_core.plan_threads(numa=numa)))
     except Exception:   # the core is not built (or predates the plan): count cores with psutil
         pass
     try:
@@ -100,7 +117,7 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
 
 
 def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
-                pin_threads: bool = True, schedule: str = "dynamic") -> Dict[str, Any]:
+                pin_threads: bool = True, numa: Optional[str] = None, schedule: str = "dynamic") -> Dict[str, Any]:
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < max_seq_len else 0
     return dict(vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
                 n_layers=spec.num_layers, n_heads=spec.num_heads, n_kv_heads=spec.num_kv_heads,
@@ -108,7 +125,7 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
                 sliding_window=int(window), max_seq_len=int(max_seq_len),
                 rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads),
-                pin_threads=bool(pin_threads), schedule=schedule)
+                pin_threads=bool(pin_threads), numa=numa, schedule=schedule)
 
 
 _RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
@@ -136,14 +153,16 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
-                     schedule: Optional[str] = None):
+                     numa: Optional[str] = None, schedule: Optional[str] = None):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
-    pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs.
+    pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
+    (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went.
     schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md."""
     from . import _core
     spec = loaded.spec
-    threads = default_threads() if threads is None else int(threads)
+    numa = check_numa(numa)
+    threads = default_threads(numa) if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}.")
     if max_seq_len is None:
@@ -154,7 +173,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
-    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, schedule)
+    config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
     config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
@@ -176,5 +195,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
             stored[model.weight_type] += is_matrix
         loaded.release_weight(name)
     model.finalize()
+    if numa is not None:
+        log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)
     return model

@@ -96,11 +96,11 @@ class _Writer:
 
 class ProcessBackend:
     def __init__(self, workers: int, threads: Optional[int], model: Optional[str], dtype: str,
-                 max_seq_len: Optional[int], cpu_sets: Optional[List[List[int]]] = None):
+                 max_seq_len: Optional[int], cpu_sets: Optional[List[List[int]]] = None, numa: Optional[str] = None):
         import multiprocessing as mp
         self.ctx = mp.get_context("spawn")
         self.cpu_sets = cpu_sets or split_cpus(workers)
-        self.args = (model, threads, dtype, max_seq_len)
+        self.args = (model, threads, dtype, max_seq_len, numa)
         self.procs: Dict[int, Any] = {}
         self.conns: Dict[int, Any] = {}
         self.incarnation = collections.Counter()
@@ -196,7 +196,7 @@ def _progress(total: int, enabled: Optional[bool]):
 def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Optional[int] = None,
               model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
-              max_restarts: Optional[int] = None, on_start=None) -> Dict[str, Any]:
+              max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
@@ -205,6 +205,8 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         raise ValueError(f"--threads must be at least 1, got {threads}.")
     if task_size < 1:
         raise ValueError(f"--task-size must be at least 1, got {task_size}.")
+    from ..engine import check_numa
+    check_numa(numa)
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     max_restarts = 3 * workers if max_restarts is None else max_restarts
@@ -268,9 +270,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     try:
         if ray_address:
             from .ray_backend import RayBackend
-            backend = RayBackend(ray_address, workers, threads, model, dtype, max_seq_len)
+            backend = RayBackend(ray_address, workers, threads, model, dtype, max_seq_len, numa)
         else:
-            backend = ProcessBackend(workers, threads, model, dtype, max_seq_len)
+            backend = ProcessBackend(workers, threads, model, dtype, max_seq_len, numa=numa)
         if on_start is not None:
             on_start(backend)
         source = tasks()

@@ -27,9 +27,9 @@ def model_name(path: Optional[str]) -> str:
 
 class BatchEngine:
     def __init__(self, model: Optional[str], threads: Optional[int], dtype: str = "auto",
-                 max_seq_len: Optional[int] = None):
+                 max_seq_len: Optional[int] = None, numa: Optional[str] = None):
         from ..llm import LLM
-        self.llm = LLM(model, threads=threads, dtype=dtype, max_seq_len=max_seq_len)
+        self.llm = LLM(model, threads=threads, dtype=dtype, max_seq_len=max_seq_len, numa=numa)
         self.model = model_name(model)
 
     def info(self) -> Dict[str, Any]:
@@ -78,13 +78,13 @@ class BatchEngine:
 
 
 def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
-                threads: Optional[int], dtype: str, max_seq_len: Optional[int]) -> None:
+                threads: Optional[int], dtype: str, max_seq_len: Optional[int], numa: Optional[str] = None) -> None:
     """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
     pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results)."""
     try:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)   # before loading: the weights are first touched from here
-        engine = BatchEngine(model, threads, dtype, max_seq_len)
+        engine = BatchEngine(model, threads, dtype, max_seq_len, numa)
     except Exception as e:                   # a missing or corrupt model: the parent reports it
         conn.send(("fatal", f"{e}"))
         conn.close()
