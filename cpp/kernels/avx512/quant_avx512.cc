@@ -227,8 +227,9 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
 // decode quantizes it, so a token's result does not depend on the batch). Then, per chunk of kKC
 // blocks along K and per chunk of weight groups that stays in L2, each strip of up to kMR rows is
 // spread into W_t lane order in an L1 buffer and register tiles of kMR rows x 2 groups sweep the
-// chunk: a group's block is loaded (Q4: nibbles unpacked) once and meets every row of the strip,
-// four VPDPBUSD per (row, group, block), then int32 -> fp32 times the two scales.
+// chunk: per block, the two groups' quants are loaded (Q4: nibbles unpacked) once for every row of
+// the strip and each row's four activation vectors once for both groups; four VPDPBUSD per (row,
+// group, block), then int32 -> fp32 times the two scales.
 
 constexpr int kMR = 6;                         // activation rows per tile
 constexpr int64_t kKC = 16;                    // blocks per K chunk: the strip's 6 x 16 x 256 B in L1
@@ -266,21 +267,27 @@ void tile(const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_
     for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
   for (int64_t bb = 0; bb < nbk; bb++) {
     const int64_t b = b0 + bb;
+    __m512i wv[NG][4];
+    __m512 ws[NG], mv[NG];
     for (int g = 0; g < NG; g++) {
       const uint8_t* rec = base + (size_t)(g0 + g) * gs;
       const uint16_t* dp = reinterpret_cast<const uint16_t*>(rec + nb * QSB) + b * kGroup;
-      __m512i wv[4];
-      load_w<T>(rec + b * QSB, wv);
-      const __m512 ws = scales8x2(dp);
-      __m512 mv = _mm512_setzero_ps();  // Q4M: the minimums, in the low half only (the halves are summed)
-      if constexpr (T == WeightType::Q4M) mv = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))));
-      for (int i = 0; i < MR; i++) {
-        const int64_t ib = (i0 + i) * nb + b;
-        const int32_t* xv = xs + 64 * (i * kKC + bb);
+      load_w<T>(rec + b * QSB, wv[g]);
+      ws[g] = scales8x2(dp);
+      mv[g] = _mm512_setzero_ps();  // Q4M: the minimums, in the low half only (the halves are summed)
+      if constexpr (T == WeightType::Q4M) mv[g] = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))));
+    }
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + b;
+      const int32_t* xv = xs + 64 * (i * kKC + bb);
+      __m512i xq[4];
+      for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(xv + 16 * t));
+      const __m512 dx = _mm512_set1_ps(qr.dx[ib]);
+      for (int g = 0; g < NG; g++) {
         __m512i s = _mm512_set1_epi32(qr.corr[ib]);
-        for (int t = 0; t < 4; t++) s = dpbusd<VNNI>(s, wv[t], _mm512_load_si512((const void*)(xv + 16 * t)));
-        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(qr.dx[ib])), acc[i][g]);
-        if constexpr (T == WeightType::Q4M) acc[i][g] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr.dxs[ib]), acc[i][g]);
+        for (int t = 0; t < 4; t++) s = dpbusd<VNNI>(s, wv[g][t], xq[t]);
+        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws[g], dx), acc[i][g]);
+        if constexpr (T == WeightType::Q4M) acc[i][g] = _mm512_fmadd_ps(mv[g], _mm512_set1_ps(qr.dxs[ib]), acc[i][g]);
       }
     }
   }
