@@ -59,7 +59,7 @@ def dequant(raw, kind, shape):
 
 
 def quantize_activations(x):
-    """[K] -> dequantized activations as the m == 1 kernels see them (dx = absmax/127, round half even)."""
+    """[K] -> dequantized activations as the kernels see them (dx = absmax/127, round half even)."""
     K = len(x)
     xp = np.zeros(-(-K // 32) * 32, np.float32)
     xp[:K] = x
@@ -164,20 +164,29 @@ def test_packed_sizes():
 # ---------------------------------------------------------------------------------------------------
 # kernels
 
+# (rows, K) for the prefill tiles: rows % 16 != 0 (tiles of two 8-row groups), K % 64 and K % 128 != 0,
+# K past one 16-block chunk by a block or a few, K = 32
+GEMM_SHAPES = [(1, 32), (9, 32), (24, 544), (40, 1000), (17, 4864), (130, 160)]
+
+
+def matmul_reference(x, w, wtype):
+    """Every m: the dequantized weights against each row's dequantized activations (float64)."""
+    deq = np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(w.shape[0])]).astype(np.float64)
+    return np.stack([quantize_activations(r) for r in x]).astype(np.float64) @ deq.T, deq
+
+
 @pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 7, 130])
 def test_matmul_against_reference(isa, wtype, shape, m):
-    """m == 1: dequantized weights against quantized activations; m > 1: against fp32 activations.
-    Every table agrees with numpy and with the scalar table."""
+    """Dequantized weights against quantized activations, for every m. Every table agrees with numpy
+    and with the scalar table."""
     w = weights(*shape)
     rng = np.random.default_rng(shape[0] * 7 + m)
     x = rng.standard_normal((m, shape[1])).astype(np.float32)
     x[0, :min(shape[1], 32)] *= 30
-    deq = np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(shape[0])]).astype(np.float64)
-    xs = np.stack([quantize_activations(r) for r in x]) if m == 1 else x
-    ref = xs.astype(np.float64) @ deq.T
+    ref, _ = matmul_reference(x, w, wtype)
     y = _core.kernel_matmul(isa, x, w, wtype)
     assert y.shape == (m, shape[0])
     assert rel_err(y, ref) < 2e-5
@@ -185,9 +194,42 @@ def test_matmul_against_reference(isa, wtype, shape, m):
         assert rel_err(y, _core.kernel_matmul("scalar", x, w, wtype).astype(np.float64)) < 2e-5
 
 
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("m", [2, 3, 5, 6, 7, 13, 40, 128, 130])
+def test_prefill_matmul(isa, wtype, shape, m):
+    """m > 1 over the awkward shapes of the register tiles: each row as the reference quantizes it
+    (tight), as the same row alone gives it (the decode path), and the fp32 product within the
+    quantization error of weights and activations."""
+    w = weights(*shape, seed=m)
+    rng = np.random.default_rng(shape[1] + m)
+    x = rng.standard_normal((m, shape[1])).astype(np.float32)
+    x[m // 2, :min(shape[1], 32)] *= 30
+    x[m - 1, :] = 0                                   # a row of zeros: scale 0
+    ref, deq = matmul_reference(x, w, wtype)
+    y = _core.kernel_matmul(isa, x, w, wtype)
+    assert rel_err(y, ref) < 2e-5
+    assert (y[m - 1] == 0).all()
+    for i in (0, m // 2, m - 2):
+        assert rel_err(y[i], _core.kernel_matmul(isa, x[i:i + 1], w, wtype)[0].astype(np.float64)) < 2e-5
+    # |sum_k x_k w_k - x'_k w'_k| <= sum_k |x_k - x'_k| |w'_k| + |x_k| |w_k - w'_k|: half an int8 step of
+    # each activation block against the dequantized weights, plus the weights' rounding (bounded per
+    # format in test_round_trip_error_bound) against the activations
+    K, Kp, n = shape[1], -(-shape[1] // 32) * 32, shape[0]
+    xp, wp, dp = np.zeros((m, Kp)), np.zeros((n, Kp)), np.zeros((n, Kp))
+    xp[:, :K], wp[:, :K], dp[:, :K] = x, w, deq
+    xb, wb, db = xp.reshape(m, -1, 32), wp.reshape(n, -1, 32), dp.reshape(n, -1, 32)
+    wstep = {"q8": np.abs(wb).max(2) / 127, "q4": np.abs(wb).max(2) / 8, "q4m": (wb.max(2) - wb.min(2)) / 15}[wtype]
+    wstep = wstep * {"q8": 0.57, "q4": 1.07, "q4m": 0.57}[wtype] + np.abs(wb).max(2) * 2 ** -10
+    bound = 0.5 * (np.abs(xb).max(2) / 127) @ np.abs(db).sum(2).T + np.abs(xb).sum(2) @ wstep.T
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert (np.abs(y - exact) <= bound * 1.0001 + 1e-4 * np.abs(exact).max()).all()
+
+
 @pytest.mark.skipif("avx512" not in TABLES, reason="no AVX-512")
 def test_avx512_without_vnni_matches():
-    """The VPMADDUBSW fallback for AVX-512 CPUs without VNNI gives the same results."""
+    """The VPMADDUBSW fallback for AVX-512 CPUs without VNNI gives the same results (decode and prefill)."""
     code = (
         "import numpy as np, sys\n"
         "from corelm import _core\n"
@@ -195,9 +237,10 @@ def test_avx512_without_vnni_matches():
         "for wt in ('q8', 'q4', 'q4m'):\n"
         "    for K in (32, 172, 4864):\n"
         "        w = rng.standard_normal((13, K)).astype(np.float32); w[0] *= 50\n"
-        "        x = rng.standard_normal((1, K)).astype(np.float32)\n"
-        "        a, s = _core.kernel_matmul('avx512', x, w, wt), _core.kernel_matmul('scalar', x, w, wt)\n"
-        "        assert np.abs(a - s).max() <= 2e-5 * np.abs(s).max(), (wt, K)\n"
+        "        for m in (1, 9):\n"
+        "            x = rng.standard_normal((m, K)).astype(np.float32)\n"
+        "            a, s = _core.kernel_matmul('avx512', x, w, wt), _core.kernel_matmul('scalar', x, w, wt)\n"
+        "            assert np.abs(a - s).max() <= 2e-5 * np.abs(s).max(), (wt, K, m)\n"
     )
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
     env = dict(os.environ, CORELM_NO_VNNI="1",
@@ -228,23 +271,21 @@ def test_resolve_dtype_accepts_quantized():
 
 @pytest.mark.parametrize("name,path", [("stories260K", STORIES_GGUF), ("smollm2", DEFAULT_GGUF)])
 def test_q8_greedy_matches_first_32(name, path):
-    """q8 weights: the first 32 greedy tokens are transformers' fp32 ones, exactly on stories260K; on
-    SmolLM2 they may part only at a near-tie (top-2 margin < 0.2: two of its three prompts have gaps of
-    0.02 and 0.11, which an int8 step per block of 32 weights, ~5x a bf16 rounding, can flip).
-    Logits within NMSE 3e-3."""
+    """q8 weights (with int8 activations, like ggml's Q8_0 x Q8_0): the first 32 greedy tokens are
+    transformers' fp32 ones until they part, if they do, at a near-tie (top-2 margin < 0.2; the three
+    SmolLM2 prompts part at gaps of 0.04 or less, stories260K's third at 0.1: an int8 step per block
+    of 32 weights and of 32 activations, ~5x a bf16 rounding each, can flip them). Logits within NMSE
+    1e-2 (measured up to 5.5e-3 on SmolLM2, whose q8 re-quantizes Q4_1 values)."""
     fx = fixture(name)
     llm = get_llm(path, "q8")
     for case in fx["cases"]:
         llm.reset()
         out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=32, **GREEDY))[0].outputs[0]
         n = matching_prefix(out.token_ids, case["generated_ids"][:32])
-        if name == "stories260K":
-            assert n == 32
-        else:
-            assert n == 32 or case["margins"][n] < 0.2, f"diverged at {n}, margin {case['margins'][n]}"
+        assert n == 32 or case["margins"][n] < 0.2, f"diverged at {n}, margin {case['margins'][n]}"
         llm.reset()
         logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
-        assert nmse(logits, case["last"]) < 3e-3
+        assert nmse(logits, case["last"]) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", ["q4", "q8"])
@@ -262,8 +303,9 @@ def test_quantized_models_run_on_awkward_shapes(dtype):
 
 def test_default_gguf_keeps_q4_1_blocks():
     """The embedded SmolLM2 Q4_1 GGUF under dtype="auto" keeps its blocks (Q4_1 -> q4m, Q8_0 embedding
-    -> q8): no more bytes than the file's blocks, logits within NMSE 1e-3 of the fp32-dequantized model,
-    and greedy tokens identical until they part, if they do, at a near-tie (top-2 margin < 0.2)."""
+    -> q8): no more bytes than the file's blocks, logits within NMSE 2e-3 of the fp32-dequantized model
+    (int8 activations: up to 9.6e-4 measured), and greedy tokens identical until they part, if they do,
+    at a near-tie (top-2 margin < 0.2)."""
     fx = fixture("smollm2")
     llm = get_llm(DEFAULT_GGUF, "auto")
     g = read_gguf(DEFAULT_GGUF)
@@ -273,7 +315,7 @@ def test_default_gguf_keeps_q4_1_blocks():
     for case in fx["cases"]:
         llm.reset()
         logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
-        assert nmse(logits, case["last"]) < 1e-3
+        assert nmse(logits, case["last"]) < 2e-3
         llm.reset()
         expected, margins = case["generated_ids"], case["margins"]
         out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
@@ -310,10 +352,12 @@ def _tiny_raw_model(mix):
 def test_set_weight_raw_fuses_mixed_partners():
     toks = np.arange(1, 20, dtype=np.int32)
     ref = _tiny_raw_model(None).forward(toks, 0, True)
-    for mix in (False, True):
+    for mix in (False, True):  # the same weight values; int8 activations where weights stay quantized
         got = _tiny_raw_model(mix).forward(toks, 0, True)
-        assert nmse(got, ref) < 1e-9   # prefill: fp32 activations against the same weight values
-        assert nmse(_tiny_raw_model(mix).forward(toks[:1], 0, False), ref[0]) < 1e-3
+        assert nmse(got, ref) < 3e-3
+        first = _tiny_raw_model(mix).forward(toks[:1], 0, False)
+        assert nmse(first, ref[0]) < 3e-3
+        assert nmse(got[0], first) < 1e-9   # the first token alone (decode) as within the prompt (prefill)
 
 
 def test_set_weight_raw_rejects_bad_input():

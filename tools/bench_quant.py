@@ -1,10 +1,14 @@
 """Decode speed of quantized weights (q8, q4) against bf16 on a Qwen2.5-0.5B-shaped random model.
 
     python tools/bench_quant.py [--rounds 3] [--tokens 32] [--dtypes bf16,q8,q4] [--threads 1,2]
+    python tools/bench_quant.py --gemm [--rounds 5] [--dtypes q8,q4,q4m] [--threads 1,2] [--m 128]
 
 Every (dtype, threads) model is built once from the same random weights, then the decode
 measurements alternate between them round by round, so a noisy neighbour hurts all of them alike.
-Reports the median prefill (128 tokens) and decode tok/s of each and the GB/s of packed weights it streams."""
+Reports the median prefill (128 tokens) and decode tok/s of each and the GB/s of packed weights it streams.
+--gemm measures the kernel table's matmul alone instead (weights packed once, m activation rows, the
+model's 896x4864, 4864x896 and 896x896 weight shapes), alternating kinds round by round: median GOP/s,
+2*m*N*K per call."""
 import argparse
 import os
 import sys
@@ -26,10 +30,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
-    ap.add_argument("--dtypes", default="bf16,q8,q4")
+    ap.add_argument("--dtypes", default=None, help="default bf16,q8,q4 (--gemm: q8,q4,q4m)")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--gemm", action="store_true", help="the matmul kernel alone, GOP/s")
+    ap.add_argument("--m", type=int, default=128, help="activation rows for --gemm")
     a = ap.parse_args()
-    keys = [(d, int(t)) for t in a.threads.split(",") for d in a.dtypes.split(",")]
+    if a.gemm:
+        return bench_gemm(a)
+    keys = [(d, int(t)) for t in a.threads.split(",") for d in (a.dtypes or "bf16,q8,q4").split(",")]
     models = {k: _core.Model(dict(core_config(SPEC, k[0], k[1], 1024), pin_threads=False)) for k in keys}
     rng = np.random.default_rng(0)
     for name, shape in weight_shapes(SPEC).items():
@@ -59,6 +67,20 @@ def main():
         print(f"{k[0]:5s} threads={k[1]}  prefill {pre:6.1f} tok/s  decode {1 / med:6.1f} tok/s  "
               f"{m.weight_bytes / med / 1e9:5.1f} GB/s  ({m.weight_bytes / 1e6:.0f} MB of weights; decode rounds: "
               f"{', '.join(f'{1 / t:.1f}' for t in times[k])})")
+
+
+def bench_gemm(a):
+    table = "avx512" if "avx512" in _core.kernel_tables() else "scalar"
+    dtypes = (a.dtypes or "q8,q4,q4m").split(",")
+    shapes = [(896, 4864), (4864, 896), (896, 896)]   # W [N, K]: FFN down, FFN up/gate, attention output
+    keys = [(d, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes]
+    gops = {key: [] for key in keys}
+    for r in range(a.rounds):
+        for d, n, k, t in keys:
+            gops[(d, n, k, t)].append(_core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t)["gflops"])
+    for (d, n, k, t), v in gops.items():
+        print(f"{table}_{d:4s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s  "
+              f"(rounds: {', '.join(f'{x:.1f}' for x in v)})")
 
 
 if __name__ == "__main__":

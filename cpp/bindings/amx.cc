@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <random>
@@ -158,7 +159,7 @@ void corelm::register_amx(py::module_& m) {
 
 // Micro-benchmark: one GEMM y[m][n] = x[m][k] . W[n][k]^T, weights packed once, timed over repeated
 // calls on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16, amx_int8
-// (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_fp32" / "<table>_bf16".
+// (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_<weight type>" (fp32, bf16, q8, q4, q4m).
 void corelm::register_amx_bench(py::module_& m) {
   m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads) {
     if (M < 1 || N < 1 || K < 1 || threads < 1) throw std::invalid_argument("bad shape or thread count");
@@ -198,8 +199,10 @@ void corelm::register_amx_bench(py::module_& m) {
       if (us == std::string::npos) throw std::invalid_argument("unknown kind " + kind);
       kt = kernels_by_name(kind.substr(0, us));
       const std::string wt = kind.substr(us + 1);
-      if (!kt || (wt != "fp32" && wt != "bf16")) throw std::invalid_argument("unknown or unavailable kind " + kind);
-      pk = kt->pack(w.data(), N, K, wt == "bf16" ? WeightType::BF16 : WeightType::F32);
+      const WeightType wts[] = {WeightType::F32, WeightType::BF16, WeightType::Q8, WeightType::Q4, WeightType::Q4M};
+      const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) { return wt == weight_type_name(t); });
+      if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
+      pk = kt->pack(w.data(), N, K, *type);
       run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
     }
     const int64_t tiles = (N + 15) / 16;

@@ -8,11 +8,11 @@
 // The quantizers follow ggml's reference code (fp32 d for rounding, fp16 d stored), so a GGUF
 // Q8_0/Q4_0/Q4_1 block re-quantized from its own dequantized values gives back the same block.
 //
-// matmul semantics (every table): with m == 1 (decode) the activation row is quantized per block of
-// 32 like ggml's Q8_0 but with an fp32 scale: dx = absmax/127, xq = round-to-nearest-even(x * (1/dx))
+// matmul semantics (every table, every m): each activation row is quantized per block of 32 like
+// ggml's Q8_0 but with an fp32 scale: dx = absmax/127, xq = round-to-nearest-even(x * (1/dx))
 // (0 when absmax is 0), and y[n] = sum over blocks of dw*dx*sum(wq*xq) (+ m*dx*sum(xq) for Q4M),
-// i.e. the dot of the dequantized weights with the dequantized activations. With m > 1 (prefill)
-// the dequantized weights meet the fp32 activations.
+// i.e. the dot of the dequantized weights with the dequantized activations. A row's result does not
+// depend on how many rows come with it (decode m == 1, prefill m > 1), up to fp32 summation order.
 //
 // This header is included by baseline-ISA code and by the ISA files; keep it plain C++.
 #pragma once
@@ -99,6 +99,14 @@ inline uint16_t f32_to_f16(float f) {
   return sign | (uint16_t)((r - 0x38000000u) >> 13);
 }
 
+// a * b rounded to float by itself: a build that may use FMA must not fuse it into the add that
+// follows (that rounds once, not twice, and moves a quant across a step at rare inputs), so every
+// table's packer gives the same quants.
+inline float unfused_product(float a, float b) {
+  volatile float p = a * b;
+  return p;
+}
+
 // One block of 32 floats -> q values (Q8: int8 as stored; Q4/Q4M: 0..15), d and m as fp16.
 inline void quantize_block(WeightType t, const float* x, int8_t* q, uint16_t* d16, uint16_t* m16) {
   if (t == WeightType::Q8) {
@@ -113,7 +121,7 @@ inline void quantize_block(WeightType t, const float* x, int8_t* q, uint16_t* d1
       if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), mx = x[j];
     const float d = mx / -8.f, id = d != 0.f ? 1.f / d : 0.f;
     for (int j = 0; j < 32; j++) {
-      int v = (int)(int8_t)(x[j] * id + 8.5f);
+      int v = (int)(int8_t)(unfused_product(x[j], id) + 8.5f);
       q[j] = (int8_t)(v < 15 ? v : 15);
     }
     *d16 = f32_to_f16(d);
@@ -122,7 +130,7 @@ inline void quantize_block(WeightType t, const float* x, int8_t* q, uint16_t* d1
     for (int j = 1; j < 32; j++) mn = std::fmin(mn, x[j]), mx = std::fmax(mx, x[j]);
     const float d = (mx - mn) / 15.f, id = d != 0.f ? 1.f / d : 0.f;
     for (int j = 0; j < 32; j++) {
-      int v = (int)(int8_t)((x[j] - mn) * id + 0.5f);
+      int v = (int)(int8_t)(unfused_product(x[j] - mn, id) + 0.5f);
       q[j] = (int8_t)(v < 15 ? v : 15);
     }
     *d16 = f32_to_f16(d);
@@ -181,7 +189,7 @@ inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int6
     }
 }
 
-// The activation quantizer of the m == 1 path (reference; ISA versions must give the same bytes).
+// The activation quantizer of every matmul (reference; ISA versions must give the same bytes).
 // x has n floats; xq gets round_up(n, 32) int8 values, dx and sxq one entry per block.
 inline void quantize_activations(const float* x, int64_t n, int8_t* xq, float* dx, int32_t* sxq) {
   for (int64_t b = 0; b * kBlock < n; b++) {

@@ -13,9 +13,9 @@
 // this adds is taken back once per block). Q4/Q4M store the u4 quants of W_{2u} in the low and of
 // W_{2u+1} in the high nibbles of vector u; Q4 subtracts 8*sum(xq) per block, Q4M adds m*dx*sum(xq).
 //
-// Decode quantizes the activations once per call (bit-identical to quant::quantize_activations) and
-// lays them out in the lane order above, then streams the groups. Prefill dequantizes panels of 32
-// rows into fp32 and runs the shared fp32 outer-product tiles (panel_gemm.h).
+// Both paths quantize the activations once per call (bit-identical to quant::quantize_activations)
+// and lay them out in the lane order above. Decode streams the groups; prefill (m > 1) runs register
+// tiles of several activation rows x two groups over L1/L2-sized chunks (see gemm below).
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -102,8 +102,40 @@ bool use_vnni() {
   return v;
 }
 
-// Activations quantized per block, in W_t lane order: xv[4b + t] lanes 0..7 = columns 8t..8t+3,
-// lanes 8..15 = 8t+4..8t+7 of block b. corr[b] is added to both halves of each row's sum.
+// One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
+// as quant::quantize_activations: the 32 int8 in the low 256 bits, its scale and its sum of quants.
+inline __m512i quantize_act_block(const float* x, int64_t left, float* d, int32_t* s) {
+  const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+  const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 x0 = _mm512_maskz_loadu_ps(m0, x), x1 = _mm512_maskz_loadu_ps(m1, x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+  *d = amax / 127.f;
+  const __m512 idv = _mm512_set1_ps(*d != 0.f ? 1.f / *d : 0.f);
+  __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
+  *s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return _mm512_castsi256_si512(_mm256_setr_m128i(_mm512_cvtepi32_epi8(q0), _mm512_cvtepi32_epi8(q1)));
+}
+
+// A block's 32 int8 activations (low 256 bits of `bytes`) in W_t lane order: out[16t..16t+15]
+// lanes 0..7 = columns 8t..8t+3, lanes 8..15 = 8t+4..8t+7.
+inline void spread_block(__m512i bytes, int32_t* out) {
+  for (int t = 0; t < 4; t++) {
+    const __m512i idx = _mm512_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                          2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1);
+    _mm512_store_si512((void*)(out + 16 * t), _mm512_permutexvar_epi32(idx, bytes));
+  }
+}
+
+// What each half of a row's sum gets per block for the stored weight offset: the weights are the
+// stored bytes minus 128 (Q8) or minus 8 (Q4), so the dot with the stored bytes is too large by
+// 128*sum(xq) or 8*sum(xq); half of it comes off each half.
+inline int32_t half_correction(WeightType type, int32_t s) {
+  return (type == WeightType::Q8 ? -64 : type == WeightType::Q4 ? -4 : 0) * s;
+}
+
+// Activations quantized per block, in W_t lane order (spread_block). corr[b] is added to both
+// halves of each row's sum; dxs[b] = dx * sum(xq) multiplies Q4M's minimum.
 struct QuantX {
   std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xv;  // [nb][4][16]
   std::vector<float> dx, dxs;
@@ -113,27 +145,13 @@ struct QuantX {
 void quantize_x(const float* x, int64_t K, int64_t nb, WeightType type, QuantX* qx) {
   qx->xv.resize(64 * nb);
   qx->dx.resize(nb), qx->dxs.resize(nb), qx->corr.resize(nb);
-  const int half_corr = type == WeightType::Q8 ? -64 : type == WeightType::Q4 ? -4 : 0;
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t k = b * kBlock, left = K - k;
-    const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
-    __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    const __m512 idv = _mm512_set1_ps(id);
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
-    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    __m512i bytes = _mm512_castsi256_si512(_mm256_setr_m128i(_mm512_cvtepi32_epi8(q0), _mm512_cvtepi32_epi8(q1)));
-    for (int t = 0; t < 4; t++) {
-      const __m512i idx = _mm512_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
-                                            2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1);
-      _mm512_store_si512((void*)(qx->xv.data() + 16 * (4 * b + t)), _mm512_permutexvar_epi32(idx, bytes));
-    }
+    float d;
+    int32_t s;
+    spread_block(quantize_act_block(x + b * kBlock, K - b * kBlock, &d, &s), qx->xv.data() + 64 * b);
     qx->dx[b] = d;
     qx->dxs[b] = d * (float)s;
-    qx->corr[b] = half_corr * s;
+    qx->corr[b] = half_correction(type, s);
   }
 }
 
@@ -204,52 +222,134 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
   }
 }
 
-// Dequantizes 8 rows (group g) into panel columns col0..col0+7: panel[k * 32 + col0 + j].
-template <WeightType T>
-void dequant_group_to_panel(const PackedMatrix& w, int64_t g, float* panel, int col0) {
-  const int64_t nb = nblocks(w), QSB = qs_bytes(T);
-  const uint8_t* qs = static_cast<const uint8_t*>(w.data()) + (size_t)g * group_stride(T, nb);
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(qs + nb * QSB);
-  const uint16_t* mp = dp + nb * kGroup;
-  const __m512i ff = _mm512_set1_epi32(0xff);
-  for (int64_t b = 0; b < nb; b++, qs += QSB) {
-    __m512i wv[4];
-    load_w<T>(qs, wv);
-    const __m512 s = scales8x2(dp + b * kGroup);
-    const __m512 bias = T == WeightType::Q8 ? _mm512_mul_ps(s, _mm512_set1_ps(-128.f))
-                        : T == WeightType::Q4 ? _mm512_mul_ps(s, _mm512_set1_ps(-8.f))
-                                              : scales8x2(mp + b * kGroup);
-    float* out = panel + b * kBlock * avx512::kPanel + col0;
-    for (int t = 0; t < 4; t++)
-      for (int i = 0; i < 4; i++) {
-        __m512i u = _mm512_and_si512(_mm512_srli_epi32(wv[t], 8 * i), ff);
-        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), s, bias);
-        _mm256_storeu_ps(out + (8 * t + i) * avx512::kPanel, _mm512_castps512_ps256(v));
-        _mm256_storeu_ps(out + (8 * t + 4 + i) * avx512::kPanel, _mm512_extractf32x8_ps(v, 1));
+// ---------------------------------------------------------------------------------------------
+// Prefill (m > 1): int8 GEMM. The activation rows are quantized once per call (each row exactly as
+// decode quantizes it, so a token's result does not depend on the batch). Then, per chunk of kKC
+// blocks along K and per chunk of weight groups that stays in L2, each strip of up to kMR rows is
+// spread into W_t lane order in an L1 buffer and register tiles of kMR rows x 2 groups sweep the
+// chunk: per block, the two groups' quants are loaded (Q4: nibbles unpacked) once for every row of
+// the strip and each row's four activation vectors once for both groups; four VPDPBUSD per (row,
+// group, block), then int32 -> fp32 times the two scales.
+
+constexpr int kMR = 6;                         // activation rows per tile
+constexpr int64_t kKC = 16;                    // blocks per K chunk: the strip's 6 x 16 x 256 B in L1
+constexpr int64_t kChunkBytes = 384 << 10;     // weight bytes per (K chunk, group chunk): L2
+
+struct QuantRows {  // m rows quantized per block: q[i][ld] int8, then [i][nb] per block
+  std::vector<int8_t, avx512::AlignedAlloc<int8_t>> q;
+  std::vector<float> dx, dxs;
+  std::vector<int32_t> corr;
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, QuantRows* qr) {
+  qr->q.resize(m * nb * kBlock);
+  qr->dx.resize(m * nb), qr->dxs.resize(m * nb), qr->corr.resize(m * nb);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t b = 0; b < nb; b++) {
+      float d;
+      int32_t s;
+      const __m512i bytes = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, &d, &s);
+      _mm256_store_si256((__m256i*)(qr->q.data() + (i * nb + b) * kBlock), _mm512_castsi512_si256(bytes));
+      qr->dx[i * nb + b] = d;
+      qr->dxs[i * nb + b] = d * (float)s;
+      qr->corr[i * nb + b] = half_correction(type, s);
+    }
+}
+
+// Rows i0..i0+MR-1 of y, groups g0..g0+NG-1, blocks [b0, b0 + nbk): xs holds the strip spread,
+// [row][block - b0][4][16]. Adds to y unless `first`; stores only the rows of W in [n0, n1).
+template <WeightType T, bool VNNI, int MR, int NG>
+void tile(const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_t nbk, const uint8_t* base,
+          int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  __m512 acc[MR][NG];
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
+  for (int64_t bb = 0; bb < nbk; bb++) {
+    const int64_t b = b0 + bb;
+    __m512i wv[NG][4];
+    __m512 ws[NG], mv[NG];
+    for (int g = 0; g < NG; g++) {
+      const uint8_t* rec = base + (size_t)(g0 + g) * gs;
+      const uint16_t* dp = reinterpret_cast<const uint16_t*>(rec + nb * QSB) + b * kGroup;
+      load_w<T>(rec + b * QSB, wv[g]);
+      ws[g] = scales8x2(dp);
+      mv[g] = _mm512_setzero_ps();  // Q4M: the minimums, in the low half only (the halves are summed)
+      if constexpr (T == WeightType::Q4M) mv[g] = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))));
+    }
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + b;
+      const int32_t* xv = xs + 64 * (i * kKC + bb);
+      __m512i xq[4];
+      for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(xv + 16 * t));
+      const __m512 dx = _mm512_set1_ps(qr.dx[ib]);
+      for (int g = 0; g < NG; g++) {
+        __m512i s = _mm512_set1_epi32(qr.corr[ib]);
+        for (int t = 0; t < 4; t++) s = dpbusd<VNNI>(s, wv[g][t], xq[t]);
+        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws[g], dx), acc[i][g]);
+        if constexpr (T == WeightType::Q4M) acc[i][g] = _mm512_fmadd_ps(mv[g], _mm512_set1_ps(qr.dxs[ib]), acc[i][g]);
       }
+    }
+  }
+  for (int g = 0; g < NG; g++) {
+    const int64_t r0 = (g0 + g) * kGroup;
+    __mmask8 keep = 0;
+    for (int j = 0; j < kGroup; j++) keep |= (__mmask8)((r0 + j >= n0 && r0 + j < n1) << j);
+    for (int i = 0; i < MR; i++) {
+      float* yp = y + (i0 + i) * ldy + r0;
+      __m256 r = _mm256_add_ps(_mm512_castps512_ps256(acc[i][g]), _mm512_extractf32x8_ps(acc[i][g], 1));
+      if (!first) r = _mm256_add_ps(r, _mm256_maskz_loadu_ps(keep, yp));
+      _mm256_mask_storeu_ps(yp, keep, r);
+    }
   }
 }
 
-template <WeightType T>
+template <WeightType T, bool VNNI, int NG>
+void tile_rows(int mr, const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_t nbk,
+               const uint8_t* base, int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1,
+               bool first) {
+  static_assert(kMR == 6, "one case per strip height");
+  switch (mr) {
+    case 6: return tile<T, VNNI, 6, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    case 5: return tile<T, VNNI, 5, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    case 4: return tile<T, VNNI, 4, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    case 3: return tile<T, VNNI, 3, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    case 2: return tile<T, VNNI, 2, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    default: return tile<T, VNNI, 1, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+  }
+}
+
+template <WeightType T, bool VNNI>
 void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
           int64_t n1) {
-  const int64_t groups = (w.rows + kGroup - 1) / kGroup;
-  avx512::panel_gemm(x, m, ldx, w.cols, w.ld, y, ldy, n0, n1, [&](int64_t p0, float* panel) {
-    for (int gi = 0; gi < 4; gi++) {
-      const int64_t g = p0 / kGroup + gi;
-      if (g < groups) {
-        dequant_group_to_panel<T>(w, g, panel, 8 * gi);
-      } else {
-        for (int64_t k = 0; k < w.ld; k++) _mm256_storeu_ps(panel + k * avx512::kPanel + 8 * gi, _mm256_setzero_ps());
+  const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data());
+  thread_local QuantRows qr;
+  thread_local std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xs(kMR * kKC * 64);
+  quantize_rows(x, m, ldx, w.cols, nb, T, &qr);
+  const int64_t nc = std::max<int64_t>(2, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
+  for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
+    const int64_t nbk = std::min(kKC, nb - b0);
+    for (int64_t c0 = n0 / kGroup; c0 < g_end; c0 += nc) {
+      const int64_t c1 = std::min(c0 + nc, g_end);
+      for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+        const int mr = (int)std::min<int64_t>(kMR, m - i0);
+        for (int i = 0; i < mr; i++)
+          for (int64_t bb = 0; bb < nbk; bb++)
+            spread_block(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qr.q.data() + ((i0 + i) * nb + b0 + bb) * kBlock))),
+                         xs.data() + 64 * (i * kKC + bb));
+        int64_t g = c0;
+        for (; g + 2 <= c1; g += 2) tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0);
+        if (g < c1) tile_rows<T, VNNI, 1>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0);
       }
     }
-  });
+  }
 }
 
 template <WeightType T>
 void matmul_t(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
               int64_t n1) {
-  if (m > 1) return gemm<T>(x, m, ldx, w, y, ldy, n0, n1);
+  if (m > 1) return use_vnni() ? gemm<T, true>(x, m, ldx, w, y, ldy, n0, n1) : gemm<T, false>(x, m, ldx, w, y, ldy, n0, n1);
   if (use_vnni())
     gemv<T, true>(x, w, y, n0, n1);
   else

@@ -68,12 +68,12 @@ void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
                    int64_t n0, int64_t n1) {
   const int64_t K = w.cols, nb = w.ld / kBlock;
   if (n1 > w.rows) n1 = w.rows;
-  if (m == 1) {  // quantized activations, integer block dots
-    std::vector<int8_t> xq(w.ld);
-    std::vector<float> dx(nb);
-    std::vector<int32_t> sxq(nb);
-    quantize_activations(x, K, xq.data(), dx.data(), sxq.data());
-    int8_t q[32];
+  std::vector<int8_t> xq(w.ld);  // one row's quantized activations, integer block dots
+  std::vector<float> dx(nb);
+  std::vector<int32_t> sxq(nb);
+  int8_t q[32];
+  for (int64_t i = 0; i < m; i++) {
+    quantize_activations(x + i * ldx, K, xq.data(), dx.data(), sxq.data());
     for (int64_t n = n0; n < n1; n++) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; b++) {
@@ -84,16 +84,6 @@ void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
         acc += f16_to_f32(d16) * dx[b] * (float)s;
         if (w.type == WeightType::Q4M) acc += f16_to_f32(m16) * dx[b] * (float)sxq[b];
       }
-      y[n] = acc;
-    }
-    return;
-  }
-  std::vector<float> row(K);
-  for (int64_t n = n0; n < n1; n++) {  // fp32 activations against the dequantized weights
-    scalar_row_to_f32(w, n, row.data());
-    for (int64_t i = 0; i < m; i++) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; k++) acc += x[i * ldx + k] * row[k];
       y[i * ldy + n] = acc;
     }
   }
