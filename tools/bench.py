@@ -13,8 +13,11 @@ Same columns as the peer benchmark (shared/bench/peers/bench_peers.py), so the t
   is ignored; a tied lm_head counts as the embedding matrix). Bandwidth is measured in the same run with
   the peers' membw microbenchmark (compiled from its source if needed; numpy fallback), once per round and
   thread count, and printed.
-Engines: corelm:bf16, corelm:fp32 (our engine; HF folder or GGUF file), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
-(llama.cpp's own tool, on $PEERS/models/gguf/<model>-<var>.gguf; with a .gguf model path it runs that file).
+Engines: corelm:bf16|fp32|q8|q4 (our engine; HF folder or GGUF file; q8/q4 quantize at load, and the
+bytes per token are the packed matrices the engine reports), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
+(llama.cpp's own tool, on $PEERS/models/gguf/<model>-<var>.gguf; with a .gguf model path it runs that file),
+openvino-genai:int8|int4 (the peers' OpenVINO worker from shared/bench/peers/bench_peers.py in $PEERS/venv-ov,
+on $PEERS/models/ov/<model>-<var>, fed this run's prompt; no roofline column: its bytes are not known exactly).
 llama-bench reports its own pp128/tg64; its tg64 starts from an empty context, ours after the 128-token prompt.
 Engines and thread counts are interleaved round by round (the order rotates), medians are reported with
 min-max. Models: names under $PEERS/models (default qwen0.5b-dims-rand) or paths (HF folder or .gguf file).
@@ -130,6 +133,8 @@ def weight_bytes_per_token(engine, path):
     """Bytes of weights streamed per decoded token. llama.cpp: exact GGUF tensor sizes. corelm: matrices in
     its storage dtype, 1-D tensors (norms, biases) in fp32."""
     kind, var = engine.split(":")
+    if kind not in ("llama-bench", "corelm") or (kind == "corelm" and var not in STORAGE_BYTES):
+        return None                  # q8/q4: the corelm worker reports its own; openvino: not known exactly
     info = model_info(path)
     if kind == "llama-bench":
         return sum(v["bytes"] for v in info["tensors"].values())
@@ -151,6 +156,8 @@ def engine_path(engine, model):
     label, corelm_path, gg = resolve_model(model)
     if kind == "corelm":
         return corelm_path
+    if kind == "openvino-genai":
+        return f"{PEERS}/models/ov/{label}-{var}"
     if gg is None:
         return None
     return gg if gg.endswith(".gguf") else f"{gg}-{var}.gguf"
@@ -204,6 +211,7 @@ def worker_main(engine, path, T, prompt_file):
     dc = (len(stamps) - 1) / (stamps[-1] - stamps[0])
     print("RESULT " + json.dumps({"prefill_tps": pf, "decode_tps": dc, "load_s": t_load, "tokens_head": toks[:8],
                                   "weight_type": str(getattr(llm, "dtype", var)),
+                                  "weight_bytes": llm._core.weight_bytes,
                                   "threads": getattr(llm, "threads", T)}), flush=True)
 
 
@@ -249,10 +257,30 @@ def run_one(engine, model, T, a, prompt_file):
         tg = [statistics.median(e["samples_ts"]) for e in js if e["n_gen"] > 0 and e["n_prompt"] == 0]
         return {"prefill_tps": pp[0], "decode_tps": tg[0], "rss_mib": rss,
                 "build": js[0].get("build_commit"), "cpu": js[0].get("cpu_info")}
+    if kind == "openvino-genai":
+        return run_openvino(engine, model, T, prompt_file, env)
     if kind != "corelm":
         return {"error": f"unknown engine kind {kind}"}
     out, rss, rc = spawn_rss([a.python, os.path.abspath(__file__), "--worker", engine, path, str(T), prompt_file],
                              env)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[7:]), rss_mib=rss)
+    return {"error": out[-800:].strip() or f"exit code {rc}"}
+
+
+def run_openvino(engine, model, T, prompt_file, env):
+    """The peers' OpenVINO GenAI worker, pointed (through a private $PEERS) at this run's prompt."""
+    py, script = f"{PEERS}/venv-ov/bin/python", os.path.join(PEERS_SRC, "bench_peers.py")
+    if not os.path.exists(py) or not os.path.exists(script):
+        return {"error": f"OpenVINO venv or {script} missing (see shared/bench/peers/run_peers.sh)"}
+    private = os.path.splitext(prompt_file)[0] + "-peers"
+    os.makedirs(os.path.join(private, "results"), exist_ok=True)
+    if not os.path.exists(os.path.join(private, "models")):
+        os.symlink(f"{PEERS}/models", os.path.join(private, "models"))
+    ids = json.load(open(prompt_file))[0]
+    json.dump(ids, open(os.path.join(private, "results", "prompt_ids.json"), "w"))
+    out, rss, rc = spawn_rss([py, script, "--worker", engine, resolve_model(model)[0], str(T)], dict(env, PEERS=private))
     for line in out.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]), rss_mib=rss)
@@ -355,8 +383,8 @@ def tables(rows, bw, bpt, a, models):
                     err = ((r or {}).get("error") or "not run").strip() or "?"
                     line += f" FAILED: {err.splitlines()[-1][:60]} | – | – |"
                     continue
-                gb = bpt[(label, e)] / 1e9
-                roof = bw[T]["median"] / gb if bw.get(T) else None
+                gb = (bpt.get((label, e)) or 0) / 1e9
+                roof = bw[T]["median"] / gb if bw.get(T) and gb else None
                 pct = f"{100 * r['decode_tps']['median'] / roof:.0f}%" if roof else "–"
                 line += f" {fmt(r['prefill_tps'])} | {fmt(r['decode_tps'])} | {pct} |"
                 rss.append(r["rss_mib"]["median"])
@@ -365,7 +393,7 @@ def tables(rows, bw, bpt, a, models):
             md.append(line + f" {gbs} |")
         # ratios corelm / llama.cpp at each thread count
         ours = [e for e in engines if e.startswith("corelm:")]
-        theirs = [e for e in engines if e.startswith("llama-bench:")]
+        theirs = [e for e in engines if e.startswith(("llama-bench:", "openvino-genai:"))]
         pairs = []
         for o in ours:
             for t in theirs:
@@ -380,7 +408,7 @@ def tables(rows, bw, bpt, a, models):
                         cells.append(" – | – |")
                 pairs.append(f"| {o} / {t} |" + "".join(cells))
         if pairs:
-            md.append("\nratio corelm / llama.cpp (medians; >1 = corelm faster)\n")
+            md.append("\nratio corelm / peer (medians; >1 = corelm faster)\n")
             md.append("| pair |" + "".join(f" prefill {T}t | decode {T}t |" for T in Ts))
             md.append("|---|" + "---|---|" * len(Ts))
             md.extend(pairs)
@@ -482,6 +510,10 @@ def main():
                     print(msg, flush=True)
                     log.append(msg)
 
+    for (label, e, T), rs in raw.items():     # corelm reports the bytes of its packed matrices
+        wb = [r["weight_bytes"] for r in rs if r.get("weight_bytes")]
+        if wb:
+            bpt[(label, e)] = statistics.median(wb)
     rows, bw = summarize(raw, bw_samples, a)
     # keep the row order: engines as given, per model
     order_e = []
