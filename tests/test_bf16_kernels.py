@@ -1,7 +1,7 @@
 """The AVX512_BF16 table's bf16-weight matmul (VDPBF16PS on bf16-rounded activations) against a float64
-reference of the bf16-rounded x and W: batched decode strips (m = 2..40, every tail), prefill panels
-(m up to 130), K and row counts off the 32/8 layout, and column ranges that split weight groups the way
-threads do. The table must only exist where CPUID reports AVX512_BF16."""
+reference of the bf16-rounded x and W: the dot-product path (m = 2..256: every strip tail, K split in
+blocks past 2048), the pair-panel path (m > 256), K and row counts off the 32/8 layout, and column ranges
+that split weight groups the way threads do. The table must only exist where CPUID reports AVX512_BF16."""
 import numpy as np
 import pytest
 
@@ -37,7 +37,7 @@ def test_table_follows_cpuid():
 
 @needs_bf16
 @pytest.mark.parametrize("m", list(range(1, 41)))
-@pytest.mark.parametrize("n,k", [(9, 31), (37, 129), (16, 896)])
+@pytest.mark.parametrize("n,k", [(9, 31), (37, 129), (16, 896), (11, 4164)])
 def test_batched_decode_shapes(m, n, k):
     x = RNG.standard_normal((m, k)).astype(np.float32)
     w = RNG.standard_normal((n, k)).astype(np.float32)
@@ -49,8 +49,8 @@ def test_batched_decode_shapes(m, n, k):
 
 
 @needs_bf16
-@pytest.mark.parametrize("m", [1, 2, 7, 33, 64, 130])
-@pytest.mark.parametrize("n,k", [(1, 1), (7, 15), (41, 65), (77, 100), (33, 1000), (130, 257)])
+@pytest.mark.parametrize("m", [1, 2, 7, 33, 130, 256, 257, 300])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 15), (41, 65), (77, 100), (33, 1000), (130, 257), (9, 2100)])
 def test_prefill_shapes(m, n, k):
     x = RNG.standard_normal((m, k)).astype(np.float32)
     w = RNG.standard_normal((n, k)).astype(np.float32)
@@ -60,7 +60,7 @@ def test_prefill_shapes(m, n, k):
 
 
 @needs_bf16
-@pytest.mark.parametrize("m", [2, 5, 16, 32, 33, 40, 130])
+@pytest.mark.parametrize("m", [2, 5, 16, 32, 33, 40, 130, 260])
 @pytest.mark.parametrize("n0,n1", [(0, 1), (3, 29), (7, 8), (13, 45), (36, 70), (64, 70)])
 def test_column_ranges(m, n0, n1):
     x = RNG.standard_normal((m, 65)).astype(np.float32)
