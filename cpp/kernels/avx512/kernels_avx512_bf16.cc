@@ -15,8 +15,9 @@ namespace corelm {
 namespace avx512 {
 namespace {
 
-// Measured on Zen 5 against the panels below: the dot path is 1.3-2x faster for 33..128 rows of x, even at
-// 256 and 512, and slower from 1024 (it reads all of x once per weight group, the panels once per 32 rows).
+// Measured on Zen 5 against the panels below: the dot path (no panel fill) is 1.3-2.3x faster for 33..128
+// rows of x, about equal at 256 and 512, and slower from 1024 (it reads all of x once per 8-row weight
+// group, the panels once per 32 rows).
 constexpr int64_t kDotRows = 256;
 constexpr int64_t kDotChunks = 64;  // K blocks of at most 64 chunks: 8 rows x 2048 bf16 = 32 KiB, in L1
 
