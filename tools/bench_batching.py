@@ -7,6 +7,7 @@ the prefill phase), S_TG (generated tokens/s once every sequence is decoding) an
 generated tokens / total time).
 
     python tools/bench_batching.py --threads 1 2 --npl 1 4 16 64 --rounds 2
+    python tools/bench_batching.py --isa avx512_bf16 avx512   # corelm once per kernel table (CORELM_ISA)
 """
 import argparse
 import json
@@ -57,9 +58,10 @@ def corelm_worker(model, threads, n, npp, ntg, kv):
                       "S": (n * npp + n_tok) / (t1 - t0), "preemptions": eng.num_preemptions}))
 
 
-def run_corelm(model, threads, n, npp, ntg, kv):
+def run_corelm(model, threads, n, npp, ntg, kv, isa=None):
+    env = dict(os.environ, CORELM_ISA=isa) if isa else None
     out = subprocess.run([sys.executable, __file__, "--worker", model, str(threads), str(n), str(npp), str(ntg), kv],
-                         capture_output=True, text=True, timeout=3600)
+                         capture_output=True, text=True, timeout=3600, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -88,6 +90,8 @@ def main():
     ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--kv", default="bf16", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--isa", nargs="+", default=None,
+                    help="run corelm once per kernel table (CORELM_ISA), e.g. avx512_bf16 avx512; default: its own choice")
     ap.add_argument("--out", default=None, help="raw results as JSON")
     a = ap.parse_args()
     if a.worker:
@@ -95,16 +99,18 @@ def main():
         return corelm_worker(m, int(t), int(n), int(npp), int(ntg), kv)
     have_llama = os.path.exists(os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")) and \
         os.path.exists(a.gguf)
+    corelms = [f"corelm:{isa}" for isa in a.isa] if a.isa else ["corelm"]
     raw = []
     for r in range(a.rounds):
         for t in a.threads:
             for n in a.npl:
-                engines = ["corelm", "llama"] if r % 2 == 0 else ["llama", "corelm"]
+                engines = corelms + ["llama"]
+                engines = engines[r % len(engines):] + engines[:r % len(engines)]  # rotate the order each round
                 for e in engines:
                     if e == "llama" and not have_llama:
                         continue
-                    res = run_corelm(a.model, t, n, a.npp, a.ntg, a.kv) if e == "corelm" else \
-                        run_llama(a.gguf, t, n, a.npp, a.ntg)
+                    res = run_corelm(a.model, t, n, a.npp, a.ntg, a.kv, e.partition(":")[2] or None) \
+                        if e != "llama" else run_llama(a.gguf, t, n, a.npp, a.ntg)
                     raw.append(dict(engine=e, threads=t, n=n, round=r, **res))
                     print(f"[{time.strftime('%H:%M:%S')}] {e} T={t} N={n}: " +
                           ", ".join(f"{k} {v:.1f}" for k, v in res.items() if isinstance(v, float)), flush=True)
@@ -112,13 +118,14 @@ def main():
         with open(a.out, "w") as f:
             json.dump(raw, f, indent=1)
     med = lambda e, t, n, k: statistics.median([x[k] for x in raw if (x["engine"], x["threads"], x["n"]) == (e, t, n)] or [float("nan")])
-    print(f"\n| threads | N | corelm S_TG | llama.cpp S_TG | ratio | corelm S | llama.cpp S | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for t in a.threads:
-        for n in a.npl:
-            c, l = med("corelm", t, n, "S_TG"), med("llama", t, n, "S_TG")
-            cs, ls = med("corelm", t, n, "S"), med("llama", t, n, "S")
-            print(f"| {t} | {n} | {c:.1f} | {l:.1f} | {c / l:.2f}x | {cs:.1f} | {ls:.1f} | {cs / ls:.2f}x |")
+    print(f"\n| corelm | threads | N | corelm S_TG | llama.cpp S_TG | ratio | corelm S | llama.cpp S | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for e in corelms:
+        for t in a.threads:
+            for n in a.npl:
+                c, l = med(e, t, n, "S_TG"), med("llama", t, n, "S_TG")
+                cs, ls = med(e, t, n, "S"), med("llama", t, n, "S")
+                print(f"| {e} | {t} | {n} | {c:.1f} | {l:.1f} | {c / l:.2f}x | {cs:.1f} | {ls:.1f} | {cs / ls:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 
@@ -214,16 +215,21 @@ PYBIND11_MODULE(_core, m) {
 
   // Single kernels, for tests against the scalar reference.
   m.def("kernel_tables", &available_kernel_tables);
-  m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype) {
+  m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype, int64_t n0,
+                            int64_t n1) {
     if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
       throw std::invalid_argument("kernel_matmul needs x [M, K] and w [N, K]");
     const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
+    if (n1 < 0) n1 = N;
+    if (n0 < 0 || n0 > n1 || n1 > N) throw std::invalid_argument("bad column range");
     const KernelTable& kt = table(isa);
     PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype));
     py::array_t<float> y({M, N});
-    kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, 0, N);
+    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.f);
+    kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
     return y;
-  });
+  }, py::arg("isa"), py::arg("x"), py::arg("w"), py::arg("wtype"), py::arg("n0") = 0, py::arg("n1") = -1,
+     "x W^T; with n0, n1 only columns [n0, n1) are computed (as one thread's share) and the rest stay 0.");
   using RawArray = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
   auto pack_raw = [](const KernelTable& kt, RawArray raw, const std::string& ggml_type, int64_t rows, int64_t cols) {
     WeightType t = quant::type_of_ggml(ggml_type);

@@ -127,13 +127,15 @@ const KernelTable* kernels_by_name(const std::string& name) {
   if (name == "scalar") return &kScalarKernels;
 #if defined(CORELM_HAVE_X86)
   if (name == "avx512") return can_run_avx512(cpu_features()) ? &kAvx512Kernels : nullptr;
+  if (name == "avx512_bf16")
+    return can_run_avx512(cpu_features()) && cpu_features().avx512_bf16 ? &kAvx512Bf16Kernels : nullptr;
 #endif
   return nullptr;
 }
 
 std::vector<std::string> available_kernel_tables() {
   std::vector<std::string> out;
-  for (const char* n : {"avx512", "scalar"})
+  for (const char* n : {"avx512_bf16", "avx512", "scalar"})
     if (kernels_by_name(n)) out.push_back(n);
   return out;
 }

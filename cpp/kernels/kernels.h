@@ -31,7 +31,7 @@ struct PackedMatrix {
 std::shared_ptr<void> aligned_buffer(size_t bytes);
 
 struct KernelTable {
-  const char* name;  // "avx512", "scalar"
+  const char* name;  // "avx512_bf16", "avx512", "scalar"
   // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout.
   PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type);
   // y[i][n] = sum_k x[i][k] * W[n][k] for i < m and n in [n0, n1): the caller splits n across threads.
@@ -60,6 +60,7 @@ struct KernelTable {
 extern const KernelTable kScalarKernels;
 #if defined(CORELM_HAVE_X86)
 extern const KernelTable kAvx512Kernels;
+extern const KernelTable kAvx512Bf16Kernels;  // kAvx512Kernels with VDPBF16PS for bf16 weights (AVX512_BF16)
 #endif
 
 struct CpuFeatures {
@@ -73,7 +74,7 @@ struct CpuFeatures {
 };
 
 const CpuFeatures& cpu_features();
-// The table chosen once from CPUID; CORELM_ISA=scalar|avx512 in the environment overrides it.
+// The table chosen once from CPUID; CORELM_ISA=scalar|avx512|avx512_bf16 in the environment overrides it.
 const KernelTable& kernels();
 // A specific table by name, or nullptr if this CPU can't run it (tests compare every table).
 const KernelTable* kernels_by_name(const std::string& name);

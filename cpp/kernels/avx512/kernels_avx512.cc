@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/avx512/kernels_avx512_bf16.h"
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/kernels.h"
 #include "kernels/quant_formats.h"
@@ -15,15 +16,14 @@ namespace corelm {
 namespace {
 
 using avx512::AlignedAlloc;
+using avx512::kChunk;
+using avx512::kGroup;
 using avx512::kPanel;
 
 inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
 // ---------------------------------------------------------------------------------------------
-// Weight layout: groups of kGroup rows, each group stored chunk by chunk: [rows/8][K/32][8][32].
-// Decode reads a group as one sequential stream (several separate row streams reach only ~70% of
-// a core's bandwidth; one stream gets close to all of it). K is padded to 32 and rows to 8 with zeros.
-constexpr int64_t kGroup = 8, kChunk = 32;
+// Weight layout: [rows/8][K/32][8][32], see kernels_avx512_bf16.h.
 constexpr int kPrefetchBytes = 1024;
 constexpr int64_t kSmallBatch = 32;  // up to this many rows of x, stream weights like GEMV (measured: faster than panels through 32 rows)
 #ifndef CORELM_PREFILL_GROUPS
@@ -202,6 +202,14 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
     bf16 ? gemm<true>(x, m, ldx, w, y, ldy, n0, n1) : gemm<false>(x, m, ldx, w, y, ldy, n0, n1);
 }
 
+// The AVX512_BF16 table: bf16 weights with m >= 2 go through VDPBF16PS; everything else as above.
+void matmul_bf16dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1) {
+  if (w.type != WeightType::BF16 || m == 1) return matmul(x, m, ldx, w, y, ldy, n0, n1);
+  n1 = std::min(n1, w.rows);
+  if (n0 < n1) avx512::bf16dp_matmul(x, m, ldx, w, y, ldy, n0, n1);
+}
+
 float dot(const float* a, const float* b, int64_t n) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -344,5 +352,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8,
                                     axpy_bf16, axpy_i8, softmax, row_to_f32, quant::avx512_pack_raw};
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", pack, matmul_bf16dp, rmsnorm, silu_mul, dot, axpy, dot_bf16,
+                                        dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32, quant::avx512_pack_raw};
 
 }  // namespace corelm

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 namespace corelm {
@@ -52,31 +53,52 @@ inline void outer_tile(const float* x, int64_t ldx, const float* panel, int64_t 
   }
 }
 
-// y[i][n] for i < m, n in [n0, n1), panels starting at the 8-row group that holds n0.
-// fill(p0, panel) writes rows [p0, p0 + 32) as panel[k * 32 + r] for k < ld (ld = K rounded up to 32).
-template <class Fill>
-void panel_gemm(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t ld, float* y, int64_t ldy, int64_t n0,
-                int64_t n1, Fill fill) {
-  thread_local std::vector<float, AlignedAlloc<float>> panel;
-  if ((int64_t)panel.size() < kPanel * ld) panel.resize(kPanel * ld);
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+template <int R, class Tile>
+inline void tail_strip(int64_t r, int64_t i, Tile& tile) {
+  if constexpr (R > 0) {
+    if (r == R) tile(Rows<R>{}, i);
+    else tail_strip<R - 1>(r, i, tile);
+  }
+}
+
+// Strips of MR rows of x: tile(Rows<MR>{}, i) for i = 0, MR, 2 MR, ..., then once for the last m % MR rows.
+template <int MR, class Tile>
+inline void for_row_strips(int64_t m, Tile tile) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR) tile(Rows<MR>{}, i);
+  tail_strip<MR - 1>(m - i, i, tile);
+}
+
+// Panels of 32 weight rows over [n0, n1), starting at the 8-row group that holds n0, each of
+// panel_elems elements of T: fill(p0, panel) writes rows [p0, p0 + 32); tile(Rows<R>{}, i, panel, yp,
+// m0, m1) computes rows i..i+R-1 of x into yp (= y + i * ldy + p0), storing columns selected by m0, m1.
+template <class T, int MR, class Fill, class Tile>
+void sweep_panels(int64_t m, int64_t panel_elems, float* y, int64_t ldy, int64_t n0, int64_t n1, Fill fill,
+                  Tile tile) {
+  thread_local std::vector<T, AlignedAlloc<T>> panel;
+  if ((int64_t)panel.size() < panel_elems) panel.resize(panel_elems);
   for (int64_t p0 = n0 / 8 * 8; p0 < n1; p0 += kPanel) {
     fill(p0, panel.data());
     // this thread's rows of the panel: [r0, r1) relative to p0 are stored, the rest are not
     const int64_t r0 = std::max(p0, n0) - p0, r1 = std::min(p0 + kPanel, n1) - p0;
     const uint32_t keep = (uint32_t)(((uint64_t)1 << r1) - 1) & ~(uint32_t)(((uint64_t)1 << r0) - 1);
     const __mmask16 m0 = (__mmask16)(keep & 0xffff), m1 = (__mmask16)(keep >> 16);
-    float* yp = y + p0;
-    int64_t i = 0;
-    for (; i + 6 <= m; i += 6) outer_tile<6>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1);
-    switch (m - i) {
-      case 5: outer_tile<5>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 4: outer_tile<4>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 3: outer_tile<3>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 2: outer_tile<2>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      case 1: outer_tile<1>(x + i * ldx, ldx, panel.data(), K, yp + i * ldy, ldy, m0, m1); break;
-      default: break;
-    }
+    for_row_strips<MR>(m, [&](auto rows, int64_t i) { tile(rows, i, panel.data(), y + i * ldy + p0, m0, m1); });
   }
+}
+
+// y[i][n] for i < m, n in [n0, n1) through fp32 panels.
+// fill(p0, panel) writes rows [p0, p0 + 32) as panel[k * 32 + r] for k < ld (ld = K rounded up to 32).
+template <class Fill>
+void panel_gemm(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t ld, float* y, int64_t ldy, int64_t n0,
+                int64_t n1, Fill fill) {
+  sweep_panels<float, 6>(m, kPanel * ld, y, ldy, n0, n1, fill,
+                         [&](auto rows, int64_t i, const float* panel, float* yp, __mmask16 m0, __mmask16 m1) {
+                           outer_tile<decltype(rows)::value>(x + i * ldx, ldx, panel, K, yp, ldy, m0, m1);
+                         });
 }
 
 }  // namespace avx512
