@@ -14,27 +14,49 @@ KVCache::KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t
     : n_layers_(n_layers), n_kv_heads_(n_kv_heads), head_dim_(head_dim), n_blocks_(n_blocks),
       block_size_(block_size), type_(type), esz_(type == KVType::F32 ? 4 : type == KVType::BF16 ? 2 : 1) {
   if (n_blocks < 1 || block_size < 1) throw std::invalid_argument("the KV cache needs at least one block");
+  if (head_dim < 1 || head_dim > kMaxHeadDim) throw std::invalid_argument("the KV cache's head_dim is out of range");
   const size_t rows = (size_t)n_layers * n_blocks * n_kv_heads * block_size;
   k_ = aligned_buffer(rows * head_dim * esz_);
   v_ = aligned_buffer(rows * head_dim * esz_);
   if (type == KVType::I8) {
-    k_scale_ = aligned_buffer(rows * sizeof(float));
-    v_scale_ = aligned_buffer(rows * sizeof(float));
+    k_scale_ = aligned_buffer(rows * sizeof(RowScale));
+    v_scale_ = aligned_buffer(rows * sizeof(RowScale));
   }
 }
 
 size_t KVCache::bytes() const {
   const size_t rows = (size_t)n_layers_ * n_blocks_ * n_kv_heads_ * block_size_;
-  return rows * (2 * head_dim_ * esz_ + (type_ == KVType::I8 ? 2 * sizeof(float) : 0));
+  return rows * (2 * head_dim_ * esz_ + (type_ == KVType::I8 ? 2 * sizeof(RowScale) : 0));
 }
 
-// Symmetric int8 with one scale for the row: scale = absmax / 127.
-static float quantize_row_i8(const float* x, int64_t n, int8_t* q) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax / 127.f, inv = scale > 0 ? 1.f / scale : 0.f;
-  for (int64_t i = 0; i < n; i++) q[i] = (int8_t)std::lrintf(x[i] * inv);
-  return scale;
+// In-place orthonormal Walsh-Hadamard transform of x[n] in blocks of the largest power of two dividing n
+// (the whole row when n is a power of two). It is its own inverse. int8 rows are stored rotated: the
+// rotation spreads a row's outlier channels over all its elements, which narrows [min, max] and so the
+// int8 step; dot products are unchanged ((Hq) . (Hk) = q . k) and sum_j p_j H v_j = H sum_j p_j v_j.
+static void hadamard(float* x, int64_t n) {
+  const int64_t block = n & -n;
+  const float norm = 1.f / std::sqrt((float)block);
+  for (int64_t b = 0; b < n; b += block) {
+    float* y = x + b;
+    for (int64_t h = 1; h < block; h *= 2)
+      for (int64_t i = 0; i < block; i += 2 * h)
+        for (int64_t j = i; j < i + h; j++) {
+          const float a = y[j], c = y[j + h];
+          y[j] = a + c, y[j + h] = a - c;
+        }
+    for (int64_t i = 0; i < block; i++) y[i] *= norm;
+  }
+}
+
+RowScale quantize_row_i8(const float* x, int64_t n, int8_t* q) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; i++) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float scale = (hi - lo) / 255.f, inv = scale > 0 ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < n; i++) {
+    const float u = std::fmin(std::fmax((x[i] - lo) * inv, 0.f), 255.f);  // also maps NaN to 0
+    q[i] = (int8_t)(std::lrintf(u) - 128);
+  }
+  return {scale, lo + 128.f * scale};
 }
 
 void KVCache::store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x) {
@@ -47,10 +69,14 @@ void KVCache::store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head,
     case KVType::BF16:
       for (int64_t i = 0; i < head_dim_; i++) reinterpret_cast<uint16_t*>(dst)[i] = f32_to_bf16(x[i]);
       break;
-    case KVType::I8:
-      static_cast<float*>((value ? v_scale_ : k_scale_).get())[row] =
-          quantize_row_i8(x, head_dim_, reinterpret_cast<int8_t*>(dst));
+    case KVType::I8: {
+      float rotated[kMaxHeadDim];
+      std::memcpy(rotated, x, head_dim_ * sizeof(float));
+      hadamard(rotated, head_dim_);
+      static_cast<RowScale*>((value ? v_scale_ : k_scale_).get())[row] =
+          quantize_row_i8(rotated, head_dim_, reinterpret_cast<int8_t*>(dst));
       break;
+    }
   }
 }
 
@@ -59,19 +85,29 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
   const int64_t n = end - start + 1, hd = head_dim_;
   const char* kb = static_cast<const char*>(k_.get());
   const char* vb = static_cast<const char*>(v_.get());
-  const float* ks = static_cast<const float*>(k_scale_.get());
-  const float* vs = static_cast<const float*>(v_scale_.get());
+  const RowScale* ks = static_cast<const RowScale*>(k_scale_.get());
+  const RowScale* vs = static_cast<const RowScale*>(v_scale_.get());
   auto row_of = [&](int64_t j) { return index(layer, blocks[j / block_size_], kv_head, j % block_size_); };
+  // int8 rows hold Hk: q . k = (Hq) . (scale * k8 + zero) = scale * ((Hq) . k8) + zero * sum(Hq)
+  float q_rot[kMaxHeadDim], q_sum = 0.f;
+  if (type_ == KVType::I8) {
+    std::memcpy(q_rot, q, hd * sizeof(float));
+    hadamard(q_rot, hd);
+    for (int64_t i = 0; i < hd; i++) q_sum += q_rot[i];
+    q = q_rot;
+  }
   for (int64_t i = 0; i < n; i++) {
     const size_t row = row_of(start + i);
     const void* kp = kb + row * hd * esz_;
     float s = type_ == KVType::F32    ? kt.dot(q, static_cast<const float*>(kp), hd)
               : type_ == KVType::BF16 ? kt.dot_bf16(q, static_cast<const uint16_t*>(kp), hd)
-                                      : kt.dot_i8(q, static_cast<const int8_t*>(kp), hd) * ks[row];
+                                      : kt.dot_i8(q, static_cast<const int8_t*>(kp), hd) * ks[row].scale +
+                                            ks[row].zero * q_sum;
     scores[i] = s * scale;
   }
   kt.softmax(scores, n);
   std::memset(out, 0, hd * sizeof(float));
+  float zero_sum = 0.f;  // int8 rows: sum_j p_j * zero_j, added to every output element at the end
   for (int64_t i = 0; i < n; i++) {
     const size_t row = row_of(start + i);
     const void* vp = vb + row * hd * esz_;
@@ -79,8 +115,14 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
       kt.axpy(out, scores[i], static_cast<const float*>(vp), hd);
     else if (type_ == KVType::BF16)
       kt.axpy_bf16(out, scores[i], static_cast<const uint16_t*>(vp), hd);
-    else
-      kt.axpy_i8(out, scores[i] * vs[row], static_cast<const int8_t*>(vp), hd);
+    else {
+      kt.axpy_i8(out, scores[i] * vs[row].scale, static_cast<const int8_t*>(vp), hd);
+      zero_sum += scores[i] * vs[row].zero;
+    }
+  }
+  if (type_ == KVType::I8) {  // out holds sum_j p_j Hv_j: rotate it back
+    for (int64_t i = 0; i < hd; i++) out[i] += zero_sum;
+    hadamard(out, hd);
   }
 }
 

@@ -1,7 +1,8 @@
 // The KV cache in fixed-size blocks (PagedAttention's layout): a sequence's positions map to blocks
 // through its block table, so sequences of any length share one pool and identical prefixes can share
-// blocks. Keys and values are stored in fp32, bf16 or int8 with one scale per token per head
-// (xFasterTransformer's int8 cache).
+// blocks. Keys and values are stored in fp32, bf16 or int8. An int8 row (one token's key or value for one
+// kv head) has an fp32 scale and an fp32 zero point: x ~= scale * q + zero, its 256 levels spanning the
+// row's [min, max] (asymmetric: a third less error than absmax / 127 on these rows, see docs/architecture.md).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -15,8 +16,17 @@ namespace corelm {
 enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
 const char* kv_type_name(KVType t);
 
+// How an int8 row maps back to floats: x[i] ~= scale * q[i] + zero.
+struct RowScale {
+  float scale, zero;
+};
+
+// Quantizes n floats to int8 over their [min, max] with round-to-nearest (levels min + scale * (q + 128)).
+RowScale quantize_row_i8(const float* x, int64_t n, int8_t* q);
 class KVCache {
  public:
+  static constexpr int64_t kMaxHeadDim = 4096;
+
   KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size, KVType type);
 
   int64_t n_blocks() const { return n_blocks_; }
@@ -50,7 +60,7 @@ class KVCache {
   KVType type_;
   size_t esz_;
   std::shared_ptr<void> k_, v_;            // [layer][block][kv_head][slot][head_dim]
-  std::shared_ptr<void> k_scale_, v_scale_;  // [layer][block][kv_head][slot] (int8 only)
+  std::shared_ptr<void> k_scale_, v_scale_;  // [layer][block][kv_head][slot] of RowScale (int8 only)
 };
 
 }  // namespace corelm
