@@ -25,16 +25,19 @@ CHAT = ["Write a short story about a robot who learns to paint.",
 
 
 def prompts_for(llm, name, count):
+    """The fixture prompts of tests/data/fixtures/NAME.json, then chat prompts, `count` in all."""
     fixture = os.path.join(ROOT, "tests", "data", "fixtures", f"{name}.json")
-    if name == "stories260K" and os.path.exists(fixture):
-        with open(fixture) as f:
-            ids = [c["prompt_ids"] for c in json.load(f)["cases"]]
-        return (ids + [[1, 274, 287, 381, 261, 403]])[:count]
     out = []
-    for text in CHAT[:count]:
-        chat = llm.apply_chat_template([{"role": "user", "content": text}])
-        out.append(list(llm.tokenizer.encode(chat, add_special_tokens=False)))
-    return out
+    if os.path.exists(fixture):
+        with open(fixture) as f:
+            out = [c["prompt_ids"] for c in json.load(f)["cases"]]
+    for text in CHAT[:max(0, count - len(out))]:
+        if llm.loaded.chat_template is None:
+            out.append([1] + list(llm.tokenizer.encode(text, add_special_tokens=False)))
+        else:
+            chat = llm.apply_chat_template([{"role": "user", "content": text}])
+            out.append(list(llm.tokenizer.encode(chat, add_special_tokens=False)))
+    return out[:count]
 
 
 def teacher_forced(llm, ids, n_prompt):
