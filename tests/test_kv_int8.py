@@ -2,9 +2,9 @@
 point per token per head) against the fp32 cache: bytes per token, attention error on random models with
 awkward head sizes and outlier channels, and 256 greedy tokens on the real test models.
 
-Exact agreement for 256 tokens is not reachable for every prompt: the fp32-cache reference itself has
-top-2 logit gaps of 0.0003-0.01 on these prompts, far below what any 8-bit (or bf16) cache changes the
-logits by (see docs/architecture.md). So the greedy tests require identical tokens up to the first such
+Exact agreement for 256 tokens is not reachable for every prompt: within 256 tokens the fp32-cache
+reference has top-2 logit gaps down to 0.002-0.04 on these prompts, below what any 8-bit (or bf16) cache
+changes the logits by (see docs/architecture.md). So the greedy tests require identical tokens up to the first such
 near-tie, and the logit error to stay well inside what an int8 cache can reach."""
 import json
 import os
@@ -85,7 +85,7 @@ def test_int8_kv_attention_close_to_fp32_on_awkward_shapes(head_dim):
     logits = {kv: random_model(spec, kv).forward(tokens, 0, True) for kv in ("fp32", "bf16", "int8")}
     ref = logits["fp32"].astype(np.float64)
     err = {kv: float(np.sqrt(np.mean((logits[kv] - ref) ** 2) / np.mean(ref ** 2))) for kv in ("bf16", "int8")}
-    assert 0 < err["int8"] < 3 * err["bf16"], err  # a wrong rotation or zero point costs 100%
+    assert 0 < err["int8"] < 4 * err["bf16"], err  # measured: 1.9-2.9x
 
 
 def real_models():
@@ -123,7 +123,7 @@ def test_int8_kv_greedy_256_tokens_follow_fp32(path, name, n_prompts):
         n = first_difference(got, expected)
         print(f"{name}: int8 follows fp32 for {n}/256 tokens (fp32 top-2 gap there {gaps[min(n, 255)]:.4f}, "
               f"smallest {gaps.min():.4f}); |dlogit| median {np.median(err):.4f} max {err.max():.4f}")
-        # a bf16 cache makes 0.06-0.08, absmax/127 int8 0.26-0.33 (stories260K) and 0.3 (SmolLM2)
+        # a bf16 cache makes 0.05-0.07; absmax/127 int8 made 0.28-0.39 (stories260K) and 0.31-0.49 (SmolLM2)
         assert np.median(err) < 0.2
         assert n == len(expected) or gaps[n] < 0.1, (n, gaps[n])
 
