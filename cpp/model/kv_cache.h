@@ -39,7 +39,7 @@ class KVCache {
   std::vector<std::pair<const void*, size_t>> buffers() const {
     const size_t rows = (size_t)n_layers_ * n_blocks_ * n_kv_heads_ * block_size_;
     std::vector<std::pair<const void*, size_t>> b = {{k_.get(), rows * head_dim_ * esz_}, {v_.get(), rows * head_dim_ * esz_}};
-    if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(float)}, {v_scale_.get(), rows * sizeof(float)}});
+    if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(RowScale)}, {v_scale_.get(), rows * sizeof(RowScale)}});
     return b;
   }
 
