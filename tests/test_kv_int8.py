@@ -1,5 +1,5 @@
-"""The int8 KV cache (rows Hadamard-rotated, then 8 bits over [min, max] with an fp32 scale and zero
-point per token per head) against the fp32 cache: bytes per token, attention error on random models with
+"""The int8 KV cache (rows Hadamard-rotated, then 8 bits over [min, max] with an fp16 step and lower
+bound per token per head) against the fp32 cache: bytes per token, attention error on random models with
 awkward head sizes and outlier channels, and 256 greedy tokens on the real test models.
 
 Exact agreement for 256 tokens is not reachable for every prompt: within 256 tokens the fp32-cache
@@ -53,11 +53,11 @@ def test_int8_kv_bytes_per_token_about_half_of_bf16(shape):
     rows = layers * kv_heads  # one key row and one value row per layer per kv head
     assert per_token["fp32"] == rows * 2 * hd * 4
     assert per_token["bf16"] == rows * 2 * hd * 2
-    assert per_token["int8"] == rows * 2 * (hd + 8)  # int8 values, fp32 scale and zero point
+    assert per_token["int8"] == rows * 2 * (hd + 4)  # int8 values, fp16 step and lower bound
     print(f"{shape}: KV bytes/token fp32 {per_token['fp32']:.0f}, bf16 {per_token['bf16']:.0f}, "
           f"int8 {per_token['int8']:.0f} ({per_token['int8'] / per_token['bf16']:.3f} of bf16)")
     if hd >= 64:
-        assert per_token["int8"] / per_token["bf16"] <= 0.57
+        assert per_token["int8"] / per_token["bf16"] <= 0.54
 
 
 def random_model(spec, kv_type, seed=3):

@@ -48,15 +48,31 @@ static void hadamard(float* x, int64_t n) {
   }
 }
 
+// The largest fp16 <= v, for v clamped to fp16's finite range.
+static uint16_t f16_at_most(float v) {
+  v = std::fmin(std::fmax(v, -65504.f), 65504.f);
+  const uint16_t h = quant::f32_to_f16(v);
+  const float f = quant::f16_to_f32(h);
+  if (f <= v) return h;
+  if (f > 0.f) return (uint16_t)(h - 1);             // positive: one step toward zero
+  if (f == 0.f) return 0x8001;                       // the negative fp16 closest to zero
+  return (uint16_t)(h + 1);                          // negative: one step away from zero
+}
+
 RowScale quantize_row_i8(const float* x, int64_t n, int8_t* q) {
   float lo = x[0], hi = x[0];
-  for (int64_t i = 1; i < n; i++) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
-  const float scale = (hi - lo) / 255.f, inv = scale > 0 ? 1.f / scale : 0.f;
+  for (int64_t i = 1; i < n; i++) lo = std::fmin(lo, x[i]), hi = std::fmax(hi, x[i]);  // fmin/fmax skip NaN
+  if (!std::isfinite(lo) || !std::isfinite(hi)) lo = hi = 0.f;    // inf/NaN rows: no usable range
+  RowScale r;
+  r.lo_f16 = f16_at_most(lo);
+  const float lo16 = quant::f16_to_f32(r.lo_f16);
+  r.step_f16 = (uint16_t)(f16_at_most(-((hi - lo16) / 255.f)) ^ 0x8000);  // the smallest fp16 >= step
+  const float step = r.scale(), inv = step > 0 ? 1.f / step : 0.f;
   for (int64_t i = 0; i < n; i++) {
-    const float u = std::fmin(std::fmax((x[i] - lo) * inv, 0.f), 255.f);  // also maps NaN to 0
+    const float u = std::fmin(std::fmax((x[i] - lo16) * inv, 0.f), 255.f);  // also maps NaN to 0
     q[i] = (int8_t)(std::lrintf(u) - 128);
   }
-  return {scale, lo + 128.f * scale};
+  return r;
 }
 
 void KVCache::store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x) {
@@ -101,8 +117,8 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
     const void* kp = kb + row * hd * esz_;
     float s = type_ == KVType::F32    ? kt.dot(q, static_cast<const float*>(kp), hd)
               : type_ == KVType::BF16 ? kt.dot_bf16(q, static_cast<const uint16_t*>(kp), hd)
-                                      : kt.dot_i8(q, static_cast<const int8_t*>(kp), hd) * ks[row].scale +
-                                            ks[row].zero * q_sum;
+                                      : kt.dot_i8(q, static_cast<const int8_t*>(kp), hd) * ks[row].scale() +
+                                            ks[row].zero() * q_sum;
     scores[i] = s * scale;
   }
   kt.softmax(scores, n);
@@ -116,8 +132,8 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
     else if (type_ == KVType::BF16)
       kt.axpy_bf16(out, scores[i], static_cast<const uint16_t*>(vp), hd);
     else {
-      kt.axpy_i8(out, scores[i] * vs[row].scale, static_cast<const int8_t*>(vp), hd);
-      zero_sum += scores[i] * vs[row].zero;
+      kt.axpy_i8(out, scores[i] * vs[row].scale(), static_cast<const int8_t*>(vp), hd);
+      zero_sum += scores[i] * vs[row].zero();
     }
   }
   if (type_ == KVType::I8) {  // out holds sum_j p_j Hv_j: rotate it back

@@ -137,8 +137,8 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
     """Blocks in the KV pool. The default budget holds 8 full-context sequences, capped at 4 GiB;
     pages are reserved, not touched, so unused capacity costs no memory."""
     esz = {"fp32": 4, "bf16": 2, "int8": 1}[kv_dtype]
-    # per layer and kv head: a key row and a value row; an int8 row adds an fp32 scale and zero point
-    per_token = spec.num_layers * spec.num_kv_heads * (2 * spec.head_dim * esz + (16 if kv_dtype == "int8" else 0))
+    # per layer and kv head: a key row and a value row; an int8 row adds an fp16 step and lower bound
+    per_token = spec.num_layers * spec.num_kv_heads * (2 * spec.head_dim * esz + (8 if kv_dtype == "int8" else 0))
     per_block = per_token * KV_BLOCK_SIZE
     one_seq = -(-max_seq_len // KV_BLOCK_SIZE)
     if kv_cache_gb is None:
