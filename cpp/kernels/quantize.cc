@@ -51,7 +51,7 @@ void try_fit(const float* x, const float* w, float d, float m, int refits, Fit* 
   }
 }
 
-// One block: x[32] with error weights w[32] (> 0) -> a ggml Q4_1 block.
+// One block: x[32] with error weights w[32] (>= 0, not all 0) -> a ggml Q4_1 block.
 void search_block(const float* x, const float* w, uint8_t* blk) {
   float mn = x[0], mx = x[0];
   for (int j = 1; j < 32; j++) mn = std::fmin(mn, x[j]), mx = std::fmax(mx, x[j]);
