@@ -15,6 +15,7 @@ from test_quant import ggml_quantize
 
 import corelm
 from corelm import _core
+from corelm.calibrate import activation_importance, calibration_ids
 from corelm.cli import main as cli_main
 from corelm.convert import (cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q4_1_search,
                             quantize_q8_0, to_bf16)
@@ -94,9 +95,10 @@ def test_bf16_round_to_nearest_even():
 # converted folders compute what the engine builds in memory
 
 def q4m_reference(src):
-    """src with every whole-block matrix handed to the engine as quantize_q4_1_search blocks, except the
-    embedding and lm_head, which q4 keeps as Q8_0 blocks."""
+    """src with every whole-block matrix handed to the engine as quantize_q4_1_search blocks weighted by the
+    calibration statistics, except the embedding and lm_head, which q4 keeps as Q8_0 blocks."""
     m = load_model(src)
+    importance = activation_importance(m, calibration_ids(m))
 
     def raw(name):
         w = m.get_weight(name)
@@ -104,7 +106,7 @@ def q4m_reference(src):
             return None
         if name in ("tok_embeddings", "lm_head"):
             return "Q8_0", quantize_q8_0(w), w.shape
-        return "Q4_1", quantize_q4_1_search(w), w.shape
+        return "Q4_1", quantize_q4_1_search(w, importance[name]), w.shape
     m.get_raw_weight = raw
     return m
 

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 
 #include "kernels/kernels.h"
 #include "kernels/quant_formats.h"
+#include "kernels/quantize.h"
 #include "model/model.h"
 
 namespace py = pybind11;
@@ -213,6 +215,23 @@ PYBIND11_MODULE(_core, m) {
 
   register_amx(m);
 
+  m.def("quantize_q4_1_search", [](FloatArray w, std::optional<FloatArray> importance) {
+    if (w.ndim() != 2 || w.shape(1) % quant::kBlock != 0 || w.shape(0) < 1)
+      throw std::invalid_argument("quantize_q4_1_search needs w [rows, cols] with cols a multiple of 32");
+    const int64_t rows = w.shape(0), cols = w.shape(1);
+    if (importance && (importance->ndim() != 1 || importance->shape(0) != cols))
+      throw std::invalid_argument("importance must have one value per column of w");
+    py::array_t<uint8_t> out({rows, cols / quant::kBlock * 20});
+    const float* imp = importance ? importance->data() : nullptr;
+    uint8_t* dst = out.mutable_data();
+    {
+      py::gil_scoped_release release;
+      quant::quantize_q4_1_search(w.data(), imp, rows, cols, dst);
+    }
+    return out;
+  }, py::arg("w"), py::arg("importance") = py::none(),
+     "float32 [rows, cols] -> ggml Q4_1 blocks uint8 [rows, cols/32*20], each block's scale and minimum "
+     "searched for the least squared error, weighted per column by `importance` when given.");
   // Single kernels, for tests against the scalar reference.
   m.def("kernel_tables", &available_kernel_tables);
   m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype, int64_t n0,

@@ -7,7 +7,9 @@
 Weights: "f32" and "bf16" keep every matrix in that float type; "q8" and "q4" store every matrix
 as ggml Q8_0 / Q4_1 blocks (q8 / q4m; q4 keeps embeddings and lm_head in Q8_0). q8 is quantized as ggml's
 reference quantizer and the engine's packer do (a q8 folder computes what the engine's in-memory dtype="q8"
-builds from the source, bit for bit); q4 searches each block's scale and minimum for the least error.
+builds from the source, bit for bit); q4 searches each block's scale and minimum for the least error,
+weighted by how large the activations each weight multiplies are on a short calibration text
+(corelm.calibrate).
 Norms and biases stay f32. GGUF Q8_0 (for q8) and Q4_0/Q4_1 (for
 q4; Q4_1 is kept as q4m) tensors are copied block for block, never through floats.
 """
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -35,10 +38,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 RAW_KEEP = {"q8": ("q8",), "q4": ("q4", "q4m")}
 # What a matrix quantized from floats is stored as. q4 uses Q4_1-style blocks (scale and minimum) with an
 # error-minimising choice of both (quantize_q4_1_search): on SmolLM2-135M, Q4_0 blocks everywhere cost +37%
-# perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss (docs/quality.md).
+# perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss and weighting its error by the
+# activations' size takes q4 from +5.2% to +4.4% (docs/quality.md).
 STORE = {"f32": "f32", "bf16": "bf16", "q8": "q8", "q4": "q4m"}
 _ROWS_PER_CHUNK = 4096
-CONVERTER_REVISION = 2      # part of the cache key: bump when the same source would convert differently
+CONVERTER_REVISION = 3      # part of the cache key: bump when the same source would convert differently
 
 _Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
 _Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
@@ -108,45 +112,21 @@ def quantize_q4_1(w: np.ndarray) -> np.ndarray:
     return _rows_in_chunks(w, one)
 
 
-def quantize_q4_1_search(w: np.ndarray, iters: int = 2) -> np.ndarray:
-    """Q4_1 blocks (the same format as quantize_q4_1) with each block's scale and minimum chosen to minimise
-    its squared error: start from the block's range, and from ranges trimmed by 3% or 6% at either end
-    (outliers clipped), refit d and m to the codes by least squares `iters` times, and keep the best
-    (d, m, codes) seen, measured with d and m rounded to fp16 as stored. About 25% less weight error than
-    round-to-nearest on real weights; a block already on a Q4_1 grid comes back unchanged."""
-    def one(x: np.ndarray) -> np.ndarray:
-        rows = x.shape[0]
-        b = x.reshape(-1, 32)
-        mn0, mx0 = b.min(1), b.max(1)
-        span = mx0 - mn0
-        best_err = np.full(len(b), np.inf, np.float32)
-        best_d, best_m = np.zeros(len(b), np.float16), np.zeros(len(b), np.float16)
-        best_q = np.zeros(b.shape, np.uint8)
-        n = np.float32(32)
-        for lo in (0.0, 0.03, 0.06):
-            for hi in (0.0, 0.03, 0.06):
-                mn = mn0 + np.float32(lo) * span
-                d = (mx0 - np.float32(hi) * span - mn) / np.float32(15)
-                for it in range(iters + 1):
-                    d16, m16 = d.astype(np.float16), mn.astype(np.float16)
-                    df, mf = d16.astype(np.float32), m16.astype(np.float32)
-                    q = np.clip(np.rint((b - mf[:, None]) * _inverse(df)[:, None]), 0, 15)
-                    err = ((q * df[:, None] + mf[:, None] - b) ** 2).sum(1)
-                    better = err < best_err
-                    best_err = np.where(better, err, best_err)
-                    best_d, best_m = np.where(better, d16, best_d), np.where(better, m16, best_m)
-                    best_q[better] = q[better].astype(np.uint8)
-                    if it == iters:
-                        break
-                    sq, sqq, sx, sqx = q.sum(1), (q * q).sum(1), b.sum(1), (q * b).sum(1)
-                    den = n * sqq - sq * sq
-                    ok = den > 0
-                    d = np.maximum(np.where(ok, (n * sqx - sq * sx) / np.where(ok, den, 1), d), 0).astype(np.float32)
-                    mn = np.where(ok, (sx - d * sq) / n, mn).astype(np.float32)
-        blk = np.empty(len(b), _Q4_1)
-        blk["d"], blk["m"], blk["qs"] = best_d, best_m, best_q[:, :16] | (best_q[:, 16:] << 4)
-        return blk.view(np.uint8).reshape(rows, -1)
-    return _rows_in_chunks(w, one)
+def quantize_q4_1_search(w: np.ndarray, importance: Optional[np.ndarray] = None) -> np.ndarray:
+    """Q4_1 blocks (the format of quantize_q4_1) with each block's scale and minimum searched for the least
+    squared error (cpp/kernels/quantize.h), weighted by `importance` (one value >= 0 per column, e.g. the
+    mean square of the activations the column multiplies) when given. Never worse than round-to-nearest
+    block by block; a block already on a Q4_1 grid comes back unchanged. Rows are split over threads."""
+    from . import _core
+    from .engine import default_threads
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % 32:
+        raise ValueError(f"block quantization needs a matrix with a multiple of 32 columns, got {w.shape}")
+    imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    step = max(1, -(-w.shape[0] // (4 * default_threads())))
+    with ThreadPoolExecutor(default_threads()) as pool:    # the C++ search releases the GIL
+        parts = pool.map(lambda r: _core.quantize_q4_1_search(w[r:r + step], imp), range(0, w.shape[0], step))
+        return np.concatenate(list(parts))
 
 
 def to_bf16(w: np.ndarray) -> np.ndarray:
@@ -180,7 +160,8 @@ def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, 
     return plan
 
 
-def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool) -> np.ndarray:
+def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
+                  importance: Dict[str, np.ndarray]) -> np.ndarray:
     if from_raw:
         return loaded.get_raw_weight(name)[1]
     w = loaded.get_weight(name)
@@ -188,7 +169,9 @@ def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool) ->
         return np.ascontiguousarray(w, dtype=np.float32)
     if type_ == "bf16":
         return to_bf16(w)
-    return {"q8": quantize_q8_0, "q4": quantize_q4_0, "q4m": quantize_q4_1_search}[type_](w)
+    if type_ == "q4m":
+        return quantize_q4_1_search(w, importance.get(name))
+    return {"q8": quantize_q8_0, "q4": quantize_q4_0}[type_](w)
 
 
 def convert(src: str, out: str, weights: str = "q8", progress: bool = False, overwrite: bool = False) -> str:
@@ -201,6 +184,10 @@ def convert(src: str, out: str, weights: str = "q8", progress: bool = False, ove
         raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
     loaded = load_model(src)
     plan = _plan(loaded, weights)
+    importance = {}
+    if any(t == "q4m" and not from_raw for t, _, from_raw in plan.values()):
+        from .calibrate import activation_importance, calibration_ids
+        importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
     parent = os.path.dirname(out) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".corelm-convert-", dir=parent)
@@ -213,7 +200,7 @@ def convert(src: str, out: str, weights: str = "q8", progress: bool = False, ove
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=f"converting to {weights}", unit="tensor")
         for name, (type_, _, from_raw) in items:
-            writer.add(name, _tensor_bytes(loaded, name, type_, from_raw))
+            writer.add(name, _tensor_bytes(loaded, name, type_, from_raw, importance))
             loaded.release_weight(name)
             if bar is not None:
                 bar.update(1)

@@ -1,0 +1,110 @@
+"""Activation statistics for importance-weighted quantization (`corelm convert --weights q4`).
+
+A plain numpy fp32 forward pass of the model over calibration tokens records, for every layer matrix,
+the mean square of each input column: an error in weight column k costs about E[x_k^2] in the output's
+squared error, so the q4 quantizer spends its precision where activations are large (llama.cpp calls
+these statistics an importance matrix). Only the hidden states are computed, never the logits.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Sequence
+
+import numpy as np
+
+from .loader.spec import LoadedModel
+
+# Mixed English prose, dialogue, code, SQL/JSON, a recipe and a few other languages (written for corelm,
+# ~1,300 tokens): what the statistics are taken on. Not the text docs/quality.md evaluates on.
+CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.txt")
+
+
+def calibration_ids(loaded: LoadedModel) -> List[int]:
+    with open(CALIBRATION_TEXT, encoding="utf-8") as f:
+        return list(loaded.tokenizer.encode(f.read(), add_special_tokens=True))
+
+
+def _rmsnorm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps)) * g
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [heads, T, head_dim], rotate-half RoPE (as transformers' Llama/Qwen2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: Callable[[str, np.ndarray], None],
+                  progress: bool = False) -> List[np.ndarray]:
+    """fp32 forward pass of each chunk of token ids (each from position 0) through every layer, one layer's
+    weights at a time; record(matrix name, its input [T, cols]) is called for every layer matrix (once for
+    q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"). Returns the final
+    hidden states (before the last norm) of each chunk."""
+    from .engine import rope_inv_freq
+    spec = loaded.spec
+    get = loaded.get_weight
+    nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.rms_norm_eps)
+    inv_freq = rope_inv_freq(spec)
+    emb = get("tok_embeddings")
+    hidden = [emb[np.asarray(c, np.int64)].astype(np.float32) for c in chunks]
+    del emb
+    loaded.release_weight("tok_embeddings")
+    layers = range(spec.num_layers)
+    if progress:
+        from tqdm import tqdm
+        layers = tqdm(layers, desc="calibrating", unit="layer")
+    for i in layers:
+        p = f"layers.{i}."
+        w = {k: get(p + k) for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
+        if spec.attention_bias:
+            w.update({k: get(p + k) for k in ("bq", "bk", "bv")})
+        for c, x in enumerate(hidden):
+            T = len(x)
+            angle = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]
+            cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+            h = _rmsnorm(x, w["attn_norm"], eps)
+            record(p + "wq", h)
+            q, k, v = h @ w["wq"].T, h @ w["wk"].T, h @ w["wv"].T
+            if spec.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = _rope(q.reshape(T, nh, hd).transpose(1, 0, 2), cos, sin)
+            k = _rope(k.reshape(T, nkv, hd).transpose(1, 0, 2), cos, sin)
+            v = v.reshape(T, nkv, hd).transpose(1, 0, 2)
+            k, v = np.repeat(k, nh // nkv, 0), np.repeat(v, nh // nkv, 0)
+            s = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(hd))
+            if spec.sliding_window and spec.sliding_window < T:
+                s = s + np.tril(np.full((T, T), -np.inf, np.float32), -spec.sliding_window)
+            s = s + np.triu(np.full((T, T), -np.inf, np.float32), 1)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(T, nh * hd)
+            record(p + "wo", a)
+            x = x + a @ w["wo"].T
+            h = _rmsnorm(x, w["ffn_norm"], eps)
+            record(p + "w_gate", h)
+            g, u = h @ w["w_gate"].T, h @ w["w_up"].T
+            f = g / (1 + np.exp(-g)) * u
+            record(p + "w_down", f)
+            hidden[c] = x + f @ w["w_down"].T
+        for k in w:
+            loaded.release_weight(p + k)
+    return hidden
+
+
+def activation_importance(loaded: LoadedModel, ids: Sequence[int], chunk: int = 512,
+                          progress: bool = False) -> Dict[str, np.ndarray]:
+    """{"layers.i.wq": mean x^2 per input column (float32 [cols]), ...} for every layer matrix, over `ids`
+    run as independent chunks of `chunk` tokens."""
+    sums: Dict[str, np.ndarray] = {}
+
+    def record(name: str, x: np.ndarray) -> None:
+        sums[name] = sums.get(name, 0.0) + (x.astype(np.float64) ** 2).sum(0)
+
+    hidden_states(loaded, [ids[i:i + chunk] for i in range(0, len(ids), chunk)], record, progress)
+    out = {name: (s / len(ids)).astype(np.float32) for name, s in sums.items()}
+    for name in list(out):      # q/k/v and gate/up multiply the same input
+        if name.endswith(".wq"):
+            out[name[:-2] + "wk"] = out[name[:-2] + "wv"] = out[name]
+        elif name.endswith(".w_gate"):
+            out[name[:-6] + "w_up"] = out[name]
+    return out
