@@ -62,8 +62,83 @@ static bool range_tag_is(uint64_t word, uint64_t generation) {
   return (word >> (2 * kRangeBits)) == (generation & ((1ull << (64 - 2 * kRangeBits)) - 1));
 }
 
+std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node) {
+  std::vector<NodeShare> shares;
+  for (int node : thread_node) {
+    if (node < 0) continue;
+    auto it = std::lower_bound(shares.begin(), shares.end(), node,
+                               [](const NodeShare& s, int n) { return s.node < n; });
+    if (it == shares.end() || it->node != node) it = shares.insert(it, NodeShare{node, 0});
+    it->threads++;
+  }
+  if (shares.size() < 2) shares.clear();
+  return shares;
+}
+
+std::vector<ChunkGroup> chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares) {
+  std::vector<ChunkGroup> groups;
+  if (shares.size() < 2) {
+    groups.push_back({-1, 0, units, 0, 0});
+  } else {
+    for (const RowRange& r : split_by_node(units, align, shares)) groups.push_back({r.node, r.begin, r.end, 0, 0});
+  }
+  int64_t chunks = 0;
+  for (ChunkGroup& g : groups) {
+    g.chunk_begin = chunks;
+    chunks += (g.unit_end - g.unit_begin + grain - 1) / grain;
+    g.chunk_end = chunks;
+  }
+  return groups;
+}
+
+void home_ranges(const std::vector<ChunkGroup>& groups, const std::vector<int>& thread_node, Schedule schedule,
+                 int64_t align, const double* weights, HomeRange* out) {
+  const int n = (int)thread_node.size();
+  for (int t = 0; t < n; t++) {
+    out[t] = HomeRange{};
+    if (groups.size() == 1) out[t].group = 0;
+    for (size_t g = 0; g < groups.size() && groups.size() > 1; g++)
+      if (groups[g].node == thread_node[t]) out[t].group = (int)g;
+  }
+  for (size_t g = 0; g < groups.size(); g++) {
+    int members = 0;
+    double total = 0;
+    for (int t = 0; t < n; t++)
+      if (out[t].group == (int)g) members++, total += weights ? weights[t] : 1.0;
+    const ChunkGroup& G = groups[g];
+    double cum = 0;
+    int64_t front = G.chunk_begin;
+    for (int t = 0, i = 0; t < n; t++) {
+      if (out[t].group != (int)g) continue;
+      if (schedule == Schedule::Static) {
+        split_range(G.unit_end - G.unit_begin, i, members, align, &out[t].begin, &out[t].end);
+        out[t].begin += G.unit_begin, out[t].end += G.unit_begin;
+      } else {
+        cum += weights ? weights[t] : 1.0;
+        const int64_t n_chunks = G.chunk_end - G.chunk_begin;
+        const int64_t back = i == members - 1 ? G.chunk_end
+                                              : std::min<int64_t>(G.chunk_end, G.chunk_begin + std::llround(cum / total * n_chunks));
+        out[t].begin = front, out[t].end = std::max(front, back);
+        front = out[t].end;
+      }
+      i++;
+    }
+  }
+}
+
+// The default plan where the pool pins anything, else no CPUs.
+static std::vector<int> pool_plan(int n_threads, bool pin) {
+  n_threads = std::max(1, n_threads);
+  if (!pin) return std::vector<int>(n_threads, -1);
+  return plan_threads(system_topology(), n_threads, process_allowed_cpus());
+}
+
 ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller, Schedule schedule)
-    : n_threads_(n_threads < 1 ? 1 : n_threads),
+    : ThreadPool(pool_plan(n_threads, pin || pin_caller), {}, pin, pin_caller, schedule) {}
+
+ThreadPool::ThreadPool(const std::vector<int>& plan, const std::vector<int>& thread_node, bool pin, bool pin_caller,
+                       Schedule schedule)
+    : n_threads_(std::max<int>(1, (int)plan.size())),
       schedule_(schedule),
       thread_cpus_(n_threads_, -1),
       speed_(n_threads_, 0.0),
@@ -78,14 +153,29 @@ ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller, Schedule schedu
   for (auto& slot : region_words_)
     for (auto& w : slot) w.store(0, std::memory_order_relaxed);
   hot_.n_slots = n_threads_;
-  std::vector<int> plan;
-  if (pin || pin_caller) plan = plan_threads(system_topology(), n_threads_, process_allowed_cpus());
-  if (pin_caller) caller_cpu_ = thread_cpus_[0] = plan[0];
+  static_part_.reset(new std::atomic<uint64_t>[n_threads_]);
+  for (int t = 0; t < n_threads_; t++) static_part_[t].store(0, std::memory_order_relaxed);
+  set_thread_nodes(thread_node);
+  if (pin_caller && !plan.empty() && plan[0] >= 0) caller_cpu_ = thread_cpus_[0] = plan[0];
   for (int t = 1; t < n_threads_; t++) {
     workers_.emplace_back([this, t] { worker_loop(t); });
-    if (pin && pin_thread(workers_.back().native_handle(), plan[t])) thread_cpus_[t] = plan[t];
+    if (pin && t < (int)plan.size() && pin_thread(workers_.back().native_handle(), plan[t])) thread_cpus_[t] = plan[t];
   }
 }
+
+void ThreadPool::set_thread_nodes(const std::vector<int>& thread_node) {
+  quiesce();  // a descheduled thread of an earlier region may still be stealing by the old nodes
+  thread_node_.assign(n_threads_, -1);
+  for (int t = 0; t < n_threads_ && t < (int)thread_node.size(); t++) thread_node_[t] = std::max(-1, thread_node[t]);
+  node_shares_ = pool_node_shares(thread_node_);
+  if ((int)node_shares_.size() > kMaxGroups) node_shares_.clear();
+  homes_.resize(n_threads_);
+}
+
+// Which pool thread runs this code: workers know their index; anything else counts as the caller.
+static thread_local const void* tls_pool = nullptr;
+static thread_local int tls_thread = 0;
+int ThreadPool::current_thread() const { return tls_pool == this ? tls_thread : 0; }
 
 ThreadPool::~ThreadPool() {
   {
@@ -196,9 +286,17 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   int64_t per_chunk = std::max<int64_t>(1, c.grain / r.align);
   per_chunk = std::max(per_chunk, aligned_units / (kMaxChunksPerThread * n_threads_));
   per_chunk = std::min(per_chunk, std::max<int64_t>(1, aligned_units / (kMinChunksPerThread * n_threads_)));
-  per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - 1) / kMaxChunks);
+  // (each node group may add one short chunk)
+  per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - kMaxGroups - 1) / (kMaxChunks - kMaxGroups));
   r.grain = per_chunk * r.align;
-  r.chunks = (r.units + r.grain - 1) / r.grain;
+  // Each node's units (all of them without a split by node) cut into chunks of their own.
+  groups_ = chunk_groups(r.units, r.align, r.grain, node_shares_);
+  r.n_groups = (int64_t)groups_.size();
+  for (size_t g = 0; g < groups_.size(); g++) {
+    r.group_unit[g] = groups_[g].unit_begin, r.group_chunk[g] = groups_[g].chunk_begin;
+    r.group_unit[g + 1] = groups_[g].unit_end, r.group_chunk[g + 1] = groups_[g].chunk_end;
+  }
+  r.chunks = groups_.back().chunk_end;
   // A claim (or a static part) spans as many chunks as kClaimScratchFloats of scratch hold, at least one.
   r.max_claim = std::max<int64_t>(1, kClaimScratchFloats / (r.grain * unit_floats));
   ensure_chunk_buffers(r.chunks, std::min(r.chunks, r.max_claim) * r.grain * unit_floats);
@@ -207,17 +305,12 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
 
   pin_caller_once();
   const uint64_t gen = ++generation_;
-  // Home ranges in proportion to the threads' smoothed speeds.
+  // Home ranges in proportion to the threads' smoothed speeds (within each node).
   update_speeds();
   compute_shares(shares_.data());
-  double cum = 0;
-  int64_t front = 0;
-  for (int t = 0; t < n_threads_; t++) {
-    cum += shares_[t];
-    const int64_t back = t == n_threads_ - 1 ? r.chunks : std::min<int64_t>(r.chunks, std::llround(cum * r.chunks));
-    threads_[t].range.store(pack_range(gen, front, std::max(front, back)), std::memory_order_relaxed);
-    front = std::max(front, back);
-  }
+  home_ranges(groups_, thread_node_, Schedule::Dynamic, r.align, shares_.data(), homes_.data());
+  for (int t = 0; t < n_threads_; t++)
+    threads_[t].range.store(pack_range(gen, homes_[t].begin, homes_[t].end), std::memory_order_relaxed);
   // The description for the workers' seqlock copy: the release fence orders the previous region's
   // publication before these stores, so a reader that sees them also sees the generation move on.
   std::atomic_thread_fence(std::memory_order_release);
@@ -234,10 +327,27 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
 
 // Equal parts (in multiples of align) per slot, computed in pieces of up to max_claim chunks through
 // the same scratch-and-commit path as the dynamic schedule, so both give bitwise identical results.
+// Split by node, part t is thread t's home range, and a thread takes its own part if nobody has, else
+// another unclaimed part of its node, else any.
 void ThreadPool::run_chunks_static(const Region& r) {
+  const bool by_node = groups_.size() > 1;
+  const uint64_t tag = ++static_regions_;
+  if (by_node) home_ranges(groups_, thread_node_, Schedule::Static, r.align, nullptr, homes_.data());
   parallel([&](int slot, int n) {
+    if (by_node) {
+      const int t = current_thread();
+      slot = -1;
+      for (int pass = 0; pass < 2 && slot < 0; pass++)
+        for (int i = 0; i < n && slot < 0; i++) {
+          const int u = (t + i) % n;
+          if (steal_pass(t, u, pass) && static_part_[u].exchange(tag, std::memory_order_acq_rel) != tag) slot = u;
+        }
+    }
     int64_t u0, u1;
-    split_range(r.units, slot, n, r.align, &u0, &u1);
+    if (by_node)
+      u0 = homes_[slot].begin, u1 = homes_[slot].end;
+    else
+      split_range(r.units, slot, n, r.align, &u0, &u1);
     if (u0 < u1) r.prepare(r.task, slot);
     for (int64_t a = u0; a < u1; a += r.max_claim * r.grain) {
       const int64_t b = std::min(a + r.max_claim * r.grain, u1), ld = (b - a) * r.cols;
@@ -277,25 +387,40 @@ int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_cl
       return front + take;
     }
   }
-  // Others' ranges, one chunk from the back, leaving the owner its contiguous front.
-  for (int i = 1; i < n_threads_; i++) {
-    std::atomic<uint64_t>& other = threads_[(thread + i) % n_threads_].range;
-    w = other.load(std::memory_order_acquire);
-    for (;;) {
-      if (!range_tag_is(w, generation)) return -1;
-      const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
-      if (front >= back) break;
-      if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel)) {
-        *first = back - 1;
-        return back;
+  // Others' ranges, one chunk from the back, leaving the owner its contiguous front: first the
+  // threads of this thread's node (its rows are in local memory), then the others.
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 1; i < n_threads_; i++) {
+      const int u = (thread + i) % n_threads_;
+      if (!steal_pass(thread, u, pass)) continue;
+      std::atomic<uint64_t>& other = threads_[u].range;
+      w = other.load(std::memory_order_acquire);
+      for (;;) {
+        if (!range_tag_is(w, generation)) return -1;
+        const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
+        if (front >= back) break;
+        if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel)) {
+          *first = back - 1;
+          return back;
+        }
       }
     }
   }
   return -1;
 }
 
+// A claim's chunks are consecutive inside one group (a home range lies in one), so their units are too.
+void ThreadPool::chunk_units(const Region& r, int64_t c0, int64_t c1, int64_t* u0, int64_t* u1) {
+  int64_t g = 0;
+  while (g + 1 < r.n_groups && c0 >= r.group_chunk[g + 1]) g++;
+  *u0 = r.group_unit[g] + (c0 - r.group_chunk[g]) * r.grain;
+  *u1 = std::min(r.group_unit[g] + (c1 - r.group_chunk[g]) * r.grain, r.group_unit[g + 1]);
+}
+
 int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t c0, int64_t c1) {
-  const int64_t u0 = c0 * r.grain, u1 = std::min(c1 * r.grain, r.units), ld = (u1 - u0) * r.cols;
+  int64_t u0, u1;
+  chunk_units(r, c0, c1, &u0, &u1);
+  const int64_t ld = (u1 - u0) * r.cols;
   float* s = scratch(buf);
   r.compute(r.task, buf, u0, u1, s, ld);
   int committed = 0;
@@ -305,7 +430,8 @@ int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t
     std::atomic<uint64_t>& state = chunk_state_[c];
     uint64_t old = state.load(std::memory_order_acquire);
     if (old >= generation || !state.compare_exchange_strong(old, generation, std::memory_order_acq_rel)) continue;
-    const int64_t a = c * r.grain, b = std::min(a + r.grain, r.units);
+    int64_t a, b;
+    chunk_units(r, c, c + 1, &a, &b);
     r.commit(r.task, a, b, s + (a - u0) * r.cols, ld);
     committed++;
   }
@@ -320,7 +446,9 @@ int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bo
     if (start < 0) start = now_ns();
     if (!*prepared) r.prepare(r.task, thread), *prepared = true;
     const int n = run_claim(generation, thread, r, c0, c1);
-    work += (double)(std::min(c1 * r.grain, r.units) - c0 * r.grain) * r.unit_work;
+    int64_t u0, u1;
+    chunk_units(r, c0, c1, &u0, &u1);
+    work += (double)(u1 - u0) * r.unit_work;
     committed += n;
     // At once: the caller may be waiting on this very count.
     if (thread != 0 && n) hot_.worker_done.fetch_add(n, std::memory_order_release);
@@ -379,6 +507,7 @@ void ThreadPool::update_speeds() {
 }
 
 void ThreadPool::worker_loop(int thread) {
+  tls_pool = this, tls_thread = thread;
   uint64_t seen = 0;
   for (;;) {
     auto spin_start = std::chrono::steady_clock::now();

@@ -22,11 +22,20 @@
 //            winner writes the shared outputs. A late finisher's CAS fails and its result is dropped.
 // Redo needs tasks whose compute() is idempotent and writes only the thread's scratch; see ChunkTask.
 //
+// Node-local rows (NUMA): given each thread's node, a region's units are first cut into one
+// contiguous range per node (split_by_node over the threads per node, in multiples of align: the same
+// ranges Model::place_weights binds to that node's memory), each cut into its own chunks. A thread's
+// home range lies inside its node's range: static splits the node's units equally among the node's
+// threads, dynamic its chunks by their speeds. A thread claims its own node's work first (its own
+// range, then stealing from threads of its node) and only then another node's. A thread with node -1
+// has no home range and takes any. Fewer than two nodes: one range of all units, as without NUMA.
+//
 // Workers are pinned one per physical core by the thread plan (runtime/topology.h): thread t of the
 // plan is worker t for t >= 1, and plan[0] is left free for the calling thread, which is not pinned
 // unless pin_caller asks for it (pinning a Python thread would outlive the pool and be inherited by
 // every process it starts). Pinning keeps a worker's slice of the weights in its own core's caches
-// across regions and keeps two workers off one core's SMT siblings.
+// across regions and keeps two workers off one core's SMT siblings. The model passes its NUMA plan
+// (NumaLayout::thread_cpus and thread_node); other pools use the default plan.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -38,6 +47,8 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include "runtime/numa.h"
 
 namespace corelm {
 
@@ -75,14 +86,45 @@ struct Chunking {
 // buf is in [0, n_threads): the thread (dynamic) or the slot (static), never used by two threads at
 // once. The scratch is the pool's, one buffer per index.
 
+// One node's part of a chunked region: units [unit_begin, unit_end) cut into chunks
+// [chunk_begin, chunk_end) of grain units (the last one may be short).
+struct ChunkGroup {
+  int node = -1;
+  int64_t unit_begin = 0, unit_end = 0, chunk_begin = 0, chunk_end = 0;
+};
+
+// The groups of a region of `units` units in multiples of align, chunks of grain units (a multiple of
+// align): one per share (split_by_node), or with fewer than two shares a single group (node -1) of all.
+std::vector<ChunkGroup> chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares);
+
+// The shares the pool splits by: each node's threads (nodes >= 0), ascending; empty with fewer than
+// two nodes, where there is nothing to split.
+std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node);
+
+// Each thread's home range: its index into groups (the group of its node; with one group every
+// thread's; -1 for a thread whose node has none) and [begin, end) in it. Static: the group's units
+// split equally among its threads in multiples of align. Dynamic: the group's chunks split in
+// proportion to weights (its threads' speeds). Ranges follow thread order inside a group.
+struct HomeRange {
+  int group = -1;
+  int64_t begin = 0, end = 0;
+};
+void home_ranges(const std::vector<ChunkGroup>& groups, const std::vector<int>& thread_node, Schedule schedule,
+                 int64_t align, const double* weights, HomeRange* out);
+
 class ThreadPool {
  public:
   static constexpr size_t kTaskBytes = 256;
+  static constexpr int kMaxGroups = 8;  // nodes a region splits by; more nodes: no split by node
 
   // pin: pin workers to the plan's CPUs (failures, e.g. a cpuset that forbids them, are ignored).
   // pin_caller: also pin every thread that calls run() to plan[0], permanently (opt-in).
   explicit ThreadPool(int n_threads, bool pin = true, bool pin_caller = false,
                       Schedule schedule = Schedule::Dynamic);
+  // A pool of plan.size() threads on a given plan (-1: not pinned), each thread's node given by
+  // thread_node (see set_thread_nodes).
+  ThreadPool(const std::vector<int>& plan, const std::vector<int>& thread_node, bool pin = true,
+             bool pin_caller = false, Schedule schedule = Schedule::Dynamic);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -95,6 +137,11 @@ class ThreadPool {
     quiesce();
     schedule_ = s;
   }
+  // Between regions only: the node whose rows each thread works on first (-1: none; a shorter list
+  // leaves the rest at -1). Fewer than two distinct nodes: no split by node. The model sets its NUMA
+  // plan's nodes; tests set fake ones.
+  void set_thread_nodes(const std::vector<int>& thread_node);
+  const std::vector<int>& thread_nodes() const { return thread_node_; }
   // The CPU each thread is pinned to, -1 where it is not; [0] is the calling thread.
   const std::vector<int>& thread_cpus() const { return thread_cpus_; }
   // Each thread's smoothed speed as a share of the pool's (dynamic schedule; equal before any
@@ -143,9 +190,15 @@ class ThreadPool {
     int64_t tokens = 1, cols = 1;
     int64_t max_claim = 1;  // chunks one claim may take: what the scratch holds
     double unit_work = 1;
+    // Node groups: group g holds units [group_unit[g], group_unit[g + 1]) as chunks
+    // [group_chunk[g], group_chunk[g + 1]); one group without a split by node.
+    int64_t n_groups = 1;
+    int64_t group_unit[kMaxGroups + 1] = {}, group_chunk[kMaxGroups + 1] = {};
     int64_t task_words = 0;  // words of task in use: only those are copied
     alignas(8) unsigned char task[kTaskBytes];
   };
+  // Units [*u0, *u1) of chunks [c0, c1), which lie in one group.
+  static void chunk_units(const Region& r, int64_t c0, int64_t c1, int64_t* u0, int64_t* u1);
   static constexpr size_t kRegionWords = sizeof(Region) / 8;
   static_assert(sizeof(Region) % 8 == 0, "a region is copied in 8-byte words");
 
@@ -158,6 +211,9 @@ class ThreadPool {
   };
 
   void worker_loop(int thread);
+  int current_thread() const;  // this thread's index in the pool (0: the caller or a stranger)
+  // Whether thread u should be tried before others by thread t: the same node (pass 0), then the rest.
+  bool steal_pass(int t, int u, int pass) const { return (thread_node_[u] == thread_node_[t]) == (pass == 0); }
   void pin_caller_once();
   void compute_shares(double* shares) const;
   int claim_slots(uint64_t generation, bool worker);  // returns how many slots this thread ran
@@ -192,6 +248,12 @@ class ThreadPool {
   uint64_t worker_done_target_ = 0;    // hot_.worker_done once the current region is over
   std::vector<double> speed_;          // per thread: smoothed work per busy ns (0: not measured yet)
   std::vector<double> shares_;         // the current region's split
+  std::vector<int> thread_node_;       // each thread's node, -1 for none
+  std::vector<NodeShare> node_shares_; // the split by node; empty: none
+  std::vector<HomeRange> homes_;       // the current region's home ranges
+  std::vector<ChunkGroup> groups_;     // the current region's node groups
+  std::unique_ptr<std::atomic<uint64_t>[]> static_part_;  // per part: the static region that claimed it
+  uint64_t static_regions_ = 0;
   std::vector<double> seen_work_, pending_work_;  // totals already folded into speed_, and not yet
   std::vector<int64_t> seen_busy_, pending_busy_;
   uint64_t redone_ = 0;
