@@ -147,6 +147,7 @@ py::dict numa_dict(const Model& model, bool pages) {
   d["thread_cpus"] = n.thread_cpus;
   d["thread_node"] = n.thread_node;
   d["shares"] = shares_list(n.shares);
+  d["pool_thread_node"] = model.pool().thread_nodes();  // the nodes the pool splits its regions by
   d["status"] = model.numa_status();
   d["placed"] = placed;
   return d;
