@@ -279,7 +279,8 @@ void bind_runtime(py::module_& m) {
       throw std::invalid_argument("need units >= 1, align >= 1 and grain a multiple of align");
     if (thread_node.empty() || (weights && weights->size() != thread_node.size()))
       throw std::invalid_argument("need a node per thread and as many weights");
-    const std::vector<ChunkGroup> groups = chunk_groups(units, align, grain, pool_node_shares(thread_node));
+    std::vector<ChunkGroup> groups;
+    chunk_groups(units, align, grain, pool_node_shares(thread_node), &groups);
     std::vector<HomeRange> homes(thread_node.size());
     home_ranges(groups, thread_node, sched, align, weights ? weights->data() : nullptr, homes.data());
     py::list g, h;

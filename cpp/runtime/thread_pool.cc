@@ -75,20 +75,20 @@ std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node) {
   return shares;
 }
 
-std::vector<ChunkGroup> chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares) {
-  std::vector<ChunkGroup> groups;
+void chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares,
+                  std::vector<ChunkGroup>* groups) {
+  groups->clear();  // keeps its capacity: no allocation per region without a split by node
   if (shares.size() < 2) {
-    groups.push_back({-1, 0, units, 0, 0});
+    groups->push_back({-1, 0, units, 0, 0});
   } else {
-    for (const RowRange& r : split_by_node(units, align, shares)) groups.push_back({r.node, r.begin, r.end, 0, 0});
+    for (const RowRange& r : split_by_node(units, align, shares)) groups->push_back({r.node, r.begin, r.end, 0, 0});
   }
   int64_t chunks = 0;
-  for (ChunkGroup& g : groups) {
+  for (ChunkGroup& g : *groups) {
     g.chunk_begin = chunks;
     chunks += (g.unit_end - g.unit_begin + grain - 1) / grain;
     g.chunk_end = chunks;
   }
-  return groups;
 }
 
 void home_ranges(const std::vector<ChunkGroup>& groups, const std::vector<int>& thread_node, Schedule schedule,
@@ -290,7 +290,7 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - kMaxGroups - 1) / (kMaxChunks - kMaxGroups));
   r.grain = per_chunk * r.align;
   // Each node's units (all of them without a split by node) cut into chunks of their own.
-  groups_ = chunk_groups(r.units, r.align, r.grain, node_shares_);
+  chunk_groups(r.units, r.align, r.grain, node_shares_, &groups_);
   r.n_groups = (int64_t)groups_.size();
   for (size_t g = 0; g < groups_.size(); g++) {
     r.group_unit[g] = groups_[g].unit_begin, r.group_chunk[g] = groups_[g].chunk_begin;

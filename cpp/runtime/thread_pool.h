@@ -95,7 +95,8 @@ struct ChunkGroup {
 
 // The groups of a region of `units` units in multiples of align, chunks of grain units (a multiple of
 // align): one per share (split_by_node), or with fewer than two shares a single group (node -1) of all.
-std::vector<ChunkGroup> chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares);
+void chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares,
+                  std::vector<ChunkGroup>* groups);
 
 // The shares the pool splits by: each node's threads (nodes >= 0), ascending; empty with fewer than
 // two nodes, where there is nothing to split.
