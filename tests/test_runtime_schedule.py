@@ -1,6 +1,7 @@
 """The pool's chunked regions under the static and dynamic schedules: every unit committed exactly
 once with its own region's value, a chunk held by a descheduled (here: sleeping) worker redone by the
 caller without a second or late write, and models giving the same bits under either schedule."""
+import math
 import os
 
 import numpy as np
@@ -186,7 +187,7 @@ def test_one_node_splits_as_without_numa():
         chunks, cum, front, want = -(-units // 64), 0.0, 0, []
         for t in range(n):
             cum += weights[t] / sum(weights)
-            back = chunks if t == n - 1 else min(chunks, round(cum * chunks))
+            back = chunks if t == n - 1 else min(chunks, math.floor(cum * chunks + 0.5))   # llround
             want.append((0, front, max(front, back)))
             front = max(front, back)
         assert dynamic == want

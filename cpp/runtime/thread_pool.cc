@@ -63,14 +63,7 @@ static bool range_tag_is(uint64_t word, uint64_t generation) {
 }
 
 std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node) {
-  std::vector<NodeShare> shares;
-  for (int node : thread_node) {
-    if (node < 0) continue;
-    auto it = std::lower_bound(shares.begin(), shares.end(), node,
-                               [](const NodeShare& s, int n) { return s.node < n; });
-    if (it == shares.end() || it->node != node) it = shares.insert(it, NodeShare{node, 0});
-    it->threads++;
-  }
+  std::vector<NodeShare> shares = node_shares(thread_node);
   if (shares.size() < 2) shares.clear();
   return shares;
 }
@@ -94,11 +87,10 @@ void chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector
 void home_ranges(const std::vector<ChunkGroup>& groups, const std::vector<int>& thread_node, Schedule schedule,
                  int64_t align, const double* weights, HomeRange* out) {
   const int n = (int)thread_node.size();
-  for (int t = 0; t < n; t++) {
+  for (int t = 0; t < n; t++) {  // each thread's group: its node's, or the only one
     out[t] = HomeRange{};
-    if (groups.size() == 1) out[t].group = 0;
-    for (size_t g = 0; g < groups.size() && groups.size() > 1; g++)
-      if (groups[g].node == thread_node[t]) out[t].group = (int)g;
+    for (size_t g = 0; g < groups.size(); g++)
+      if (groups.size() == 1 || groups[g].node == thread_node[t]) out[t].group = (int)g;
   }
   for (size_t g = 0; g < groups.size(); g++) {
     int members = 0;
