@@ -279,10 +279,12 @@ void bind_runtime(py::module_& m) {
       throw std::invalid_argument("need units >= 1, align >= 1 and grain a multiple of align");
     if (thread_node.empty() || (weights && weights->size() != thread_node.size()))
       throw std::invalid_argument("need a node per thread and as many weights");
-    std::vector<ChunkGroup> groups;
-    chunk_groups(units, align, grain, pool_node_shares(thread_node), &groups);
+    const std::vector<NodeShare> shares = pool_node_shares(thread_node);
+    std::vector<ChunkGroup> groups(std::max<size_t>(1, shares.size()));
+    groups.resize(chunk_groups(units, align, grain, shares, groups.data()));
     std::vector<HomeRange> homes(thread_node.size());
-    home_ranges(groups, thread_node, sched, align, weights ? weights->data() : nullptr, homes.data());
+    home_ranges(groups.data(), (int)groups.size(), thread_node, sched, align, weights ? weights->data() : nullptr,
+                homes.data());
     py::list g, h;
     for (const ChunkGroup& c : groups) g.append(py::make_tuple(c.node, c.unit_begin, c.unit_end, c.chunk_begin, c.chunk_end));
     for (const HomeRange& r : homes) h.append(py::make_tuple(r.group, r.begin, r.end));

@@ -68,31 +68,31 @@ std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node) {
   return shares;
 }
 
-void chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares,
-                  std::vector<ChunkGroup>* groups) {
-  groups->clear();  // keeps its capacity: no allocation per region without a split by node
+int chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares, ChunkGroup* out) {
+  int n = 0;
   if (shares.size() < 2) {
-    groups->push_back({-1, 0, units, 0, 0});
+    out[n++] = {-1, 0, units, 0, 0};
   } else {
-    for (const RowRange& r : split_by_node(units, align, shares)) groups->push_back({r.node, r.begin, r.end, 0, 0});
+    for (const RowRange& r : split_by_node(units, align, shares)) out[n++] = {r.node, r.begin, r.end, 0, 0};
   }
   int64_t chunks = 0;
-  for (ChunkGroup& g : *groups) {
-    g.chunk_begin = chunks;
-    chunks += (g.unit_end - g.unit_begin + grain - 1) / grain;
-    g.chunk_end = chunks;
+  for (int g = 0; g < n; g++) {
+    out[g].chunk_begin = chunks;
+    chunks += (out[g].unit_end - out[g].unit_begin + grain - 1) / grain;
+    out[g].chunk_end = chunks;
   }
+  return n;
 }
 
-void home_ranges(const std::vector<ChunkGroup>& groups, const std::vector<int>& thread_node, Schedule schedule,
+void home_ranges(const ChunkGroup* groups, int n_groups, const std::vector<int>& thread_node, Schedule schedule,
                  int64_t align, const double* weights, HomeRange* out) {
   const int n = (int)thread_node.size();
   for (int t = 0; t < n; t++) {  // each thread's group: its node's, or the only one
     out[t] = HomeRange{};
-    for (size_t g = 0; g < groups.size(); g++)
-      if (groups.size() == 1 || groups[g].node == thread_node[t]) out[t].group = (int)g;
+    for (int g = 0; g < n_groups; g++)
+      if (n_groups == 1 || groups[g].node == thread_node[t]) out[t].group = g;
   }
-  for (size_t g = 0; g < groups.size(); g++) {
+  for (int g = 0; g < n_groups; g++) {
     int members = 0;
     double total = 0;
     for (int t = 0; t < n; t++)
@@ -133,19 +133,22 @@ ThreadPool::ThreadPool(const std::vector<int>& plan, const std::vector<int>& thr
     : n_threads_(std::max<int>(1, (int)plan.size())),
       schedule_(schedule),
       thread_cpus_(n_threads_, -1),
+      scratch_store_(n_threads_),
       speed_(n_threads_, 0.0),
       shares_(n_threads_, 0.0),
       seen_work_(n_threads_, 0.0),
       pending_work_(n_threads_, 0.0),
       seen_busy_(n_threads_, 0),
       pending_busy_(n_threads_, 0),
-      scratch_store_(n_threads_),
-      scratch_(n_threads_, nullptr),
       threads_(new ThreadState[n_threads_]) {
   for (auto& slot : region_words_)
     for (auto& w : slot) w.store(0, std::memory_order_relaxed);
   hot_.n_slots = n_threads_;
   static_part_.reset(new std::atomic<uint64_t>[n_threads_]);
+  // Whole lines: the caller writes them every region, workers read what lies next to heap blocks.
+  const int home_slots = (n_threads_ + 7) / 8 * 8;
+  homes_.reset(static_cast<HomeRange*>(::operator new[](home_slots * sizeof(HomeRange), std::align_val_t(64))));
+  for (int t = 0; t < home_slots; t++) new (&homes_[t]) HomeRange();
   for (int t = 0; t < n_threads_; t++) static_part_[t].store(0, std::memory_order_relaxed);
   set_thread_nodes(thread_node);
   if (pin_caller && !plan.empty() && plan[0] >= 0) caller_cpu_ = thread_cpus_[0] = plan[0];
@@ -159,9 +162,9 @@ void ThreadPool::set_thread_nodes(const std::vector<int>& thread_node) {
   quiesce();  // a descheduled thread of an earlier region may still be stealing by the old nodes
   thread_node_.assign(n_threads_, -1);
   for (int t = 0; t < n_threads_ && t < (int)thread_node.size(); t++) thread_node_[t] = std::max(-1, thread_node[t]);
+  for (int t = 0; t < n_threads_; t++) threads_[t].node = thread_node_[t];
   node_shares_ = pool_node_shares(thread_node_);
   if ((int)node_shares_.size() > kMaxGroups) node_shares_.clear();
-  homes_.resize(n_threads_);
 }
 
 // Which pool thread runs this code: workers know their index; anything else counts as the caller.
@@ -259,7 +262,7 @@ void ThreadPool::ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats) {
     for (int b = 0; b < n_threads_; b++) {
       scratch_store_[b].assign(scratch_floats + 16, 0.f);
       const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_store_[b].data());
-      scratch_[b] = scratch_store_[b].data() + ((64 - p % 64) % 64) / sizeof(float);
+      threads_[b].scratch = scratch_store_[b].data() + ((64 - p % 64) % 64) / sizeof(float);
     }
     scratch_capacity_ = scratch_floats;
   }
@@ -282,13 +285,13 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - kMaxGroups - 1) / (kMaxChunks - kMaxGroups));
   r.grain = per_chunk * r.align;
   // Each node's units (all of them without a split by node) cut into chunks of their own.
-  chunk_groups(r.units, r.align, r.grain, node_shares_, &groups_);
-  r.n_groups = (int64_t)groups_.size();
-  for (size_t g = 0; g < groups_.size(); g++) {
-    r.group_unit[g] = groups_[g].unit_begin, r.group_chunk[g] = groups_[g].chunk_begin;
-    r.group_unit[g + 1] = groups_[g].unit_end, r.group_chunk[g + 1] = groups_[g].chunk_end;
+  n_groups_ = chunk_groups(r.units, r.align, r.grain, node_shares_, groups_);
+  r.n_groups = n_groups_;
+  for (int g = 0; g < n_groups_; g++) {
+    r.group[g] = {groups_[g].unit_begin, groups_[g].chunk_begin};
+    r.group[g + 1] = {groups_[g].unit_end, groups_[g].chunk_end};
   }
-  r.chunks = groups_.back().chunk_end;
+  r.chunks = groups_[n_groups_ - 1].chunk_end;
   // A claim (or a static part) spans as many chunks as kClaimScratchFloats of scratch hold, at least one.
   r.max_claim = std::max<int64_t>(1, kClaimScratchFloats / (r.grain * unit_floats));
   ensure_chunk_buffers(r.chunks, std::min(r.chunks, r.max_claim) * r.grain * unit_floats);
@@ -300,7 +303,7 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   // Home ranges in proportion to the threads' smoothed speeds (within each node).
   update_speeds();
   compute_shares(shares_.data());
-  home_ranges(groups_, thread_node_, Schedule::Dynamic, r.align, shares_.data(), homes_.data());
+  home_ranges(groups_, n_groups_, thread_node_, Schedule::Dynamic, r.align, shares_.data(), homes_.get());
   for (int t = 0; t < n_threads_; t++)
     threads_[t].range.store(pack_range(gen, homes_[t].begin, homes_[t].end), std::memory_order_relaxed);
   // The description for the workers' seqlock copy: the release fence orders the previous region's
@@ -308,8 +311,10 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   std::atomic_thread_fence(std::memory_order_release);
   uint64_t words[kRegionWords];
   std::memcpy(words, &r, sizeof(r));
-  const int64_t n_words = kRegionWords - kTaskBytes / 8 + r.task_words;
-  for (int64_t i = 0; i < n_words; i++) region_words_[gen & 1][i].store(words[i], std::memory_order_relaxed);
+  std::atomic<uint64_t>* dst = region_words_[gen & 1];
+  for (int64_t i = 0; i < kHeaderWords + r.task_words; i++) dst[i].store(words[i], std::memory_order_relaxed);
+  if (r.n_groups > 1)  // one group is all units: load_region rebuilds it, reading no further line
+    for (int64_t i = kGroupWord; i < kGroupWord + 2 * (r.n_groups + 1); i++) dst[i].store(words[i], std::memory_order_relaxed);
   publish((gen << kGenShift) | kChunked);
 
   bool prepared = false;
@@ -322,10 +327,11 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
 // Split by node, part t is thread t's home range, and a thread takes its own part if nobody has, else
 // another unclaimed part of its node, else any.
 void ThreadPool::run_chunks_static(const Region& r) {
-  const bool by_node = groups_.size() > 1;
-  const uint64_t tag = ++static_regions_;
-  if (by_node) home_ranges(groups_, thread_node_, Schedule::Static, r.align, nullptr, homes_.data());
-  parallel([&](int slot, int n) {
+  const bool by_node = n_groups_ > 1;
+  const uint64_t tag = by_node ? ++static_regions_ : 0;
+  if (by_node) home_ranges(groups_, n_groups_, thread_node_, Schedule::Static, r.align, nullptr, homes_.get());
+  // by value: a worker reads the closure's line, not another of the caller's stack
+  parallel([&r, this, by_node, tag](int slot, int n) {
     if (by_node) {
       const int t = current_thread();
       slot = -1;
@@ -352,19 +358,24 @@ void ThreadPool::run_chunks_static(const Region& r) {
 bool ThreadPool::load_region(uint64_t generation, Region* r) const {
   uint64_t words[kRegionWords];
   const std::atomic<uint64_t>* src = region_words_[generation & 1];
-  const int64_t header = kRegionWords - kTaskBytes / 8;
-  for (int64_t i = 0; i < header; i++) words[i] = src[i].load(std::memory_order_relaxed);
-  int64_t task_words;
+  for (int64_t i = 0; i < kHeaderWords; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  int64_t task_words, n_groups;  // clamped: a torn copy is dropped below, but must not overrun first
   std::memcpy(&task_words, &words[offsetof(Region, task_words) / 8], 8);
-  const int64_t n_words = header + std::min<int64_t>(std::max<int64_t>(task_words, 0), kTaskBytes / 8);
-  for (int64_t i = header; i < n_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  std::memcpy(&n_groups, &words[offsetof(Region, n_groups) / 8], 8);
+  task_words = std::min<int64_t>(std::max<int64_t>(task_words, 0), kTaskBytes / 8);
+  const int64_t group_words = n_groups > 1 ? 2 * (std::min<int64_t>(n_groups, kMaxGroups) + 1) : 0;
+  for (int64_t i = kHeaderWords; i < kHeaderWords + task_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  for (int64_t i = kGroupWord; i < kGroupWord + group_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_acquire);
   if ((hot_.state.load(std::memory_order_relaxed) >> kGenShift) != generation) return false;  // torn
-  std::memcpy(static_cast<void*>(r), words, n_words * 8);
+  std::memcpy(static_cast<void*>(r), words, (kHeaderWords + task_words) * 8);
+  std::memcpy(reinterpret_cast<char*>(r) + kGroupWord * 8, words + kGroupWord, group_words * 8);
+  if (!group_words) r->n_groups = 1, r->group[0] = {0, 0}, r->group[1] = {r->units, r->chunks};
+  else r->n_groups = std::min<int64_t>(r->n_groups, kMaxGroups);
   return true;
 }
 
-int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_claim, int64_t* first) {
+int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, const Region& r, int64_t* first) {
   // Own range, from the front: most of what is left (a quarter stays for whoever finishes first), so
   // a thread keeps the same contiguous rows region after region in few kernel calls.
   std::atomic<uint64_t>& own = threads_[thread].range;
@@ -373,7 +384,7 @@ int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_cl
     if (!range_tag_is(w, generation)) return -1;  // a later region: this thread is late
     const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask, left = back - front;
     if (left <= 0) break;
-    const int64_t take = std::min(max_claim, std::max<int64_t>(1, left - std::max<int64_t>(1, left / 4)));
+    const int64_t take = std::min(r.max_claim, std::max<int64_t>(1, left - std::max<int64_t>(1, left / 4)));
     if (own.compare_exchange_weak(w, pack_range(generation, front + take, back), std::memory_order_acq_rel)) {
       *first = front;
       return front + take;
@@ -381,10 +392,11 @@ int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_cl
   }
   // Others' ranges, one chunk from the back, leaving the owner its contiguous front: first the
   // threads of this thread's node (its rows are in local memory), then the others.
-  for (int pass = 0; pass < 2; pass++) {
+  const int passes = r.n_groups > 1 ? 2 : 1;
+  for (int pass = 0; pass < passes; pass++) {
     for (int i = 1; i < n_threads_; i++) {
       const int u = (thread + i) % n_threads_;
-      if (!steal_pass(thread, u, pass)) continue;
+      if (passes > 1 && !steal_pass(thread, u, pass)) continue;
       std::atomic<uint64_t>& other = threads_[u].range;
       w = other.load(std::memory_order_acquire);
       for (;;) {
@@ -404,9 +416,9 @@ int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_cl
 // A claim's chunks are consecutive inside one group (a home range lies in one), so their units are too.
 void ThreadPool::chunk_units(const Region& r, int64_t c0, int64_t c1, int64_t* u0, int64_t* u1) {
   int64_t g = 0;
-  while (g + 1 < r.n_groups && c0 >= r.group_chunk[g + 1]) g++;
-  *u0 = r.group_unit[g] + (c0 - r.group_chunk[g]) * r.grain;
-  *u1 = std::min(r.group_unit[g] + (c1 - r.group_chunk[g]) * r.grain, r.group_unit[g + 1]);
+  while (g + 1 < r.n_groups && c0 >= r.group[g + 1].chunk) g++;
+  *u0 = r.group[g].unit + (c0 - r.group[g].chunk) * r.grain;
+  *u1 = std::min(r.group[g].unit + (c1 - r.group[g].chunk) * r.grain, r.group[g + 1].unit);
 }
 
 int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t c0, int64_t c1) {
@@ -434,7 +446,7 @@ int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bo
   int committed = 0;
   int64_t start = -1;
   double work = 0;
-  for (int64_t c0, c1; (c1 = claim_chunks(generation, thread, r.max_claim, &c0)) >= 0;) {
+  for (int64_t c0, c1; (c1 = claim_chunks(generation, thread, r, &c0)) >= 0;) {
     if (start < 0) start = now_ns();
     if (!*prepared) r.prepare(r.task, thread), *prepared = true;
     const int n = run_claim(generation, thread, r, c0, c1);
