@@ -186,6 +186,17 @@ def random_model(numa, kv_type="fp32", pin_threads=True):
     return m
 
 
+@pytest.mark.parametrize("numa", [None, "distribute", "isolate"])
+def test_the_pool_runs_the_plan_of_the_policy(numa):
+    """The workers sit where the policy's plan puts them, and split their regions by the plan's nodes
+    exactly where memory is split by node (a policy and pinned threads)."""
+    m = random_model(numa)
+    info = m.numa_info()
+    assert m.thread_cpus == [-1] + info["thread_cpus"][1:]          # the caller is not pinned
+    assert info["pool_thread_node"] == (info["thread_node"] if numa else [-1, -1])
+    assert random_model(numa, pin_threads=False).numa_info()["pool_thread_node"] == [-1, -1]
+
+
 def test_default_policy_places_nothing():
     info = random_model(None).numa_info()
     assert info["policy"] == "default" and info["shares"] == [] and info["placed"] == []

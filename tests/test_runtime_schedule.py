@@ -1,6 +1,7 @@
 """The pool's chunked regions under the static and dynamic schedules: every unit committed exactly
 once with its own region's value, a chunk held by a descheduled (here: sleeping) worker redone by the
 caller without a second or late write, and models giving the same bits under either schedule."""
+import math
 import os
 
 import numpy as np
@@ -106,3 +107,124 @@ def test_schedule_option_env_and_cli(monkeypatch, models):
     monkeypatch.setattr(cli, "_make_llm", lambda **kw: seen.update(kw))
     cli.llm_from_args(cli.build_parser().parse_args(["generate", "m", "--schedule", "static", "-p", "hi"]))
     assert seen["schedule"] == "static"
+
+
+# --------------------------------------------------------------------------------------------------
+# Split by node (NUMA): home ranges inside each node's rows, on the fake multi-node topologies
+
+TREES = os.path.join(os.path.dirname(__file__), "data", "topology")
+
+
+def fake_layouts():
+    """(thread -> node) maps of NUMA plans on machines we do not have, and a few odd ones."""
+    layouts = []
+    for tree, counts in (("xeon-2s-smt", (2, 3, 16, 34)), ("epyc-4node", (4, 6, 16))):
+        for n in counts:
+            layouts.append(_core.numa_plan(n, os.path.join(TREES, tree), numa="distribute")["thread_node"])
+    layouts.append(_core.numa_plan(None, os.path.join(TREES, "xeon-2s-smt"), numa="isolate", home_node=1)["thread_node"])
+    layouts += [[1, 1, 0], [3, -1, 0, 0, 3, 5], [2, 2, 2], [-1, -1], [0, -1, 0]]
+    return layouts
+
+
+def node_shares(nodes):
+    return [(n, nodes.count(n)) for n in sorted({n for n in nodes if n >= 0})]
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("units,align,grain", [(1, 1, 1), (18, 1, 2), (57, 1, 4), (151936, 16, 256), (4864, 16, 48), (100, 16, 32)])
+def test_home_ranges_lie_in_their_nodes_rows(schedule, units, align, grain):
+    rng = np.random.default_rng(units)
+    for nodes in fake_layouts():
+        weights = list(rng.uniform(0.2, 3.0, len(nodes)))
+        got = _core.pool_home_ranges(nodes, units, align, grain, schedule, weights)
+        groups, homes = got["groups"], got["homes"]
+        shares = node_shares(nodes)
+        if len(shares) < 2:            # one node, or none: one group of everything, every thread in it
+            assert groups == [(-1, 0, units, 0, -(-units // grain))]
+            assert all(h[0] == 0 for h in homes)
+        else:                          # the node ranges the weights are placed by (numa_split), each cut on its own
+            assert [g[:3] for g in groups] == _core.numa_split(units, align, shares)
+            chunk = 0
+            for node, u0, u1, c0, c1 in groups:
+                assert (c0, c1) == (chunk, chunk + -(-(u1 - u0) // grain))
+                chunk = c1
+        # Every unit (static) or chunk (dynamic) in exactly one thread's home, inside that thread's node's range.
+        end = units if schedule == "static" else groups[-1][4]
+        covered = np.zeros(end, np.int32)
+        for t, (g, begin, stop) in enumerate(homes):
+            if g < 0:
+                assert nodes[t] < 0 and begin == stop          # no node of its own: only steals
+                continue
+            node, u0, u1, c0, c1 = groups[g]
+            assert node == (nodes[t] if len(shares) >= 2 else -1)
+            lo, hi = (u0, u1) if schedule == "static" else (c0, c1)
+            assert lo <= begin <= stop <= hi, (nodes, t, homes[t], groups[g])
+            covered[begin:stop] += 1
+        assert (covered == 1).all(), nodes
+        # Static: equal parts of the node's units in multiples of align; dynamic: chunks by weight.
+        for g, (node, u0, u1, c0, c1) in enumerate(groups):
+            members = [t for t in range(len(nodes)) if homes[t][0] == g]
+            sizes = [homes[t][2] - homes[t][1] for t in members]
+            if schedule == "static":
+                assert max(sizes) - min(sizes) <= align
+                assert all(homes[t][1] % align == 0 or homes[t][1] == units for t in members)
+            else:
+                total = sum(weights[t] for t in members)
+                for t, size in zip(members, sizes):
+                    assert abs(size - (c1 - c0) * weights[t] / total) <= 2
+
+
+def test_one_node_splits_as_without_numa():
+    """Threads of one node (or none) get the ranges the pool gave before the split by node existed."""
+    for nodes in ([0, 0], [-1, -1, -1], [0, 0, -1], [5, 5, 5, 5, 5]):
+        n, units, align = len(nodes), 1000, 16
+        static = _core.pool_home_ranges(nodes, units, align, 64, "static")["homes"]
+        blocks = -(-units // align)
+        assert [h[1:] for h in static] == [(min(units, blocks * t // n * align), min(units, blocks * (t + 1) // n * align))
+                                           for t in range(n)]
+        weights = [0.5, 0.3, 0.2, 0.4, 0.6][:n]
+        dynamic = _core.pool_home_ranges(nodes, units, align, 64, "dynamic", weights)["homes"]
+        chunks, cum, front, want = -(-units // 64), 0.0, 0, []
+        for t in range(n):
+            cum += weights[t] / sum(weights)
+            back = chunks if t == n - 1 else min(chunks, math.floor(cum * chunks + 0.5))   # llround
+            want.append((0, front, max(front, back)))
+            front = max(front, back)
+        assert dynamic == want
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("nodes", [[0, 1], [1, 0, 1], [0, 1, 2, 3], [3, -1, 0]])
+@pytest.mark.parametrize("units,align,grain", [(7, 1, 2), (257, 16, 64), (1000, 1, 3)])
+def test_split_by_node_commits_every_unit_exactly_once(schedule, nodes, units, align, grain):
+    r = _core.bench_chunk_regions(len(nodes), 200, units=units, align=align, grain=grain, work=5,
+                                  schedule=schedule, pin=False, nodes=nodes)
+    assert r["exactly_once"] and r["no_late_commits"]
+
+
+def test_split_by_node_redoes_a_descheduled_workers_chunk_once():
+    redone = False
+    for _ in range(10):
+        r = _core.bench_chunk_regions(3, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
+                                      stall_every=25, stall_us=20000.0, nodes=[0, 1, 1])
+        assert r["exactly_once"] and r["no_late_commits"]
+        redone = redone or (r["stalls"] > 0 and r["redone"] > 0)
+    assert redone
+
+
+@pytest.mark.parametrize("name", ["stories260K", "tiny-qwen2"])
+@pytest.mark.parametrize("dtype", ["fp32", "q4"])
+def test_split_by_node_gives_the_same_bits(models, name, dtype, monkeypatch):
+    """Fake nodes on this machine's pool: every region cut by node (odd chunk edges, stealing across
+    nodes) must give the logits of the unsplit pool; with CORELM_NUMA_FORCE=1 and a policy, too."""
+    prompt = ((np.arange(40) * 37 + 1) % 250).astype(np.int32)
+    ref = run_all(engine.build_core_model(models[name], dtype=dtype, threads=1, pin_threads=False), prompt)
+    monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
+    for numa in (None, "distribute"):
+        for nodes in ([0, 1], [1, 0, 1], [0, 1, 2], [-1, 0, 1]):
+            model = engine.build_core_model(models[name], dtype=dtype, threads=len(nodes),
+                                            pin_threads=numa is not None, numa=numa)
+            model.set_thread_nodes(nodes)
+            for schedule in ("dynamic", "static"):
+                model.schedule = schedule
+                assert np.array_equal(run_all(model, prompt), ref), (nodes, schedule, numa)

@@ -204,6 +204,11 @@ PYBIND11_MODULE(_core, m) {
                              "Each thread's smoothed speed as a share of the pool's (dynamic schedule).")
       .def_property_readonly("redone_chunks", [](PyModel& s) { return s.model.pool().redone_chunks(); },
                              "Chunks the calling thread redid because the thread holding them was descheduled.")
+      .def("set_thread_nodes", [](PyModel& s, const std::vector<int>& nodes) {
+             py::gil_scoped_release release;
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.model.set_thread_nodes(nodes);
+           }, py::arg("nodes"), "Which node's rows each thread works on first (fake nodes, for tests on one node).")
       .def("numa_info", [](PyModel& s, bool pages) { return numa_dict(s.model, pages); }, py::arg("pages") = false,
            "The NUMA policy, each thread's node, the buffers placed by node and (pages=True, a move_pages "
            "call per range) where their pages are now.")

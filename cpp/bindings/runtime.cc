@@ -147,6 +147,7 @@ py::dict numa_dict(const Model& model, bool pages) {
   d["thread_cpus"] = n.thread_cpus;
   d["thread_node"] = n.thread_node;
   d["shares"] = shares_list(n.shares);
+  d["pool_thread_node"] = model.pool().thread_nodes();  // the nodes the pool splits its regions by
   d["status"] = model.numa_status();
   d["placed"] = placed;
   return d;
@@ -244,14 +245,14 @@ void bind_runtime(py::module_& m) {
 
   m.def("bench_chunk_regions", [](int n_threads, int n_regions, int64_t units, int64_t align, int64_t grain,
                                   int work, const std::string& schedule, bool pin, int stall_every,
-                                  double stall_us, int slow_worker) {
+                                  double stall_us, int slow_worker, const std::vector<int>& nodes) {
     if (n_threads < 1 || n_threads > 1024) throw std::invalid_argument("n_threads must be in [1, 1024]");
     if (units < 1 || units > (1 << 24)) throw std::invalid_argument("units must be in [1, 16M]");
     ChunkBenchConfig cfg;
     if (!parse_schedule(schedule, &cfg.schedule)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
     cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.units = units, cfg.align = align;
     cfg.grain = grain, cfg.work = work, cfg.pin = pin, cfg.stall_every = stall_every;
-    cfg.stall_us = stall_us, cfg.slow_worker = slow_worker;
+    cfg.stall_us = stall_us, cfg.slow_worker = slow_worker, cfg.thread_node = nodes;
     ChunkBenchResult r;
     {
       py::gil_scoped_release release;
@@ -264,9 +265,37 @@ void bind_runtime(py::module_& m) {
   }, py::arg("n_threads"), py::arg("n_regions") = 1000, py::arg("units") = 256, py::arg("align") = 1,
      py::arg("grain") = 1, py::arg("work") = 0, py::arg("schedule") = "dynamic", py::arg("pin") = true,
      py::arg("stall_every") = 0, py::arg("stall_us") = 2000.0, py::arg("slow_worker") = 1,
+     py::arg("nodes") = std::vector<int>{},
      "Runs chunked regions whose every unit must be committed exactly once with its own region's value; "
-     "stall_every makes a worker sleep inside a chunk it holds (as if descheduled). Returns the mean "
-     "region time, the checks, chunks redone by the caller, stalls and the pool's speed shares.");
+     "stall_every makes a worker sleep inside a chunk it holds (as if descheduled); nodes: a fake node per "
+     "thread, to split by node. Returns the mean region time, the checks, chunks redone by the caller, "
+     "stalls and the pool's speed shares.");
+
+  m.def("pool_home_ranges", [](const std::vector<int>& thread_node, int64_t units, int64_t align, int64_t grain,
+                               const std::string& schedule, std::optional<std::vector<double>> weights) {
+    Schedule sched;
+    if (!parse_schedule(schedule, &sched)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
+    if (units < 1 || align < 1 || grain < align || grain % align != 0)
+      throw std::invalid_argument("need units >= 1, align >= 1 and grain a multiple of align");
+    if (thread_node.empty() || (weights && weights->size() != thread_node.size()))
+      throw std::invalid_argument("need a node per thread and as many weights");
+    const std::vector<NodeShare> shares = pool_node_shares(thread_node);
+    std::vector<ChunkGroup> groups(std::max<size_t>(1, shares.size()));
+    groups.resize(chunk_groups(units, align, grain, shares, groups.data()));
+    std::vector<HomeRange> homes(thread_node.size());
+    home_ranges(groups.data(), (int)groups.size(), thread_node, sched, align, weights ? weights->data() : nullptr,
+                homes.data());
+    py::list g, h;
+    for (const ChunkGroup& c : groups) g.append(py::make_tuple(c.node, c.unit_begin, c.unit_end, c.chunk_begin, c.chunk_end));
+    for (const HomeRange& r : homes) h.append(py::make_tuple(r.group, r.begin, r.end));
+    py::dict d;
+    d["groups"] = g, d["homes"] = h;
+    return d;
+  }, py::arg("thread_node"), py::arg("units"), py::arg("align"), py::arg("grain"), py::arg("schedule"),
+     py::arg("weights") = py::none(),
+     "The pool's split by node of a chunked region, for a node per thread (-1: none): groups "
+     "[(node, unit_begin, unit_end, chunk_begin, chunk_end)] and each thread's home range (group, begin, "
+     "end), in units (static) or chunks (dynamic, in proportion to weights).");
 }
 
 }  // namespace corelm

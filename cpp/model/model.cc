@@ -53,7 +53,10 @@ static NumaLayout numa_layout_for(const ModelConfig& cfg) {
 }
 
 Model::Model(const ModelConfig& cfg)
-    : cfg_(cfg), kt_(kernels()), numa_((cfg.validate(), numa_layout_for(cfg))), pool_(cfg.n_threads, cfg.pin_threads, false, cfg.schedule),
+    : cfg_(cfg), kt_(kernels()), numa_((cfg.validate(), numa_layout_for(cfg))),
+      // the NUMA plan's CPUs; its nodes only where memory is split by node (a policy and pinned threads)
+      pool_(numa_.thread_cpus, numa_.shares.empty() ? std::vector<int>{} : numa_.thread_node, cfg.pin_threads, false,
+            cfg.schedule),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
   const int64_t half = cfg_.head_dim / 2;

@@ -119,6 +119,9 @@ class Model {
   const ThreadPool& pool() const { return pool_; }
   void set_schedule(Schedule s) { pool_.set_schedule(s), cfg_.schedule = s; }
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
+  // The node whose rows each thread works on first (ThreadPool::set_thread_nodes): the NUMA plan's
+  // under a policy; tests set fake ones to run the split by node on a one-node machine.
+  void set_thread_nodes(const std::vector<int>& nodes) { pool_.set_thread_nodes(nodes); }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
   // The row grains the parallel loops split matrices by, which the NUMA split follows: wqkv by whole

@@ -13,8 +13,12 @@
 namespace corelm {
 
 std::vector<NodeShare> node_shares(const Topology& topo, const std::vector<int>& plan) {
+  return node_shares(thread_nodes(topo, plan));
+}
+
+std::vector<NodeShare> node_shares(const std::vector<int>& thread_node) {
   std::map<int, int> threads;
-  for (int node : thread_nodes(topo, plan))
+  for (int node : thread_node)
     if (node >= 0) threads[node]++;
   std::vector<NodeShare> shares;
   for (const auto& kv : threads) shares.push_back({kv.first, kv.second});

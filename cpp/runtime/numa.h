@@ -27,6 +27,8 @@ struct NodeShare {
 // The nodes the pinned threads of a plan run on (-1 entries and CPUs the topology does not know are
 // skipped), ascending, with how many threads each has.
 std::vector<NodeShare> node_shares(const Topology& topo, const std::vector<int>& plan);
+// The same from each thread's node (-1: none).
+std::vector<NodeShare> node_shares(const std::vector<int>& thread_node);
 
 // The node of each thread of a plan; -1 where the thread is not pinned.
 std::vector<int> thread_nodes(const Topology& topo, const std::vector<int>& plan);

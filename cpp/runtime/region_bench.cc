@@ -127,6 +127,7 @@ ChunkBenchResult bench_chunk_regions(const ChunkBenchConfig& cfg) {
   std::vector<StallFlag> stalled(std::max(1, cfg.n_threads));
   std::atomic<int64_t> stalls{0};
   ThreadPool pool(cfg.n_threads, cfg.pin, false, cfg.schedule);
+  pool.set_thread_nodes(cfg.thread_node);
   Chunking c{units, cfg.align, cfg.grain, 1, 1, 1.0};
   CheckTask task{out.data(), commits.data(), 0, cfg.stall_every, std::max(0, cfg.work),
                  std::max(1, cfg.slow_worker), cfg.stall_us, stalled.data(), &stalls};

@@ -44,6 +44,7 @@ struct ChunkBenchConfig {
   int stall_every = 0;
   double stall_us = 2000;
   int slow_worker = 1;          // workers do this many times the caller's steps per unit (a slower core)
+  std::vector<int> thread_node; // fake nodes for the split by node (ThreadPool::set_thread_nodes)
 };
 
 struct ChunkBenchResult {

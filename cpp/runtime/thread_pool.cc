@@ -62,30 +62,115 @@ static bool range_tag_is(uint64_t word, uint64_t generation) {
   return (word >> (2 * kRangeBits)) == (generation & ((1ull << (64 - 2 * kRangeBits)) - 1));
 }
 
+std::vector<NodeShare> pool_node_shares(const std::vector<int>& thread_node) {
+  std::vector<NodeShare> shares = node_shares(thread_node);
+  if (shares.size() < 2) shares.clear();
+  return shares;
+}
+
+int chunk_groups(int64_t units, int64_t align, int64_t grain, const std::vector<NodeShare>& shares, ChunkGroup* out) {
+  int n = 0;
+  if (shares.size() < 2) {
+    out[n++] = {-1, 0, units, 0, 0};
+  } else {
+    for (const RowRange& r : split_by_node(units, align, shares)) out[n++] = {r.node, r.begin, r.end, 0, 0};
+  }
+  int64_t chunks = 0;
+  for (int g = 0; g < n; g++) {
+    out[g].chunk_begin = chunks;
+    chunks += (out[g].unit_end - out[g].unit_begin + grain - 1) / grain;
+    out[g].chunk_end = chunks;
+  }
+  return n;
+}
+
+void home_ranges(const ChunkGroup* groups, int n_groups, const std::vector<int>& thread_node, Schedule schedule,
+                 int64_t align, const double* weights, HomeRange* out) {
+  const int n = (int)thread_node.size();
+  for (int t = 0; t < n; t++) {  // each thread's group: its node's, or the only one
+    out[t] = HomeRange{};
+    for (int g = 0; g < n_groups; g++)
+      if (n_groups == 1 || groups[g].node == thread_node[t]) out[t].group = g;
+  }
+  for (int g = 0; g < n_groups; g++) {
+    int members = 0;
+    double total = 0;
+    for (int t = 0; t < n; t++)
+      if (out[t].group == (int)g) members++, total += weights ? weights[t] : 1.0;
+    const ChunkGroup& G = groups[g];
+    double cum = 0;
+    int64_t front = G.chunk_begin;
+    for (int t = 0, i = 0; t < n; t++) {
+      if (out[t].group != (int)g) continue;
+      if (schedule == Schedule::Static) {
+        split_range(G.unit_end - G.unit_begin, i, members, align, &out[t].begin, &out[t].end);
+        out[t].begin += G.unit_begin, out[t].end += G.unit_begin;
+      } else {
+        cum += weights ? weights[t] : 1.0;
+        const int64_t n_chunks = G.chunk_end - G.chunk_begin;
+        const int64_t back = i == members - 1 ? G.chunk_end
+                                              : std::min<int64_t>(G.chunk_end, G.chunk_begin + std::llround(cum / total * n_chunks));
+        out[t].begin = front, out[t].end = std::max(front, back);
+        front = out[t].end;
+      }
+      i++;
+    }
+  }
+}
+
+// The default plan where the pool pins anything, else no CPUs.
+static std::vector<int> pool_plan(int n_threads, bool pin) {
+  n_threads = std::max(1, n_threads);
+  if (!pin) return std::vector<int>(n_threads, -1);
+  return plan_threads(system_topology(), n_threads, process_allowed_cpus());
+}
+
 ThreadPool::ThreadPool(int n_threads, bool pin, bool pin_caller, Schedule schedule)
-    : n_threads_(n_threads < 1 ? 1 : n_threads),
+    : ThreadPool(pool_plan(n_threads, pin || pin_caller), {}, pin, pin_caller, schedule) {}
+
+ThreadPool::ThreadPool(const std::vector<int>& plan, const std::vector<int>& thread_node, bool pin, bool pin_caller,
+                       Schedule schedule)
+    : n_threads_(std::max<int>(1, (int)plan.size())),
       schedule_(schedule),
       thread_cpus_(n_threads_, -1),
+      scratch_store_(n_threads_),
       speed_(n_threads_, 0.0),
       shares_(n_threads_, 0.0),
       seen_work_(n_threads_, 0.0),
       pending_work_(n_threads_, 0.0),
       seen_busy_(n_threads_, 0),
       pending_busy_(n_threads_, 0),
-      scratch_store_(n_threads_),
-      scratch_(n_threads_, nullptr),
       threads_(new ThreadState[n_threads_]) {
   for (auto& slot : region_words_)
     for (auto& w : slot) w.store(0, std::memory_order_relaxed);
   hot_.n_slots = n_threads_;
-  std::vector<int> plan;
-  if (pin || pin_caller) plan = plan_threads(system_topology(), n_threads_, process_allowed_cpus());
-  if (pin_caller) caller_cpu_ = thread_cpus_[0] = plan[0];
+  static_part_.reset(new std::atomic<uint64_t>[n_threads_]);
+  // Whole lines: the caller writes them every region, workers read what lies next to heap blocks.
+  const int home_slots = (n_threads_ + 7) / 8 * 8;
+  homes_.reset(static_cast<HomeRange*>(::operator new[](home_slots * sizeof(HomeRange), std::align_val_t(64))));
+  for (int t = 0; t < home_slots; t++) new (&homes_[t]) HomeRange();
+  for (int t = 0; t < n_threads_; t++) static_part_[t].store(0, std::memory_order_relaxed);
+  set_thread_nodes(thread_node);
+  if (pin_caller && !plan.empty() && plan[0] >= 0) caller_cpu_ = thread_cpus_[0] = plan[0];
   for (int t = 1; t < n_threads_; t++) {
     workers_.emplace_back([this, t] { worker_loop(t); });
-    if (pin && pin_thread(workers_.back().native_handle(), plan[t])) thread_cpus_[t] = plan[t];
+    if (pin && t < (int)plan.size() && pin_thread(workers_.back().native_handle(), plan[t])) thread_cpus_[t] = plan[t];
   }
 }
+
+void ThreadPool::set_thread_nodes(const std::vector<int>& thread_node) {
+  quiesce();  // a descheduled thread of an earlier region may still be stealing by the old nodes
+  thread_node_.assign(n_threads_, -1);
+  for (int t = 0; t < n_threads_ && t < (int)thread_node.size(); t++) thread_node_[t] = std::max(-1, thread_node[t]);
+  for (int t = 0; t < n_threads_; t++) threads_[t].node = thread_node_[t];
+  node_shares_ = pool_node_shares(thread_node_);
+  if ((int)node_shares_.size() > kMaxGroups) node_shares_.clear();
+}
+
+// Which pool thread runs this code: workers know their index; anything else counts as the caller.
+static thread_local const void* tls_pool = nullptr;
+static thread_local int tls_thread = 0;
+int ThreadPool::current_thread() const { return tls_pool == this ? tls_thread : 0; }
 
 ThreadPool::~ThreadPool() {
   {
@@ -177,7 +262,7 @@ void ThreadPool::ensure_chunk_buffers(int64_t chunks, int64_t scratch_floats) {
     for (int b = 0; b < n_threads_; b++) {
       scratch_store_[b].assign(scratch_floats + 16, 0.f);
       const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_store_[b].data());
-      scratch_[b] = scratch_store_[b].data() + ((64 - p % 64) % 64) / sizeof(float);
+      threads_[b].scratch = scratch_store_[b].data() + ((64 - p % 64) % 64) / sizeof(float);
     }
     scratch_capacity_ = scratch_floats;
   }
@@ -196,9 +281,17 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
   int64_t per_chunk = std::max<int64_t>(1, c.grain / r.align);
   per_chunk = std::max(per_chunk, aligned_units / (kMaxChunksPerThread * n_threads_));
   per_chunk = std::min(per_chunk, std::max<int64_t>(1, aligned_units / (kMinChunksPerThread * n_threads_)));
-  per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - 1) / kMaxChunks);
+  // (each node group may add one short chunk)
+  per_chunk = std::max(per_chunk, (aligned_units + kMaxChunks - kMaxGroups - 1) / (kMaxChunks - kMaxGroups));
   r.grain = per_chunk * r.align;
-  r.chunks = (r.units + r.grain - 1) / r.grain;
+  // Each node's units (all of them without a split by node) cut into chunks of their own.
+  n_groups_ = chunk_groups(r.units, r.align, r.grain, node_shares_, groups_);
+  r.n_groups = n_groups_;
+  for (int g = 0; g < n_groups_; g++) {
+    r.group[g] = {groups_[g].unit_begin, groups_[g].chunk_begin};
+    r.group[g + 1] = {groups_[g].unit_end, groups_[g].chunk_end};
+  }
+  r.chunks = groups_[n_groups_ - 1].chunk_end;
   // A claim (or a static part) spans as many chunks as kClaimScratchFloats of scratch hold, at least one.
   r.max_claim = std::max<int64_t>(1, kClaimScratchFloats / (r.grain * unit_floats));
   ensure_chunk_buffers(r.chunks, std::min(r.chunks, r.max_claim) * r.grain * unit_floats);
@@ -207,24 +300,21 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
 
   pin_caller_once();
   const uint64_t gen = ++generation_;
-  // Home ranges in proportion to the threads' smoothed speeds.
+  // Home ranges in proportion to the threads' smoothed speeds (within each node).
   update_speeds();
   compute_shares(shares_.data());
-  double cum = 0;
-  int64_t front = 0;
-  for (int t = 0; t < n_threads_; t++) {
-    cum += shares_[t];
-    const int64_t back = t == n_threads_ - 1 ? r.chunks : std::min<int64_t>(r.chunks, std::llround(cum * r.chunks));
-    threads_[t].range.store(pack_range(gen, front, std::max(front, back)), std::memory_order_relaxed);
-    front = std::max(front, back);
-  }
+  home_ranges(groups_, n_groups_, thread_node_, Schedule::Dynamic, r.align, shares_.data(), homes_.get());
+  for (int t = 0; t < n_threads_; t++)
+    threads_[t].range.store(pack_range(gen, homes_[t].begin, homes_[t].end), std::memory_order_relaxed);
   // The description for the workers' seqlock copy: the release fence orders the previous region's
   // publication before these stores, so a reader that sees them also sees the generation move on.
   std::atomic_thread_fence(std::memory_order_release);
   uint64_t words[kRegionWords];
   std::memcpy(words, &r, sizeof(r));
-  const int64_t n_words = kRegionWords - kTaskBytes / 8 + r.task_words;
-  for (int64_t i = 0; i < n_words; i++) region_words_[gen & 1][i].store(words[i], std::memory_order_relaxed);
+  std::atomic<uint64_t>* dst = region_words_[gen & 1];
+  for (int64_t i = 0; i < kHeaderWords + r.task_words; i++) dst[i].store(words[i], std::memory_order_relaxed);
+  if (r.n_groups > 1)  // one group is all units: load_region rebuilds it, reading no further line
+    for (int64_t i = kGroupWord; i < kGroupWord + 2 * (r.n_groups + 1); i++) dst[i].store(words[i], std::memory_order_relaxed);
   publish((gen << kGenShift) | kChunked);
 
   bool prepared = false;
@@ -234,10 +324,28 @@ void ThreadPool::run_chunks(const Region& region, const Chunking& c) {
 
 // Equal parts (in multiples of align) per slot, computed in pieces of up to max_claim chunks through
 // the same scratch-and-commit path as the dynamic schedule, so both give bitwise identical results.
+// Split by node, part t is thread t's home range, and a thread takes its own part if nobody has, else
+// another unclaimed part of its node, else any.
 void ThreadPool::run_chunks_static(const Region& r) {
-  parallel([&](int slot, int n) {
+  const bool by_node = n_groups_ > 1;
+  const uint64_t tag = by_node ? ++static_regions_ : 0;
+  if (by_node) home_ranges(groups_, n_groups_, thread_node_, Schedule::Static, r.align, nullptr, homes_.get());
+  // by value: a worker reads the closure's line, not another of the caller's stack
+  parallel([&r, this, by_node, tag](int slot, int n) {
+    if (by_node) {
+      const int t = current_thread();
+      slot = -1;
+      for (int pass = 0; pass < 2 && slot < 0; pass++)
+        for (int i = 0; i < n && slot < 0; i++) {
+          const int u = (t + i) % n;
+          if (steal_pass(t, u, pass) && static_part_[u].exchange(tag, std::memory_order_acq_rel) != tag) slot = u;
+        }
+    }
     int64_t u0, u1;
-    split_range(r.units, slot, n, r.align, &u0, &u1);
+    if (by_node)
+      u0 = homes_[slot].begin, u1 = homes_[slot].end;
+    else
+      split_range(r.units, slot, n, r.align, &u0, &u1);
     if (u0 < u1) r.prepare(r.task, slot);
     for (int64_t a = u0; a < u1; a += r.max_claim * r.grain) {
       const int64_t b = std::min(a + r.max_claim * r.grain, u1), ld = (b - a) * r.cols;
@@ -250,19 +358,24 @@ void ThreadPool::run_chunks_static(const Region& r) {
 bool ThreadPool::load_region(uint64_t generation, Region* r) const {
   uint64_t words[kRegionWords];
   const std::atomic<uint64_t>* src = region_words_[generation & 1];
-  const int64_t header = kRegionWords - kTaskBytes / 8;
-  for (int64_t i = 0; i < header; i++) words[i] = src[i].load(std::memory_order_relaxed);
-  int64_t task_words;
+  for (int64_t i = 0; i < kHeaderWords; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  int64_t task_words, n_groups;  // clamped: a torn copy is dropped below, but must not overrun first
   std::memcpy(&task_words, &words[offsetof(Region, task_words) / 8], 8);
-  const int64_t n_words = header + std::min<int64_t>(std::max<int64_t>(task_words, 0), kTaskBytes / 8);
-  for (int64_t i = header; i < n_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  std::memcpy(&n_groups, &words[offsetof(Region, n_groups) / 8], 8);
+  task_words = std::min<int64_t>(std::max<int64_t>(task_words, 0), kTaskBytes / 8);
+  const int64_t group_words = n_groups > 1 ? 2 * (std::min<int64_t>(n_groups, kMaxGroups) + 1) : 0;
+  for (int64_t i = kHeaderWords; i < kHeaderWords + task_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
+  for (int64_t i = kGroupWord; i < kGroupWord + group_words; i++) words[i] = src[i].load(std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_acquire);
   if ((hot_.state.load(std::memory_order_relaxed) >> kGenShift) != generation) return false;  // torn
-  std::memcpy(static_cast<void*>(r), words, n_words * 8);
+  std::memcpy(static_cast<void*>(r), words, (kHeaderWords + task_words) * 8);
+  std::memcpy(reinterpret_cast<char*>(r) + kGroupWord * 8, words + kGroupWord, group_words * 8);
+  if (!group_words) r->n_groups = 1, r->group[0] = {0, 0}, r->group[1] = {r->units, r->chunks};
+  else r->n_groups = std::min<int64_t>(r->n_groups, kMaxGroups);
   return true;
 }
 
-int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_claim, int64_t* first) {
+int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, const Region& r, int64_t* first) {
   // Own range, from the front: most of what is left (a quarter stays for whoever finishes first), so
   // a thread keeps the same contiguous rows region after region in few kernel calls.
   std::atomic<uint64_t>& own = threads_[thread].range;
@@ -271,31 +384,47 @@ int64_t ThreadPool::claim_chunks(uint64_t generation, int thread, int64_t max_cl
     if (!range_tag_is(w, generation)) return -1;  // a later region: this thread is late
     const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask, left = back - front;
     if (left <= 0) break;
-    const int64_t take = std::min(max_claim, std::max<int64_t>(1, left - std::max<int64_t>(1, left / 4)));
+    const int64_t take = std::min(r.max_claim, std::max<int64_t>(1, left - std::max<int64_t>(1, left / 4)));
     if (own.compare_exchange_weak(w, pack_range(generation, front + take, back), std::memory_order_acq_rel)) {
       *first = front;
       return front + take;
     }
   }
-  // Others' ranges, one chunk from the back, leaving the owner its contiguous front.
-  for (int i = 1; i < n_threads_; i++) {
-    std::atomic<uint64_t>& other = threads_[(thread + i) % n_threads_].range;
-    w = other.load(std::memory_order_acquire);
-    for (;;) {
-      if (!range_tag_is(w, generation)) return -1;
-      const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
-      if (front >= back) break;
-      if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel)) {
-        *first = back - 1;
-        return back;
+  // Others' ranges, one chunk from the back, leaving the owner its contiguous front: first the
+  // threads of this thread's node (its rows are in local memory), then the others.
+  const int passes = r.n_groups > 1 ? 2 : 1;
+  for (int pass = 0; pass < passes; pass++) {
+    for (int i = 1; i < n_threads_; i++) {
+      const int u = (thread + i) % n_threads_;
+      if (passes > 1 && !steal_pass(thread, u, pass)) continue;
+      std::atomic<uint64_t>& other = threads_[u].range;
+      w = other.load(std::memory_order_acquire);
+      for (;;) {
+        if (!range_tag_is(w, generation)) return -1;
+        const int64_t front = (w >> kRangeBits) & kRangeMask, back = w & kRangeMask;
+        if (front >= back) break;
+        if (other.compare_exchange_weak(w, pack_range(generation, front, back - 1), std::memory_order_acq_rel)) {
+          *first = back - 1;
+          return back;
+        }
       }
     }
   }
   return -1;
 }
 
+// A claim's chunks are consecutive inside one group (a home range lies in one), so their units are too.
+void ThreadPool::chunk_units(const Region& r, int64_t c0, int64_t c1, int64_t* u0, int64_t* u1) {
+  int64_t g = 0;
+  while (g + 1 < r.n_groups && c0 >= r.group[g + 1].chunk) g++;
+  *u0 = r.group[g].unit + (c0 - r.group[g].chunk) * r.grain;
+  *u1 = std::min(r.group[g].unit + (c1 - r.group[g].chunk) * r.grain, r.group[g + 1].unit);
+}
+
 int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t c0, int64_t c1) {
-  const int64_t u0 = c0 * r.grain, u1 = std::min(c1 * r.grain, r.units), ld = (u1 - u0) * r.cols;
+  int64_t u0, u1;
+  chunk_units(r, c0, c1, &u0, &u1);
+  const int64_t ld = (u1 - u0) * r.cols;
   float* s = scratch(buf);
   r.compute(r.task, buf, u0, u1, s, ld);
   int committed = 0;
@@ -305,7 +434,8 @@ int ThreadPool::run_claim(uint64_t generation, int buf, const Region& r, int64_t
     std::atomic<uint64_t>& state = chunk_state_[c];
     uint64_t old = state.load(std::memory_order_acquire);
     if (old >= generation || !state.compare_exchange_strong(old, generation, std::memory_order_acq_rel)) continue;
-    const int64_t a = c * r.grain, b = std::min(a + r.grain, r.units);
+    int64_t a, b;
+    chunk_units(r, c, c + 1, &a, &b);
     r.commit(r.task, a, b, s + (a - u0) * r.cols, ld);
     committed++;
   }
@@ -316,11 +446,13 @@ int ThreadPool::work_chunks(uint64_t generation, int thread, const Region& r, bo
   int committed = 0;
   int64_t start = -1;
   double work = 0;
-  for (int64_t c0, c1; (c1 = claim_chunks(generation, thread, r.max_claim, &c0)) >= 0;) {
+  for (int64_t c0, c1; (c1 = claim_chunks(generation, thread, r, &c0)) >= 0;) {
     if (start < 0) start = now_ns();
     if (!*prepared) r.prepare(r.task, thread), *prepared = true;
     const int n = run_claim(generation, thread, r, c0, c1);
-    work += (double)(std::min(c1 * r.grain, r.units) - c0 * r.grain) * r.unit_work;
+    int64_t u0, u1;
+    chunk_units(r, c0, c1, &u0, &u1);
+    work += (double)(u1 - u0) * r.unit_work;
     committed += n;
     // At once: the caller may be waiting on this very count.
     if (thread != 0 && n) hot_.worker_done.fetch_add(n, std::memory_order_release);
@@ -379,6 +511,7 @@ void ThreadPool::update_speeds() {
 }
 
 void ThreadPool::worker_loop(int thread) {
+  tls_pool = this, tls_thread = thread;
   uint64_t seen = 0;
   for (;;) {
     auto spin_start = std::chrono::steady_clock::now();
