@@ -382,3 +382,15 @@ def test_q4_keeps_q4_1_blocks():
     case = fx["cases"][0]
     logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
     assert nmse(logits, case["last"]) < 1e-2
+
+
+def test_raw_blocks_packed_on_the_pool_match_one_thread():
+    """GGUF blocks are repacked on the model's thread pool at load: the packed weights (and so the logits)
+    must not depend on how many threads shared the work."""
+    from corelm.engine import build_core_model
+    from corelm.llm import default_model_path
+    from corelm.loader import load_model
+    loaded = load_model(default_model_path())
+    tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
+    logits = [build_core_model(loaded, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])

@@ -259,7 +259,7 @@ PYBIND11_MODULE(_core, m) {
     WeightType t = quant::type_of_ggml(ggml_type);
     if (rows < 1 || cols < 1) throw std::invalid_argument("bad matrix shape");
     quant::check_raw(t, (size_t)raw.size(), rows, cols);
-    return kt.pack_raw(t, raw.data(), rows, cols);
+    return kt.pack_raw(t, raw.data(), rows, cols, nullptr);
   };
   m.def("kernel_matmul_raw", [pack_raw](const std::string& isa, FloatArray x, RawArray raw, const std::string& ggml_type,
                                         int64_t rows, int64_t cols) {

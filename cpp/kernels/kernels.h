@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,11 @@ enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
 const char* weight_type_name(WeightType t);
 
 struct KernelTable;
+
+// Runs body(i0, i1) over disjoint ranges covering [0, n), possibly on several threads: how the model
+// lends its thread pool to a packer (loading a 0.5B model is mostly repacking) without the kernels
+// needing a threading layer of their own.
+using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
 
 // A weight matrix W[rows][cols] (out_features x in_features), stored in the layout of the kernel
 // table that packed it. Only that table's kernels look inside; model code treats it as opaque.
@@ -53,8 +59,9 @@ struct KernelTable {
   void (*softmax)(float* x, int64_t n);
   // One row of W as fp32 (embedding lookup).
   void (*row_to_f32)(const PackedMatrix& w, int64_t row, float* out);
-  // Raw GGUF Q8_0/Q4_0/Q4_1 blocks ([rows][cols/32] blocks) repacked as Q8/Q4/Q4M, no float round trip.
-  PackedMatrix (*pack_raw)(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
+  // Raw GGUF Q8_0/Q4_0/Q4_1 blocks ([rows][cols/32] blocks) repacked as Q8/Q4/Q4M, no float round trip;
+  // on par's threads when given.
+  PackedMatrix (*pack_raw)(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 };
 
 extern const KernelTable kScalarKernels;

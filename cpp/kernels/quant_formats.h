@@ -222,13 +222,13 @@ inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
 namespace corelm {
 namespace quant {
 PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
-PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
+PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 #if defined(CORELM_HAVE_X86)
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
-PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols);
+PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out);

@@ -59,6 +59,13 @@ Model::Model(const ModelConfig& cfg)
             cfg.schedule),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
+  pack_threads_ = [this](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+    pool_.parallel([&](int tid, int nth) {
+      int64_t b0, b1;
+      split_range(n, tid, nth, 1, &b0, &b1);
+      if (b0 < b1) body(b0, b1);
+    });
+  };
   const int64_t half = cfg_.head_dim / 2;
   rope_cos_.resize(cfg_.max_seq_len * half);
   rope_sin_.resize(cfg_.max_seq_len * half);
@@ -305,12 +312,12 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
     if (name.rfind("layers.", 0) == 0) {
       std::string idx = name.substr(7, name.find('.', 7) - 7);
       check_shape(name, shape, want);
-      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1]);
+      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
       LayerWeights& L = layers_[std::stoll(idx)];
       (part == "wo" ? L.wo : L.w_down) = m;
     } else {
       check_shape(name, shape, want);
-      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1]);
+      PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
       (name == "tok_embeddings" ? tok_embeddings_ : lm_head_) = m;
       if (name == "tok_embeddings" && cfg_.tie_embeddings) lm_head_ = m;
     }
@@ -345,7 +352,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   }
   size_t dot = name.find('.', 7);
   LayerWeights& L = layers_[std::stoll(name.substr(7, dot - 7))];
-  (partners.size() == 3 ? L.wqkv : L.w_gate_up) = kt_.pack_raw(type, fused.data(), rows, d);
+  (partners.size() == 3 ? L.wqkv : L.w_gate_up) = kt_.pack_raw(type, fused.data(), rows, d, &pack_threads_);
   for (const std::string& p : partners) pending_raw_.erase(p);
 }
 

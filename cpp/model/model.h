@@ -148,6 +148,7 @@ class Model {
   const KernelTable& kt_;
   NumaLayout numa_;  // before pool_: the pool is to run the same plan (see docs/architecture.md)
   ThreadPool pool_;
+  ParallelFor pack_threads_;  // pool_ lent to the packers while weights load
   bool ready_ = false;
 
   PackedMatrix tok_embeddings_;  // [vocab, dim]

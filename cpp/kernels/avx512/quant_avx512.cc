@@ -370,20 +370,27 @@ PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
   return m;
 }
 
-PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols) {
+PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
   PackedMatrix m = empty_matrix(type, rows, cols);
   const int64_t nb = cols / kBlock;
   const size_t bb = ggml_block_bytes(type);
-  int8_t q[32];
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t b = 0; b < nb; b++) {
-      uint16_t d16 = 0, m16 = 0;
-      decode_ggml_block(type, raw + ((size_t)r * nb + b) * bb, q, &d16, &m16);
-      RowBlock rb = row_block(m, r, b);
-      put_block(type, rb.qs, (int)(r % kGroup), q);
-      *rb.d = d16;
-      if (type == WeightType::Q4M) *rb.m = m16;
-    }
+  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups of kGroup rows: disjoint bytes per range
+    int8_t q[32];
+    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++)
+      for (int64_t b = 0; b < nb; b++) {
+        uint16_t d16 = 0, m16 = 0;
+        decode_ggml_block(type, raw + ((size_t)r * nb + b) * bb, q, &d16, &m16);
+        RowBlock rb = row_block(m, r, b);
+        put_block(type, rb.qs, (int)(r % kGroup), q);
+        *rb.d = d16;
+        if (type == WeightType::Q4M) *rb.m = m16;
+      }
+  };
+  const int64_t groups = (rows + kGroup - 1) / kGroup;
+  if (par)
+    (*par)(groups, fill);
+  else
+    fill(0, groups);
   return m;
 }
 

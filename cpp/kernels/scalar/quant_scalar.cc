@@ -47,7 +47,7 @@ PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
   return m;
 }
 
-PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols) {
+PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor*) {
   check_raw(type, (size_t)rows * (cols / kBlock) * ggml_block_bytes(type), rows, cols);
   PackedMatrix m = empty_matrix(type, rows, cols);
   std::memcpy(m.storage.get(), raw, m.nbytes);
