@@ -174,9 +174,9 @@ SPEC = ModelSpec(arch="llama", vocab_size=512, hidden_size=256, intermediate_siz
                  num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4)
 
 
-def random_model(numa, kv_type="fp32", pin_threads=True):
+def random_model(numa, kv_type="fp32", pin_threads=True, threads=2):
     """Matrices of 256 KiB to 1 MiB (each its own mapping) and a 256 KiB KV buffer per kind."""
-    cfg = core_config(SPEC, "fp32", 2, 256, pin_threads=pin_threads, numa=numa)
+    cfg = core_config(SPEC, "fp32", threads, 256, pin_threads=pin_threads, numa=numa)
     cfg.update(kv_type=kv_type)
     m = _core.Model(cfg)
     rng = np.random.default_rng(0)
@@ -239,7 +239,10 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
             assert [(r["begin"], r["end"]) for r in p["ranges"]] == [(0, p["bytes"])]
             assert p["ranges"][0]["pages"] == {0: -(-p["bytes"] // page)}      # packed, so all touched, on node 0
         else:
-            assert len(p["ranges"]) == SPEC.num_layers                          # one block range per layer
+            # one range of kv heads per layer: [layer][kv_head][block][slot][head_dim], split as decided
+            assert len(p["ranges"]) == SPEC.num_layers
+            assert [(r["node"], r["begin"], r["end"]) for r in p["ranges"]] == \
+                _core.numa_split_per_layer(SPEC.num_layers, SPEC.num_kv_heads, p["bytes"], [(0, 2)])
             assert all(set(r["pages"]) == {ENOENT} for r in p["ranges"])       # untouched until used
     m.forward(np.arange(40, dtype=np.int32), 0, False)
     for name in kv:
@@ -254,6 +257,47 @@ def test_placement_does_not_change_results(monkeypatch):
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
     for policy in ("distribute", "isolate"):
         assert np.array_equal(random_model(policy).forward(toks, 0, True), ref)
+
+
+def test_kv_heads_split_by_node_per_layer():
+    """The KV cache is [layer][kv_head][...]: each layer's kv heads go to nodes as split_by_node cuts
+    them (grain 1), the same for keys, values and int8 scales (any buffer of layers x heads rows)."""
+    S = 1000                                                   # bytes per (layer, kv head)
+    two = [(0, 8), (1, 8)]
+    assert _core.numa_split_per_layer(2, 2, 4 * S, two) == [(0, 0, S), (1, S, 2 * S), (0, 2 * S, 3 * S), (1, 3 * S, 4 * S)]
+    # 8 kv heads on 4 unequal nodes: heads in proportion to threads, per layer.
+    epyc = [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert _core.numa_split_per_layer(3, 8, 24 * S, epyc)[4:8] == [(n, (8 + 2 * n) * S, (10 + 2 * n) * S) for n in range(4)]
+    assert _core.numa_split_per_layer(1, 8, 8 * S, [(0, 3), (1, 1)]) == [(0, 0, 6 * S), (1, 6 * S, 8 * S)]
+    # Fewer kv heads than nodes: some nodes get none (empty ranges), every head still goes somewhere.
+    assert _core.numa_split_per_layer(1, 2, 2 * S, [(0, 1), (1, 1), (2, 1)]) == [(0, 0, 0), (1, 0, S), (2, S, 2 * S)]
+    assert _core.numa_split_per_layer(2, 2, 4 * S, []) == []
+
+
+def run_steps(m):
+    """A prompt, decode steps and a batch of two sequences (their own block tables) on one model."""
+    out = [m.forward(np.arange(1, 30, dtype=np.int32), 0, True)]
+    out += [m.forward(np.array([t], np.int32), 29 + i, False) for i, t in enumerate((7, 300, 11))]
+    a, b = np.array([3, 4, 5], np.int32), np.array([9, 10], np.int32)
+    out.append(m.forward_batch(np.arange(40, 61, dtype=np.int32), [(19, 0, a, True), (2, 0, b, True)]))
+    out.append(m.forward_batch(np.array([1, 2], np.int32), [(1, 19, a, False), (1, 2, b, False)]))
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["fp32", "bf16", "int8"])
+def test_attention_split_by_kv_head_node_gives_the_same_bits(monkeypatch, kv_type):
+    """Fake nodes: each node's threads attend over its own kv heads first (then steal); the logits of
+    prompts, decode steps and batches must be those of the unsplit pool, bit for bit."""
+    ref = run_steps(random_model(None, kv_type))
+    monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
+    for nodes in ([0, 1], [1, 0, 1], [0, 1, 2], [-1, 0, 1], [0, 0, 1, 1]):
+        m = random_model("distribute", kv_type, threads=len(nodes))
+        m.set_thread_nodes(nodes)
+        assert m.numa_info()["pool_thread_node"] == nodes
+        for schedule in ("dynamic", "static"):
+            m.schedule = schedule
+            for got, want in zip(run_steps(m), ref):
+                assert np.array_equal(got, want), (nodes, schedule)
 
 
 # --------------------------------------------------------------------------------------------------

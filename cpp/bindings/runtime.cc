@@ -201,6 +201,13 @@ void bind_runtime(py::module_& m) {
   }, py::arg("rows"), py::arg("grain"), py::arg("shares"),
      "[(node, begin, end)]: rows cut into one range per (node, threads) share, in groups of grain rows.");
 
+  m.def("numa_split_per_layer", [](int64_t layers, int64_t rows, size_t bytes, const std::vector<std::pair<int, int>>& shares) {
+    std::vector<NodeShare> s;
+    for (const auto& p : shares) s.push_back({std::max(0, p.first), std::max(0, p.second)});
+    return ranges_list(split_per_layer(layers, rows, bytes, s));
+  }, py::arg("layers"), py::arg("rows"), py::arg("bytes"), py::arg("shares"),
+        "Byte ranges (node, begin, end) of a buffer of layers x rows equal rows, each layer's rows split by node "
+        "(the KV cache's kv heads).");
   m.def("numa_row_grain", &Model::row_grain, py::arg("matrix"), py::arg("head_dim"),
         "The rows a matrix's parallel loop (and so its NUMA split) cuts in: 'wqkv', 'wo', 'w_gate_up', "
         "'w_down' or 'lm_head'.");

@@ -41,10 +41,11 @@ class KVCache {
   KVType type() const { return type_; }
   size_t bytes() const;  // reserved (pages are touched only when used)
 
-  // The storage (keys, values, int8 scales) as (base, bytes), each [layer][block][...] with an equal
-  // stride per (layer, block): what NUMA placement hands to nodes by block.
+  // The storage (keys, values, int8 scales) as (base, bytes), each [layer][kv_head][...] with an equal
+  // stride per (layer, kv_head): what NUMA placement hands to nodes by kv head, so the threads that
+  // attend over a kv head read only their own node's memory.
   std::vector<std::pair<const void*, size_t>> buffers() const {
-    const size_t rows = (size_t)n_layers_ * n_blocks_ * n_kv_heads_ * block_size_;
+    const size_t rows = (size_t)n_layers_ * n_kv_heads_ * n_blocks_ * block_size_;
     std::vector<std::pair<const void*, size_t>> b = {{k_.get(), rows * head_dim_ * esz_}, {v_.get(), rows * head_dim_ * esz_}};
     if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(RowScale)}, {v_scale_.get(), rows * sizeof(RowScale)}});
     return b;
@@ -60,14 +61,14 @@ class KVCache {
 
  private:
   size_t index(int64_t layer, int64_t block, int64_t kv_head, int64_t slot) const {
-    return (((size_t)layer * n_blocks_ + block) * n_kv_heads_ + kv_head) * block_size_ + slot;  // token row
+    return (((size_t)layer * n_kv_heads_ + kv_head) * n_blocks_ + block) * block_size_ + slot;  // token row
   }
 
   int64_t n_layers_, n_kv_heads_, head_dim_, n_blocks_, block_size_;
   KVType type_;
   size_t esz_;
-  std::shared_ptr<void> k_, v_;            // [layer][block][kv_head][slot][head_dim]
-  std::shared_ptr<void> k_scale_, v_scale_;  // [layer][block][kv_head][slot] of RowScale (int8 only)
+  std::shared_ptr<void> k_, v_;            // [layer][kv_head][block][slot][head_dim]
+  std::shared_ptr<void> k_scale_, v_scale_;  // [layer][kv_head][block][slot] of RowScale (int8 only)
 };
 
 }  // namespace corelm

@@ -3,6 +3,7 @@
 #include "kernels/quant_formats.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -78,6 +79,7 @@ Model::Model(const ModelConfig& cfg)
   identity_blocks_.resize(kv_.n_blocks());
   for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
   place_kv_cache();
+  split_kv_heads();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -101,21 +103,25 @@ void Model::place(const std::string& name, const void* base, size_t bytes, std::
   placed_.push_back(std::move(p));
 }
 
-// Preferred, not bound: the cache fills while serving, and a full node should spill, not fail.
+// Preferred, not bound: the cache fills while serving, and a full node should spill, not fail. Each
+// layer's kv heads go to nodes as the attention region splits them (split_kv_heads); fewer kv heads
+// than nodes leaves some nodes none.
 void Model::place_kv_cache() {
   if (!numa_places_memory()) return;
-  const int64_t nb = kv_.n_blocks();
-  const std::vector<RowRange> blocks = numa_.ranges(nb, 1);
   const char* names[] = {"kv.k", "kv.v", "kv.k_scale", "kv.v_scale"};
   int i = 0;
-  for (const auto& buf : kv_.buffers()) {
-    const size_t stride = buf.second / (size_t)(cfg_.n_layers * nb);  // bytes per (layer, block)
-    std::vector<RowRange> bytes;
-    for (int64_t l = 0; l < cfg_.n_layers; l++)
-      for (const RowRange& b : blocks)
-        bytes.push_back({b.node, (int64_t)((l * nb + b.begin) * stride), (int64_t)((l * nb + b.end) * stride)});
-    place(names[i++], buf.first, buf.second, std::move(bytes), /*strict=*/false);
-  }
+  for (const auto& buf : kv_.buffers())
+    place(names[i++], buf.first, buf.second, split_per_layer(cfg_.n_layers, cfg_.n_kv_heads, buf.second, numa_.shares),
+          /*strict=*/false);
+}
+
+// The pool's own split by node (its nodes and their threads, as its chunked regions use), so with the
+// NUMA plan's nodes these are the ranges place_kv_cache placed.
+void Model::split_kv_heads() {
+  const std::vector<NodeShare> shares = pool_node_shares(pool_.thread_nodes());
+  kv_head_nodes_.clear();
+  if (shares.size() >= 2 && shares.size() <= (size_t)ThreadPool::kMaxGroups)
+    kv_head_nodes_ = split_by_node(cfg_.n_kv_heads, 1, shares);
 }
 
 int64_t Model::row_grain(const std::string& matrix, int64_t head_dim) {
@@ -640,15 +646,38 @@ void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
   const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
   const int64_t qkv_dim = (nh + 2 * nkv) * hd;
   const float scale = 1.f / std::sqrt((float)hd);
-  pool_.parallel([&](int tid, int nth) {
-    float* s = scores_.data() + (size_t)tid * cfg_.max_seq_len;
-    // Tasks are (token, head) pairs dealt round-robin: later tokens see more keys, so striding
-    // balances the causal triangle across threads.
-    for (int64_t task = tid; task < T * nh; task += nth) {
-      const int64_t t = task / nh, h = task % nh, p = tok_pos_[t];
-      const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
-      kv_.attend(kt_, l, h / group, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h * hd, scale, s,
-                 att_.data() + t * nh * hd + h * hd);
+  auto attend = [&](int64_t t, int64_t h, float* s) {
+    const int64_t p = tok_pos_[t];
+    const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
+    kv_.attend(kt_, l, h / group, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h * hd, scale, s,
+               att_.data() + t * nh * hd + h * hd);
+  };
+  if (kv_head_nodes_.empty()) {
+    pool_.parallel([&](int tid, int nth) {
+      float* s = scores_.data() + (size_t)tid * cfg_.max_seq_len;
+      // Tasks are (token, head) pairs dealt round-robin: later tokens see more keys, so striding
+      // balances the causal triangle across threads.
+      for (int64_t task = tid; task < T * nh; task += nth) attend(task / nh, task % nh, s);
+    });
+    return;
+  }
+  // Split by node: node j's (token, query head) tasks are those of the kv heads placed on node j (a
+  // query head follows its kv head), claimed one at a time from that node's counter. A thread takes
+  // its own node's first, then the other nodes' in turn; a thread without a node starts at the first.
+  const int n = (int)kv_head_nodes_.size();
+  std::atomic<int64_t> next[ThreadPool::kMaxGroups];
+  for (int g = 0; g < n; g++) next[g].store(0, std::memory_order_relaxed);
+  pool_.parallel([&](int slot, int) {
+    float* s = scores_.data() + (size_t)slot * cfg_.max_seq_len;
+    const int node = pool_.thread_nodes()[pool_.current_thread()];
+    int home = 0;
+    for (int g = 0; g < n; g++)
+      if (kv_head_nodes_[g].node == node) home = g;
+    for (int i = 0; i < n; i++) {
+      const int g = (home + i) % n;
+      const int64_t h0 = kv_head_nodes_[g].begin * group, heads = (kv_head_nodes_[g].end - kv_head_nodes_[g].begin) * group;
+      for (int64_t task; (task = next[g].fetch_add(1, std::memory_order_relaxed)) < T * heads;)
+        attend(task / heads, h0 + task % heads, s);
     }
   });
 }

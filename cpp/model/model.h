@@ -121,7 +121,10 @@ class Model {
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
   // The node whose rows each thread works on first (ThreadPool::set_thread_nodes): the NUMA plan's
   // under a policy; tests set fake ones to run the split by node on a one-node machine.
-  void set_thread_nodes(const std::vector<int>& nodes) { pool_.set_thread_nodes(nodes); }
+  void set_thread_nodes(const std::vector<int>& nodes) {
+    pool_.set_thread_nodes(nodes);
+    split_kv_heads();
+  }
 
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
   // The row grains the parallel loops split matrices by, which the NUMA split follows: wqkv by whole
@@ -142,6 +145,7 @@ class Model {
   bool numa_places_memory() const;
   void place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges, bool strict);
   void place_kv_cache();
+  void split_kv_heads();
   void place_weights();
 
   ModelConfig cfg_;
@@ -162,6 +166,9 @@ class Model {
   std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
   KVCache kv_;
   std::vector<int32_t> identity_blocks_;     // the default sequence's block table: 0, 1, 2, ...
+  // The kv heads each node's threads attend over first (the pool's nodes, split as place_kv_cache
+  // places them); empty where the pool does not split by node.
+  std::vector<RowRange> kv_head_nodes_;
 
   // Scratch for one chunk of at most scratch_tokens_ tokens ("the wave of activations").
   int64_t scratch_tokens_ = 0;

@@ -53,6 +53,16 @@ std::vector<RowRange> split_by_node(int64_t rows, int64_t grain, const std::vect
   return ranges;
 }
 
+std::vector<RowRange> split_per_layer(int64_t layers, int64_t rows, size_t bytes, const std::vector<NodeShare>& shares) {
+  std::vector<RowRange> out;
+  if (layers <= 0 || rows <= 0) return out;
+  const size_t stride = bytes / (size_t)(layers * rows);  // bytes per row
+  for (int64_t l = 0; l < layers; l++)
+    for (const RowRange& r : split_by_node(rows, 1, shares))
+      out.push_back({r.node, (int64_t)((l * rows + r.begin) * stride), (int64_t)((l * rows + r.end) * stride)});
+  return out;
+}
+
 size_t row_offset(int64_t r, int64_t rows, size_t nbytes) {
   if (rows <= 0 || r <= 0) return 0;
   if (r >= rows) return nbytes;

@@ -4,7 +4,7 @@
 // The decision is pure, so tests run it on fake topologies: the nodes of a thread plan, each weighted
 // by its pinned threads; a matrix's rows cut into one contiguous range per node in proportion to
 // those weights, in whole groups of the grain its parallel loop splits by (so a node's threads can
-// take their rows without touching another node's); the KV pool's blocks cut the same way, per layer.
+// take their rows without touching another node's); the KV cache's kv heads cut the same way, per layer.
 //
 // Applying it needs no libnuma: mbind(2) through syscall() with MPOL_MF_MOVE puts the pages of each
 // range on its node (pages already touched are migrated, later ones are allocated there), and
@@ -42,6 +42,10 @@ struct RowRange {
 // threads in whole groups of grain rows (only the last range may end on a partial group). A share
 // too small for one group gets an empty range. No shares: no ranges.
 std::vector<RowRange> split_by_node(int64_t rows, int64_t grain, const std::vector<NodeShare>& shares);
+
+// A buffer of `layers` equal parts, each of `rows` equal rows (the KV cache: [layer][kv_head][...]):
+// each part's rows split by node (split_by_node, grain 1), as byte ranges, part by part.
+std::vector<RowRange> split_per_layer(int64_t layers, int64_t rows, size_t bytes, const std::vector<NodeShare>& shares);
 
 // The byte offset of row r in a packed matrix of `rows` rows and `nbytes` bytes. Every layout stores
 // rows in order, each group of rows (1 row-major, 8 in the AVX-512 layouts) in an equal stride, so

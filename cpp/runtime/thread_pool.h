@@ -145,6 +145,7 @@ class alignas(64) ThreadPool {  // whole lines: nothing around it shares the lin
   // plan's nodes; tests set fake ones.
   void set_thread_nodes(const std::vector<int>& thread_node);
   const std::vector<int>& thread_nodes() const { return thread_node_; }
+  int current_thread() const;  // this thread's index in the pool (0: the caller or a stranger)
   // The CPU each thread is pinned to, -1 where it is not; [0] is the calling thread.
   const std::vector<int>& thread_cpus() const { return thread_cpus_; }
   // Each thread's smoothed speed as a share of the pool's (dynamic schedule; equal before any
@@ -220,7 +221,6 @@ class alignas(64) ThreadPool {  // whole lines: nothing around it shares the lin
   };
 
   void worker_loop(int thread);
-  int current_thread() const;  // this thread's index in the pool (0: the caller or a stranger)
   // Whether thread u should be tried before others by thread t: the same node (pass 0), then the rest.
   bool steal_pass(int t, int u, int pass) const { return (threads_[u].node == threads_[t].node) == (pass == 0); }
   void pin_caller_once();
