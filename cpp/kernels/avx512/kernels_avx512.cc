@@ -85,21 +85,35 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
   const char* base = static_cast<const char*>(w.data());
   const __mmask16 m_lo = K % kChunk >= 16 ? (__mmask16)0xffff : tail_mask(K % 16);
   const __mmask16 m_hi = K % kChunk > 16 ? tail_mask(K % kChunk - 16) : (__mmask16)0;
+  // bf16: a row's 32 weights of a chunk are one 64-byte load; the even elements widen with a shift,
+  // the odd ones with a mask (no shuffles), so x is split once per chunk into its even and odd halves.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
   for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
     const char* p = base + (size_t)g * nchunks * kGroup * kChunk * esz;
-    __m512 acc[kGroup];
-    for (int j = 0; j < kGroup; j++) acc[j] = _mm512_setzero_ps();
+    __m512 acc[kGroup], acc2[kGroup];  // two independent chains per row
+    for (int j = 0; j < kGroup; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nchunks; c++) {
       // The tail chunk masks x: padded weights are zero, but x beyond K is not ours to read.
       __m512 x0 = c < full ? _mm512_loadu_ps(x + c * kChunk) : _mm512_maskz_loadu_ps(m_lo, x + c * kChunk);
       __m512 x1 = c < full ? _mm512_loadu_ps(x + c * kChunk + 16) : _mm512_maskz_loadu_ps(m_hi, x + c * kChunk + 16);
       for (int b = 0; b < kGroup * kChunk * (int)esz; b += 64) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
-      for (int j = 0; j < kGroup; j++) {
-        acc[j] = _mm512_fmadd_ps(x0, load16<BF16>(p), acc[j]);
-        acc[j] = _mm512_fmadd_ps(x1, load16<BF16>(p + 16 * esz), acc[j]);
-        p += kChunk * esz;
+      if constexpr (BF16) {
+        const __m512 xe = _mm512_permutex2var_ps(x0, even, x1), xo = _mm512_permutex2var_ps(x0, odd, x1);
+        for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
+          const __m512i v = _mm512_loadu_si512((const void*)p);
+          acc[j] = _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), acc[j]);
+          acc2[j] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(v, hi16)), acc2[j]);
+        }
+      } else {
+        for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
+          acc[j] = _mm512_fmadd_ps(x0, load16<BF16>(p), acc[j]);
+          acc2[j] = _mm512_fmadd_ps(x1, load16<BF16>(p + 16 * esz), acc2[j]);
+        }
       }
     }
+    for (int j = 0; j < kGroup; j++) acc[j] = _mm512_add_ps(acc[j], acc2[j]);
     store_group(acc, y, g * kGroup, n0, n1);
   }
 }

@@ -174,50 +174,77 @@ inline void load_w(const uint8_t* qs, __m512i w[4]) {
   }
 }
 
+// Block b of NG consecutive groups (records `gs` bytes apart from rec): each activation vector is
+// loaded once for all NG groups; row sums (times the scales) go to facc, Q4M's minimum terms to macc.
+template <WeightType T, bool VNNI, int NG>
+inline void gemv_block(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_t nb, int64_t b, __m512 facc[NG],
+                       __m256 macc[NG]) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  __m512i xq[4];
+  for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(qx.xv.data() + 16 * (4 * b + t)));
+  const __m512i c = _mm512_set1_epi32(qx.corr[b]);
+  const __m512 d = _mm512_set1_ps(qx.dx[b]);
+  for (int g = 0; g < NG; g++) {
+    const uint8_t* qs = rec + g * gs + b * QSB;
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(rec + g * gs + nb * QSB) + b * kGroup;
+    for (int o = 0; o < QSB; o += 64) _mm_prefetch((const char*)qs + kPrefetchBytes + o, _MM_HINT_T0);
+    if ((b & 3) == 0) {  // the next groups' scales (and minimums), a line per 4 blocks: a second
+      _mm_prefetch((const char*)(dp + NG * gs / 2), _MM_HINT_T0);  // stream the hardware misses
+      if constexpr (T == WeightType::Q4M) _mm_prefetch((const char*)(dp + NG * gs / 2 + nb * kGroup), _MM_HINT_T0);
+    }
+    __m512i wv[4];
+    load_w<T>(qs, wv);
+    __m512i acc = c;
+    for (int t = 0; t < 4; t++) acc = dpbusd<VNNI>(acc, wv[t], xq[t]);
+    facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scales8x2(dp), d), facc[g]);
+    if constexpr (T == WeightType::Q4M)
+      macc[g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))),
+                                _mm256_set1_ps(qx.dxs[b]), macc[g]);
+  }
+}
+
+// NG consecutive groups against the whole of x: out[g] = the group's 8 row results. Blocks go in
+// pairs so that each group has two fp32 accumulators in registers (the FMA chain is not the limit).
+template <WeightType T, bool VNNI, int NG>
+inline void gemv_groups(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_t nb, __m256 out[NG]) {
+  __m512 f0[NG], f1[NG];
+  __m256 macc[NG];
+  for (int g = 0; g < NG; g++) f0[g] = f1[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b, f0, macc);
+    gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b + 1, f1, macc);
+  }
+  if (b < nb) gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b, f0, macc);
+  for (int g = 0; g < NG; g++) {
+    const __m512 f = _mm512_add_ps(f0[g], f1[g]);
+    out[g] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(f), _mm512_extractf32x8_ps(f, 1)), macc[g]);
+  }
+}
+
 template <WeightType T, bool VNNI>
 void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
-  const int64_t nb = nblocks(w), gs = group_stride(T, nb), QSB = qs_bytes(T);
+  const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
   thread_local QuantX qx;
   quantize_x(x, w.cols, nb, T, &qx);
-  const int32_t* xv = qx.xv.data();
   const uint8_t* base = static_cast<const uint8_t*>(w.data());
-  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
-    const uint8_t* qs = base + (size_t)g * gs;
-    const uint16_t* dp = reinterpret_cast<const uint16_t*>(qs + nb * QSB);
-    const uint16_t* mp = dp + nb * kGroup;
-    __m512 facc0 = _mm512_setzero_ps(), facc1 = _mm512_setzero_ps();
-    __m256 macc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, qs += QSB) {
-      for (int o = 0; o < QSB; o += 64) _mm_prefetch((const char*)qs + kPrefetchBytes + o, _MM_HINT_T0);
-      if ((b & 3) == 0) {  // the next group's scales (and minimums), a line per 4 blocks: a second
-        _mm_prefetch((const char*)(dp + gs / 2 + b * kGroup), _MM_HINT_T0);  // stream the
-        if constexpr (T == WeightType::Q4M)                                  // hardware misses
-          _mm_prefetch((const char*)(mp + gs / 2 + b * kGroup), _MM_HINT_T0);
+  for (int64_t g = n0 / kGroup; g < g_end;) {
+    __m256 r[2];
+    const int ng = g + 2 <= g_end ? 2 : 1;
+    if (ng == 2)
+      gemv_groups<T, VNNI, 2>(qx, base + (size_t)g * gs, gs, nb, r);
+    else
+      gemv_groups<T, VNNI, 1>(qx, base + (size_t)g * gs, gs, nb, r);
+    for (int i = 0; i < ng; i++, g++) {
+      const int64_t r0 = g * kGroup;
+      if (r0 >= n0 && r0 + kGroup <= n1) {
+        _mm256_storeu_ps(y + r0, r[i]);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, r[i]);
+        for (int j = 0; j < kGroup; j++)
+          if (r0 + j >= n0 && r0 + j < n1) y[r0 + j] = tmp[j];
       }
-      __m512i wv[4];
-      load_w<T>(qs, wv);
-      __m512i acc = _mm512_set1_epi32(qx.corr[b]);
-      for (int t = 0; t < 4; t++) acc = dpbusd<VNNI>(acc, wv[t], _mm512_load_si512((const void*)(xv + 16 * (4 * b + t))));
-      const __m512 s = _mm512_mul_ps(scales8x2(dp + b * kGroup), _mm512_set1_ps(qx.dx[b]));
-      if (b & 1)
-        facc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, facc1);
-      else
-        facc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, facc0);
-      if constexpr (T == WeightType::Q4M)
-        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b * kGroup))),
-                               _mm256_set1_ps(qx.dxs[b]), macc);
-    }
-    const __m512 f = _mm512_add_ps(facc0, facc1);
-    __m256 r = _mm256_add_ps(_mm512_castps512_ps256(f), _mm512_extractf32x8_ps(f, 1));
-    if constexpr (T == WeightType::Q4M) r = _mm256_add_ps(r, macc);
-    const int64_t r0 = g * kGroup;
-    if (r0 >= n0 && r0 + kGroup <= n1) {
-      _mm256_storeu_ps(y + r0, r);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, r);
-      for (int j = 0; j < kGroup; j++)
-        if (r0 + j >= n0 && r0 + j < n1) y[r0 + j] = tmp[j];
     }
   }
 }
