@@ -22,6 +22,13 @@ NumaPolicy numa_policy_arg(const std::string& s);  // below: "default", "distrib
 
 namespace {
 
+// Runs f with the GIL released (the benchmarks start and time their own threads) and returns its result.
+template <class F>
+auto without_gil(F&& f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
 py::dict topology_dict(const Topology& t, const std::string& root, const std::vector<int>& allowed) {
   py::list cpus, cores, caches;
   for (const LogicalCpu& c : t.cpus) {
@@ -236,11 +243,7 @@ void bind_runtime(py::module_& m) {
     RegionBenchConfig cfg;
     cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.work = work;
     cfg.pin = pin, cfg.pin_caller = pin_caller, cfg.idle_us = idle_us;
-    RegionBenchResult r;
-    {
-      py::gil_scoped_release release;
-      r = bench_regions(cfg);
-    }
+    const RegionBenchResult r = without_gil([&] { return bench_regions(cfg); });
     py::dict d;
     d["region_us"] = r.region_us, d["slot_us"] = r.slot_us, d["worker_share"] = r.worker_share;
     d["pinned_workers"] = r.pinned_workers, d["slots_ok"] = r.slots_ok;
@@ -260,11 +263,7 @@ void bind_runtime(py::module_& m) {
     cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.units = units, cfg.align = align;
     cfg.grain = grain, cfg.work = work, cfg.pin = pin, cfg.stall_every = stall_every;
     cfg.stall_us = stall_us, cfg.slow_worker = slow_worker, cfg.thread_node = nodes;
-    ChunkBenchResult r;
-    {
-      py::gil_scoped_release release;
-      r = bench_chunk_regions(cfg);
-    }
+    const ChunkBenchResult r = without_gil([&] { return bench_chunk_regions(cfg); });
     py::dict d;
     d["region_us"] = r.region_us, d["exactly_once"] = r.exactly_once, d["no_late_commits"] = r.no_late_commits;
     d["redone"] = r.redone, d["stalls"] = r.stalls, d["shares"] = r.shares;
