@@ -120,3 +120,45 @@ def test_bad_kernel_arguments_raise():
         _core.kernel_matmul("no-such-isa", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "fp32")
     with pytest.raises(ValueError):
         _core.kernel_matmul("scalar", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "q3")
+
+
+def _kv_values(kv, rng, shape):
+    """Random cached elements of type kv and their exact fp32 values."""
+    if kv == "fp32":
+        a = rng.standard_normal(shape).astype(np.float32)
+        return a, a.astype(np.float64)
+    if kv == "bf16":
+        bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    a = rng.integers(-128, 128, shape).astype(np.int8)
+    return a, a.astype(np.float64)
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("G,hd,ldk,n", [(1, 8, 1, 1), (2, 8, 16, 16), (7, 64, 16, 13), (3, 64, 32, 32),
+                                        (9, 24, 7, 5), (8, 80, 48, 33), (17, 128, 16, 1), (5, 3, 20, 17)])
+def test_kv_scores_and_accum(isa, kv, G, hd, ldk, n):
+    """Attention over one KV block for G heads: keys transposed [hd][ldk] (first n tokens used), values
+    [n][hd]; head counts past one register tile (8), head_dim and token counts off the 16-lane grid."""
+    rng = np.random.default_rng(G * 1000 + hd + n)
+    q = rng.standard_normal((G, hd)).astype(np.float32)
+    k, k64 = _kv_values(kv, rng, (hd, ldk))
+    s = _core.kernel_kv_scores(isa, kv, q, k, ldk, n)
+    ref = q.astype(np.float64) @ k64[:, :n]
+    np.testing.assert_allclose(s, ref, rtol=1e-5, atol=1e-4 * np.sqrt(hd) * np.abs(k64).max())
+    p = rng.random((G, n)).astype(np.float32)
+    v, v64 = _kv_values(kv, rng, (n, hd))
+    out0 = rng.standard_normal((G, hd)).astype(np.float32)
+    y = _core.kernel_kv_accum(isa, kv, p, v, hd, out0)
+    np.testing.assert_allclose(y, out0 + p.astype(np.float64) @ v64, rtol=1e-5, atol=1e-4 * np.sqrt(n) * np.abs(v64).max())
+
+
+def test_kv_kernel_arguments_are_checked():
+    q = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError):
+        _core.kernel_kv_scores("scalar", "bf16", q, np.zeros((8, 16), np.float32), 16, 16)  # wrong dtype
+    with pytest.raises(ValueError):
+        _core.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 4), np.float32), 16, 16)   # too small
+    with pytest.raises(ValueError):
+        _core.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 16), np.float32), 16, 17)  # n > ldk

@@ -8,6 +8,7 @@ generated tokens / total time).
 
     python tools/bench_batching.py --threads 1 2 --npl 1 4 16 64 --rounds 2
     python tools/bench_batching.py --isa avx512_bf16 avx512   # corelm once per kernel table (CORELM_ISA)
+    python tools/bench_batching.py --weights q8               # corelm q8 against llama.cpp Q8_0
 """
 import argparse
 import json
@@ -22,20 +23,25 @@ PEERS = os.environ.get("PEERS", os.path.expanduser("~/corelm-peers"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def corelm_worker(model, threads, n, npp, ntg, kv):
+GGUF_FOR = {"bf16": "F16", "q8": "Q8_0", "q4": "Q4_0"}  # llama.cpp's format at the same bits per weight
+
+
+def corelm_worker(model, threads, n, npp, ntg, kv, weights):
     """Runs in a subprocess so each measurement starts fresh; prints one JSON line."""
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import numpy as np
     import corelm
     from corelm import SamplingParams
     per_token = None
-    llm = corelm.LLM(model, dtype="bf16", threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
-                     kv_cache_gb=None, max_num_seqs=max(n, 1), max_batch_tokens=512)
+    wkw = {"dtype": "bf16"} if weights == "bf16" else {"weights": weights}  # a converted folder keeps its format
+    llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
+                     kv_cache_gb=None, max_num_seqs=max(n, 1), max_batch_tokens=512, **wkw)
     needed_blocks = n * -(-(npp + ntg + 1) // llm._core.kv_block_size)
     if llm._core.kv_blocks < needed_blocks:  # size the pool for the whole batch: this measures batching, not preemption
         per_block = llm._core.kv_bytes / llm._core.kv_blocks
-        llm = corelm.LLM(model, dtype="bf16", threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
-                         kv_cache_gb=needed_blocks * per_block / 2**30 * 1.01, max_num_seqs=n, max_batch_tokens=512)
+        llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
+                         kv_cache_gb=needed_blocks * per_block / 2**30 * 1.01, max_num_seqs=n, max_batch_tokens=512,
+                         **wkw)
     rng = np.random.default_rng(0)
     vocab = llm.spec.vocab_size
     llm.generate([list(rng.integers(3, vocab, 16))], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -58,9 +64,10 @@ def corelm_worker(model, threads, n, npp, ntg, kv):
                       "S": (n * npp + n_tok) / (t1 - t0), "preemptions": eng.num_preemptions}))
 
 
-def run_corelm(model, threads, n, npp, ntg, kv, isa=None):
+def run_corelm(model, threads, n, npp, ntg, kv, weights, isa=None):
     env = dict(os.environ, CORELM_ISA=isa) if isa else None
-    out = subprocess.run([sys.executable, __file__, "--worker", model, str(threads), str(n), str(npp), str(ntg), kv],
+    out = subprocess.run([sys.executable, __file__, "--worker", model, str(threads), str(n), str(npp), str(ntg), kv,
+                          weights],
                          capture_output=True, text=True, timeout=3600, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -81,9 +88,11 @@ def run_llama(gguf, threads, n, npp, ntg):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=os.path.join(PEERS, "models", "qwen0.5b-dims-rand"))
-    ap.add_argument("--gguf", default=os.path.join(PEERS, "models", "gguf", "qwen0.5b-dims-rand-F16.gguf"))
+    ap.add_argument("--weights", default="bf16", choices=sorted(GGUF_FOR),
+                    help="corelm's weight format; llama.cpp runs the GGUF of the same bits (F16, Q8_0, Q4_0)")
+    ap.add_argument("--gguf", default=None, help="default: the peers' qwen0.5b-dims-rand GGUF matching --weights")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--npl", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--npp", type=int, default=128)
@@ -95,8 +104,9 @@ def main():
     ap.add_argument("--out", default=None, help="raw results as JSON")
     a = ap.parse_args()
     if a.worker:
-        m, t, n, npp, ntg, kv = a.worker
-        return corelm_worker(m, int(t), int(n), int(npp), int(ntg), kv)
+        m, t, n, npp, ntg, kv, w = a.worker
+        return corelm_worker(m, int(t), int(n), int(npp), int(ntg), kv, w)
+    a.gguf = a.gguf or os.path.join(PEERS, "models", "gguf", f"qwen0.5b-dims-rand-{GGUF_FOR[a.weights]}.gguf")
     have_llama = os.path.exists(os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")) and \
         os.path.exists(a.gguf)
     corelms = [f"corelm:{isa}" for isa in a.isa] if a.isa else ["corelm"]
@@ -109,7 +119,7 @@ def main():
                 for e in engines:
                     if e == "llama" and not have_llama:
                         continue
-                    res = run_corelm(a.model, t, n, a.npp, a.ntg, a.kv, e.partition(":")[2] or None) \
+                    res = run_corelm(a.model, t, n, a.npp, a.ntg, a.kv, a.weights, e.partition(":")[2] or None) \
                         if e != "llama" else run_llama(a.gguf, t, n, a.npp, a.ntg)
                     raw.append(dict(engine=e, threads=t, n=n, round=r, **res))
                     print(f"[{time.strftime('%H:%M:%S')}] {e} T={t} N={n}: " +

@@ -312,6 +312,37 @@ PYBIND11_MODULE(_core, m) {
     table(isa).axpy(out.mutable_data(), a, x.data(), x.shape(0));
     return out;
   });
+  // The attention kernels over one KV block; keys [hd][ldk] and values [n][hd] are given as arrays of
+  // the cache's element type (float32, bf16 bits as uint16, int8).
+  auto kv_array = [](const std::string& kv, py::array a, int64_t need) {
+    const KVType t = parse_kv_type(kv);
+    const bool ok = t == KVType::F32 ? py::isinstance<py::array_t<float>>(a)
+                    : t == KVType::BF16 ? py::isinstance<py::array_t<uint16_t>>(a)
+                                        : py::isinstance<py::array_t<int8_t>>(a);
+    if (!ok || !(a.flags() & py::array::c_style)) throw std::invalid_argument("kv array: wrong dtype or not contiguous");
+    if (a.size() < need) throw std::invalid_argument("kv array too small");
+    return std::make_pair(t, a.data());
+  };
+  m.def("kernel_kv_scores", [kv_array](const std::string& isa, const std::string& kv, FloatArray q, py::array k,
+                                       int64_t ldk, int64_t n) {
+    if (q.ndim() != 2 || n < 1 || ldk < n) throw std::invalid_argument("kernel_kv_scores needs q [G, hd], 1 <= n <= ldk");
+    const int64_t G = q.shape(0), hd = q.shape(1);
+    auto [t, kp] = kv_array(kv, k, hd * ldk);
+    py::array_t<float> s({G, n});
+    table(isa).kv_scores(t, q.data(), G, hd, kp, ldk, n, s.mutable_data(), n);
+    return s;
+  });
+  m.def("kernel_kv_accum", [kv_array](const std::string& isa, const std::string& kv, FloatArray p, py::array v,
+                                      int64_t hd, FloatArray out) {
+    if (p.ndim() != 2 || out.ndim() != 2 || out.shape(0) != p.shape(0) || out.shape(1) != hd || p.shape(1) < 1)
+      throw std::invalid_argument("kernel_kv_accum needs p [G, n] and out [G, hd]");
+    const int64_t G = p.shape(0), n = p.shape(1);
+    auto [t, vp] = kv_array(kv, v, n * hd);
+    py::array_t<float> y({G, hd});
+    std::copy(out.data(), out.data() + G * hd, y.mutable_data());
+    table(isa).kv_accum(t, p.data(), n, G, vp, n, hd, y.mutable_data());
+    return y;
+  });
   m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
     if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
     PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype));

@@ -14,6 +14,9 @@ namespace corelm {
 enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
 const char* weight_type_name(WeightType t);
 
+// How the KV cache stores keys and values; int8 rows carry a scale and offset the caller applies.
+enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
+
 struct KernelTable;
 
 // Runs body(i0, i1) over disjoint ranges covering [0, n), possibly on several threads: how the model
@@ -50,11 +53,16 @@ struct KernelTable {
   float (*dot)(const float* a, const float* b, int64_t n);
   // y += a * x
   void (*axpy)(float* y, float a, const float* x, int64_t n);
-  // The same over keys/values stored as bf16 or int8 (the KV cache); int8 scales are applied by the caller.
-  float (*dot_bf16)(const float* a, const uint16_t* b, int64_t n);
-  float (*dot_i8)(const float* a, const int8_t* b, int64_t n);
-  void (*axpy_bf16)(float* y, float a, const uint16_t* x, int64_t n);
-  void (*axpy_i8)(float* y, float a, const int8_t* x, int64_t n);
+  // Attention over n cached tokens (part of one KV block) for the G query heads that share a kv head.
+  // Keys are stored transposed, K[d * ldk + j]: one vector load is one channel of 16 consecutive tokens,
+  // so scores come out 16 at a time with no horizontal sums, and each key load serves all G heads.
+  // Values are rows, V[j * hd + d]. Elements are of type t; int8 scales are applied by the caller.
+  //   s[g * lds + j] = sum_d q[g * hd + d] * K[d * ldk + j]           (g < G, j < n)
+  void (*kv_scores)(KVType t, const float* q, int64_t G, int64_t hd, const void* k, int64_t ldk, int64_t n,
+                    float* s, int64_t lds);
+  //   out[g * hd + d] += sum_j p[g * ldp + j] * V[j * hd + d]
+  void (*kv_accum)(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, int64_t n, int64_t hd,
+                   float* out);
   // x = exp(x - max) / sum, in place.
   void (*softmax)(float* x, int64_t n);
   // One row of W as fp32 (embedding lookup).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 namespace corelm {
 
@@ -77,69 +78,103 @@ RowScale quantize_row_i8(const float* x, int64_t n, int8_t* q) {
 
 void KVCache::store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x) {
   const size_t row = index(layer, block, kv_head, slot);
-  char* dst = static_cast<char*>((value ? v_ : k_).get()) + row * head_dim_ * esz_;
+  // values are rows; keys are transposed within their block (channel d of slot s at d * block_size + s)
+  const size_t first = value ? row * head_dim_ : index(layer, block, kv_head, 0) * head_dim_ + slot;
+  const size_t stride = value ? 1 : block_size_;
+  char* base = static_cast<char*>((value ? v_ : k_).get());
   switch (type_) {
     case KVType::F32:
-      std::memcpy(dst, x, head_dim_ * sizeof(float));
+      for (int64_t i = 0; i < head_dim_; i++) reinterpret_cast<float*>(base)[first + i * stride] = x[i];
       break;
     case KVType::BF16:
-      for (int64_t i = 0; i < head_dim_; i++) reinterpret_cast<uint16_t*>(dst)[i] = f32_to_bf16(x[i]);
+      for (int64_t i = 0; i < head_dim_; i++) reinterpret_cast<uint16_t*>(base)[first + i * stride] = f32_to_bf16(x[i]);
       break;
     case KVType::I8: {
       float rotated[kMaxHeadDim];
+      int8_t q[kMaxHeadDim];
       std::memcpy(rotated, x, head_dim_ * sizeof(float));
       hadamard(rotated, head_dim_);
-      static_cast<RowScale*>((value ? v_scale_ : k_scale_).get())[row] =
-          quantize_row_i8(rotated, head_dim_, reinterpret_cast<int8_t*>(dst));
+      static_cast<RowScale*>((value ? v_scale_ : k_scale_).get())[row] = quantize_row_i8(rotated, head_dim_, q);
+      for (int64_t i = 0; i < head_dim_; i++) reinterpret_cast<int8_t*>(base)[first + i * stride] = q[i];
       break;
     }
   }
 }
 
+// Block by block over [start, end]: scores for all G heads at once, softmax per head, then the
+// weighted sum of values for all G heads at once.
 void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, const int32_t* blocks, int64_t start,
-                     int64_t end, const float* q, float scale, float* scores, float* out) const {
-  const int64_t n = end - start + 1, hd = head_dim_;
+                     int64_t end, const float* q, int64_t G, float scale, float* scores, float* out) const {
+  const int64_t n = end - start + 1, hd = head_dim_, bs = block_size_;
   const char* kb = static_cast<const char*>(k_.get());
   const char* vb = static_cast<const char*>(v_.get());
   const RowScale* ks = static_cast<const RowScale*>(k_scale_.get());
   const RowScale* vs = static_cast<const RowScale*>(v_scale_.get());
-  auto row_of = [&](int64_t j) { return index(layer, blocks[j / block_size_], kv_head, j % block_size_); };
-  // int8 rows hold Hk: q . k = (Hq) . (scale * k8 + zero) = scale * ((Hq) . k8) + zero * sum(Hq)
-  float q_rot[kMaxHeadDim], q_sum = 0.f;
-  if (type_ == KVType::I8) {
-    std::memcpy(q_rot, q, hd * sizeof(float));
-    hadamard(q_rot, hd);
-    for (int64_t i = 0; i < hd; i++) q_sum += q_rot[i];
-    q = q_rot;
-  }
-  for (int64_t i = 0; i < n; i++) {
-    const size_t row = row_of(start + i);
-    const void* kp = kb + row * hd * esz_;
-    float s = type_ == KVType::F32    ? kt.dot(q, static_cast<const float*>(kp), hd)
-              : type_ == KVType::BF16 ? kt.dot_bf16(q, static_cast<const uint16_t*>(kp), hd)
-                                      : kt.dot_i8(q, static_cast<const int8_t*>(kp), hd) * ks[row].scale() +
-                                            ks[row].zero() * q_sum;
-    scores[i] = s * scale;
-  }
-  kt.softmax(scores, n);
-  std::memset(out, 0, hd * sizeof(float));
-  float zero_sum = 0.f;  // int8 rows: sum_j p_j * zero_j, added to every output element at the end
-  for (int64_t i = 0; i < n; i++) {
-    const size_t row = row_of(start + i);
-    const void* vp = vb + row * hd * esz_;
-    if (type_ == KVType::F32)
-      kt.axpy(out, scores[i], static_cast<const float*>(vp), hd);
-    else if (type_ == KVType::BF16)
-      kt.axpy_bf16(out, scores[i], static_cast<const uint16_t*>(vp), hd);
-    else {
-      kt.axpy_i8(out, scores[i] * vs[row].scale(), static_cast<const int8_t*>(vp), hd);
-      zero_sum += scores[i] * vs[row].zero();
+  const bool i8 = type_ == KVType::I8;
+  // per thread: the scaled (for int8 also rotated) queries [G][hd], their sums [G], int8 values'
+  // probabilities times the row scale [G][bs] and the probability-weighted offsets [G]
+  thread_local std::vector<float> work;
+  work.resize(G * (hd + bs + 2));
+  float *qs = work.data(), *q_sum = qs + G * hd, *p_scaled = q_sum + G, *zero_sum = p_scaled + G * bs;
+  // int8 rows hold Hk: q . k = (Hq) . (step * k8 + zero) = step * ((Hq) . k8) + zero * sum(Hq)
+  for (int64_t g = 0; g < G; g++) {
+    float* qg = qs + g * hd;
+    for (int64_t i = 0; i < hd; i++) qg[i] = q[g * hd + i] * scale;
+    q_sum[g] = zero_sum[g] = 0.f;
+    if (i8) {
+      hadamard(qg, hd);
+      for (int64_t i = 0; i < hd; i++) q_sum[g] += qg[i];
     }
   }
-  if (type_ == KVType::I8) {  // out holds sum_j p_j Hv_j: rotate it back
-    for (int64_t i = 0; i < hd; i++) out[i] += zero_sum;
-    hadamard(out, hd);
-  }
+  // walks [start, end] in pieces that stay inside one block: f(first row, token offset, count, next
+  // piece's first row or -1)
+  auto pieces = [&](auto&& f) {
+    for (int64_t j = start; j <= end;) {
+      const int64_t slot = j % bs, cnt = std::min(bs - slot, end + 1 - j);
+      const int64_t next = j + cnt <= end ? (int64_t)index(layer, blocks[(j + cnt) / bs], kv_head, 0) : -1;
+      f(index(layer, blocks[j / bs], kv_head, slot), j - start, cnt, next);
+      j += cnt;
+    }
+  };
+  // A sequence's blocks are scattered, and at batch sizes that matter they come from DRAM: ask for
+  // the next block while this one is computed (the prefetchers only catch up inside a block).
+  const size_t block_bytes = (size_t)bs * hd * esz_;
+  auto prefetch_block = [&](const char* base, int64_t first_row) {
+    if (first_row < 0) return;
+    const char* p = base + (size_t)first_row * hd * esz_;
+    for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off);
+  };
+  pieces([&](size_t row, int64_t off, int64_t cnt, int64_t next) {
+    prefetch_block(kb, next);
+    prefetch_block(vb, (int64_t)(row - row % bs));  // this block's values, read once the scores are done
+    const size_t block_first = row - row % bs;  // rows of a block are consecutive
+    const char* kp = kb + (block_first * hd + row % bs) * esz_;
+    kt.kv_scores(type_, qs, G, hd, kp, bs, cnt, scores + off, n);
+    if (i8)
+      for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < cnt; i++) {
+          float& s = scores[g * n + off + i];
+          s = s * ks[row + i].scale() + ks[row + i].zero() * q_sum[g];
+        }
+  });
+  for (int64_t g = 0; g < G; g++) kt.softmax(scores + g * n, n);
+  std::memset(out, 0, G * hd * sizeof(float));
+  pieces([&](size_t row, int64_t off, int64_t cnt, int64_t) {
+    const char* vp = vb + row * hd * esz_;
+    if (!i8) return kt.kv_accum(type_, scores + off, n, G, vp, cnt, hd, out);
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t i = 0; i < cnt; i++) {
+        const float p = scores[g * n + off + i];
+        p_scaled[g * bs + i] = p * vs[row + i].scale();
+        zero_sum[g] += p * vs[row + i].zero();  // sum_j p_j * zero_j, added to every output element below
+      }
+    kt.kv_accum(type_, p_scaled, bs, G, vp, cnt, hd, out);
+  });
+  if (i8)  // out holds sum_j p_j Hv_j: rotate it back
+    for (int64_t g = 0; g < G; g++) {
+      for (int64_t i = 0; i < hd; i++) out[g * hd + i] += zero_sum[g];
+      hadamard(out + g * hd, hd);
+    }
 }
 
 }  // namespace corelm

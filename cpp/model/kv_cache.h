@@ -14,7 +14,6 @@
 
 namespace corelm {
 
-enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
 const char* kv_type_name(KVType t);
 
 // How an int8 row maps back to floats: x[i] ~= lo + step * (q[i] + 128) = scale() * q[i] + zero(). Both
@@ -54,10 +53,11 @@ class KVCache {
   // Stores one token's key (or, with value, its value) for one kv head at (block, slot).
   void store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x);
 
-  // out[head_dim] = softmax(scale * q . K[j]) . V[j] over positions j in [start, end] of a sequence whose
-  // positions live in `blocks` (block table). `scores` needs end - start + 1 floats.
+  // For G query heads that share kv_head (q and out are [G][head_dim]):
+  // out[g] = softmax(scale * q[g] . K[j]) . V[j] over positions j in [start, end] of a sequence whose
+  // positions live in `blocks` (block table). `scores` needs G * (end - start + 1) floats.
   void attend(const KernelTable& kt, int64_t layer, int64_t kv_head, const int32_t* blocks, int64_t start,
-              int64_t end, const float* q, float scale, float* scores, float* out) const;
+              int64_t end, const float* q, int64_t G, float scale, float* scores, float* out) const;
 
  private:
   size_t index(int64_t layer, int64_t block, int64_t kv_head, int64_t slot) const {
@@ -67,7 +67,8 @@ class KVCache {
   int64_t n_layers_, n_kv_heads_, head_dim_, n_blocks_, block_size_;
   KVType type_;
   size_t esz_;
-  std::shared_ptr<void> k_, v_;            // [layer][kv_head][block][slot][head_dim]
+  std::shared_ptr<void> k_, v_;            // k: [layer][kv_head][block][head_dim][slot] (transposed in a block)
+                                           // v: [layer][kv_head][block][slot][head_dim]
   std::shared_ptr<void> k_scale_, v_scale_;  // [layer][kv_head][block][slot] of RowScale (int8 only)
 };
 

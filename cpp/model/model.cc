@@ -405,7 +405,7 @@ void Model::ensure_scratch(int64_t n) {
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
   hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
-  scores_.assign(nth * cfg_.max_seq_len, 0.f);
+  scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
   tok_seq_.assign(T, 0);
   tok_pos_.assign(T, 0);
@@ -642,42 +642,50 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.
+// A task is one token's query heads that share a kv head (or a part of them when there are too few
+// tasks to keep the threads busy), so each key and value read serves several heads.
 void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
   const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
   const int64_t qkv_dim = (nh + 2 * nkv) * hd;
   const float scale = 1.f / std::sqrt((float)hd);
-  auto attend = [&](int64_t t, int64_t h, float* s) {
+  const int64_t parts = std::clamp<int64_t>((2 * pool_.size() + T * nkv - 1) / (T * nkv), 1, group);
+  const int64_t per = (group + parts - 1) / parts;  // query heads per task
+  // task -> (token, kv head kvh0 + (task / parts) % n_kv, part task % parts); later tokens see more keys,
+  // so tasks are dealt in token-major order and striding balances the causal triangle across threads
+  auto attend = [&](int64_t task, int64_t kvh0, int64_t n_kv, float* s) {
+    const int64_t t = task / (parts * n_kv), kvh = kvh0 + task / parts % n_kv, part = task % parts;
+    const int64_t h0 = kvh * group + part * per, G = std::min(per, group - part * per);
+    if (G <= 0) return;
     const int64_t p = tok_pos_[t];
     const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
-    kv_.attend(kt_, l, h / group, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h * hd, scale, s,
-               att_.data() + t * nh * hd + h * hd);
+    kv_.attend(kt_, l, kvh, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale, s,
+               att_.data() + t * nh * hd + h0 * hd);
   };
+  const size_t scores_per_thread = (size_t)group * cfg_.max_seq_len;
   if (kv_head_nodes_.empty()) {
     pool_.parallel([&](int tid, int nth) {
-      float* s = scores_.data() + (size_t)tid * cfg_.max_seq_len;
-      // Tasks are (token, head) pairs dealt round-robin: later tokens see more keys, so striding
-      // balances the causal triangle across threads.
-      for (int64_t task = tid; task < T * nh; task += nth) attend(task / nh, task % nh, s);
+      float* s = scores_.data() + tid * scores_per_thread;
+      for (int64_t task = tid; task < T * nkv * parts; task += nth) attend(task, 0, nkv, s);
     });
     return;
   }
-  // Split by node: node j's (token, query head) tasks are those of the kv heads placed on node j (a
-  // query head follows its kv head), claimed one at a time from that node's counter. A thread takes
-  // its own node's first, then the other nodes' in turn; a thread without a node starts at the first.
+  // Split by node: node j's tasks are those of the kv heads placed on node j, claimed one at a time
+  // from that node's counter. A thread takes its own node's first, then the other nodes' in turn; a
+  // thread without a node starts at the first.
   const int n = (int)kv_head_nodes_.size();
   std::atomic<int64_t> next[ThreadPool::kMaxGroups];
   for (int g = 0; g < n; g++) next[g].store(0, std::memory_order_relaxed);
   pool_.parallel([&](int slot, int) {
-    float* s = scores_.data() + (size_t)slot * cfg_.max_seq_len;
+    float* s = scores_.data() + slot * scores_per_thread;
     const int node = pool_.thread_nodes()[pool_.current_thread()];
     int home = 0;
     for (int g = 0; g < n; g++)
       if (kv_head_nodes_[g].node == node) home = g;
     for (int i = 0; i < n; i++) {
       const int g = (home + i) % n;
-      const int64_t h0 = kv_head_nodes_[g].begin * group, heads = (kv_head_nodes_[g].end - kv_head_nodes_[g].begin) * group;
-      for (int64_t task; (task = next[g].fetch_add(1, std::memory_order_relaxed)) < T * heads;)
-        attend(task / heads, h0 + task % heads, s);
+      const int64_t kvh0 = kv_head_nodes_[g].begin, n_kv = kv_head_nodes_[g].end - kv_head_nodes_[g].begin;
+      for (int64_t task; (task = next[g].fetch_add(1, std::memory_order_relaxed)) < T * n_kv * parts;)
+        attend(task, kvh0, n_kv, s);
     }
   });
 }

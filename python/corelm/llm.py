@@ -71,6 +71,9 @@ class LLM:
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         if weights is not None:   # "f32" | "bf16" | "q8" | "q4": convert once into the cache, then load that
+            if dtype not in ("auto", weights):   # the converted folder would be repacked into dtype: say so
+                raise ValueError(f"weights={weights!r} and dtype={dtype!r} disagree; give one of them "
+                                 f"(weights= converts and keeps that format, dtype= repacks at load).")
             from .convert import cached_conversion
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
         self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/avx512/kernels_avx512_bf16.h"
@@ -247,7 +248,8 @@ void axpy(float* y, float a, const float* x, int64_t n) {
   }
 }
 
-// 16 cached bf16 or int8 values as fp32 (masked for the tail).
+// 16 cached fp32, bf16 or int8 values as fp32 (masked for the tail).
+inline __m512 load_kv16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_kv16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -255,29 +257,83 @@ inline __m512 load_kv16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
-template <class T>
-float dot_kv(const float* a, const T* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), load_kv16(b + i, m), acc);
+// Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a
+// compile-time constant, so a tile's accumulators live in registers.
+constexpr int kMaxHeadTile = 8;
+template <int NG = 1, class F>
+void with_head_tile(int64_t g, F&& f) {
+  if constexpr (NG < kMaxHeadTile) {
+    if (g != NG) return with_head_tile<NG + 1>(g, f);
   }
-  return _mm512_reduce_add_ps(acc);
+  f(std::integral_constant<int, NG>());
 }
 
-template <class T>
-void axpy_kv(float* y, float a, const T* x, int64_t n) {
-  __m512 av = _mm512_set1_ps(a);
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, load_kv16(x + i, m), _mm512_maskz_loadu_ps(m, y + i)));
+// NG heads x 16 tokens per pass: a key channel vector is loaded once and used by every head.
+template <int NG, class T>
+void kv_scores_tile(const float* q, int64_t hd, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : tail_mask(n - j);
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+      const __m512 kd = load_kv16(k + d * ldk + j, m);
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * hd + d]), kd, acc[g]);
+    }
+    for (int g = 0; g < NG; g++) _mm512_mask_storeu_ps(s + g * lds + j, m, acc[g]);
   }
 }
 
-float dot_bf16(const float* a, const uint16_t* b, int64_t n) { return dot_kv(a, b, n); }
-float dot_i8(const float* a, const int8_t* b, int64_t n) { return dot_kv(a, b, n); }
-void axpy_bf16(float* y, float a, const uint16_t* x, int64_t n) { axpy_kv(y, a, x, n); }
-void axpy_i8(float* y, float a, const int8_t* x, int64_t n) { axpy_kv(y, a, x, n); }
+// NG heads x 16 channels per pass over the tokens: a value vector is loaded once and used by every head.
+template <int NG, class T>
+void kv_accum_tile(const float* p, int64_t ldp, const T* v, int64_t n, int64_t hd, float* out) {
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 m = hd - d >= 16 ? (__mmask16)0xffff : tail_mask(hd - d);
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+      const __m512 vj = load_kv16(v + j * hd + d, m);
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ldp + j]), vj, acc[g]);
+    }
+    for (int g = 0; g < NG; g++) {
+      float* o = out + g * hd + d;
+      _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[g]));
+    }
+  }
+}
+
+// f(tile, g0) over the G heads in tiles of at most kMaxHeadTile, from head g0 on.
+template <class F>
+void for_head_tiles(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadTile)
+    with_head_tile(std::min<int64_t>(G - g0, kMaxHeadTile), [&](auto ng) { f(ng, g0); });
+}
+
+// f(typed pointer) for the cache's element type.
+template <class F>
+void with_kv_type(KVType t, const void* p, F&& f) {
+  switch (t) {
+    case KVType::F32: return f(static_cast<const float*>(p));
+    case KVType::BF16: return f(static_cast<const uint16_t*>(p));
+    case KVType::I8: return f(static_cast<const int8_t*>(p));
+  }
+}
+
+void kv_scores(KVType t, const float* q, int64_t G, int64_t hd, const void* k, int64_t ldk, int64_t n, float* s,
+               int64_t lds) {
+  with_kv_type(t, k, [&](auto kp) {
+    for_head_tiles(G, [&](auto ng, int64_t g0) {
+      kv_scores_tile<decltype(ng)::value>(q + g0 * hd, hd, kp, ldk, n, s + g0 * lds, lds);
+    });
+  });
+}
+
+void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, int64_t n, int64_t hd, float* out) {
+  with_kv_type(t, v, [&](auto vp) {
+    for_head_tiles(G, [&](auto ng, int64_t g0) {
+      kv_accum_tile<decltype(ng)::value>(p + g0 * ldp, ldp, vp, n, hd, out + g0 * hd);
+    });
+  });
+}
 
 void rmsnorm(float* out, const float* x, const float* weight, int64_t n, float eps) {
   __m512 ss = _mm512_setzero_ps();
@@ -364,9 +420,9 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8,
-                                    axpy_bf16, axpy_i8, softmax, row_to_f32, quant::avx512_pack_raw};
-const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", pack, matmul_bf16dp, rmsnorm, silu_mul, dot, axpy, dot_bf16,
-                                        dot_i8, axpy_bf16, axpy_i8, softmax, row_to_f32, quant::avx512_pack_raw};
+const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, kv_scores,
+                                    kv_accum, softmax, row_to_f32, quant::avx512_pack_raw};
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", pack, matmul_bf16dp, rmsnorm, silu_mul, dot, axpy, kv_scores,
+                                        kv_accum, softmax, row_to_f32, quant::avx512_pack_raw};
 
 }  // namespace corelm

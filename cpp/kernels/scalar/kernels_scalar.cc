@@ -66,24 +66,30 @@ void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; i++) acc += a[i] * bf16_to_f32(b[i]);
-  return acc;
+// One cached element as fp32 (int8: the raw level; the caller applies the row's scale).
+inline float kv_at(KVType t, const void* p, int64_t i) {
+  switch (t) {
+    case KVType::F32: return static_cast<const float*>(p)[i];
+    case KVType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case KVType::I8: return (float)static_cast<const int8_t*>(p)[i];
+  }
+  return 0.f;
 }
 
-float dot_i8(const float* a, const int8_t* b, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; i++) acc += a[i] * (float)b[i];
-  return acc;
+void kv_scores(KVType t, const float* q, int64_t G, int64_t hd, const void* k, int64_t ldk, int64_t n, float* s,
+               int64_t lds) {
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t j = 0; j < n; j++) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < hd; d++) acc += q[g * hd + d] * kv_at(t, k, d * ldk + j);
+      s[g * lds + j] = acc;
+    }
 }
 
-void axpy_bf16(float* y, float a, const uint16_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
-}
-
-void axpy_i8(float* y, float a, const int8_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] += a * (float)x[i];
+void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, int64_t n, int64_t hd, float* out) {
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t d = 0; d < hd; d++) out[g * hd + d] += p[g * ldp + j] * kv_at(t, v, j * hd + d);
 }
 
 void softmax(float* x, int64_t n) {
@@ -102,7 +108,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, dot_bf16, dot_i8,
-                                    axpy_bf16, axpy_i8, softmax, row_to_f32, quant::scalar_pack_raw};
+const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, kv_scores,
+                                    kv_accum, softmax, row_to_f32, quant::scalar_pack_raw};
 
 }  // namespace corelm
