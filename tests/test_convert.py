@@ -271,6 +271,8 @@ def test_llm_weights_converts_once_and_caches(tmp_path, monkeypatch):
     assert cached_conversion(STORIES, "q4", progress=False) != folder
     with pytest.raises(ValueError, match="weights must be"):
         corelm.LLM(STORIES, threads=1, weights="q3")
+    with pytest.raises(ValueError, match="disagree"):   # would silently repack the q8 folder as bf16
+        corelm.LLM(STORIES, threads=1, weights="q8", dtype="bf16")
 
 
 def test_cli_convert(tmp_path, capsys):
