@@ -60,15 +60,21 @@ inline __m256 sum8(const __m512 a[8]) {
 // MR rows of x (bf16, [MR][ld]) against chunks [c0, c1) of weight group g: per chunk, each of the 8 rows'
 // 32 weights is one load that feeds MR dot products; the block is reused from L1 by the next MR rows.
 // The first block of K stores its sums, later ones add to them.
+// Strip `strip` of `nstrips` also asks L2 for its share of the next block's lines (the block right after
+// this one in memory): the strips of a block take longer than streaming the next one from DRAM, and
+// without this the first strip over each block waited for DRAM while the prefetchers caught up.
 template <int MR>
 void dot_rows(const uint16_t* xb, int64_t ld, const PackedMatrix& w, int64_t g, int64_t c0, int64_t c1, float* y,
-              int64_t ldy, __mmask8 keep) {
+              int64_t ldy, __mmask8 keep, int64_t strip, int64_t nstrips) {
   const int64_t nchunks = ld / kChunk;
   const uint16_t* p = static_cast<const uint16_t*>(w.data()) + (g * nchunks + c0) * kGroup * kChunk;
+  const char* next = reinterpret_cast<const char*>(p + (c1 - c0) * kGroup * kChunk);  // prefetch never faults
   __m512 acc[MR][kGroup];
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < kGroup; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t c = c0; c < c1; c++) {
+    for (int64_t r = strip % kGroup; r < kGroup; r += nstrips)  // one 64-byte line per weight row and chunk
+      _mm_prefetch(next + ((c - c0) * kGroup + r) * 64, _MM_HINT_T1);
     __m512i xv[MR];
     for (int i = 0; i < MR; i++) xv[i] = _mm512_load_si512(xb + i * ld + c * kChunk);
     for (int j = 0; j < kGroup; j++, p += kChunk) {
@@ -98,7 +104,7 @@ void dot_batch(const uint16_t* xb, int64_t m, int64_t ld, const PackedMatrix& w,
       const int64_t c1 = std::min(c0 + kc, nchunks);
       // strips of 2 rows: 16 accumulators (3 rows was no faster at K = 896, 4 spills registers)
       for_row_strips<2>(m, [&](auto rows, int64_t i) {
-        dot_rows<decltype(rows)::value>(xb + i * ld, ld, w, g, c0, c1, y + i * ldy, ldy, keep);
+        dot_rows<decltype(rows)::value>(xb + i * ld, ld, w, g, c0, c1, y + i * ldy, ldy, keep, i / 2, (m + 1) / 2);
       });
     }
   }
