@@ -70,6 +70,12 @@ struct KernelTable {
   // Raw GGUF Q8_0/Q4_0/Q4_1 blocks ([rows][cols/32] blocks) repacked as Q8/Q4/Q4M, no float round trip;
   // on par's threads when given.
   PackedMatrix (*pack_raw)(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
+  // matmul in two steps for quantized w, so that the calls over parts of [0, rows) share one
+  // quantization of x: quantize_act fills a 64-byte aligned buffer of quant_act_bytes(w, m) bytes
+  // (0 for a float w: use matmul) from x [m][ldx], and matmul_quant gives what matmul gives from it.
+  size_t (*quant_act_bytes)(const PackedMatrix& w, int64_t m);
+  void (*quantize_act)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
+  void (*matmul_quant)(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
 };
 
 extern const KernelTable kScalarKernels;

@@ -226,12 +226,18 @@ PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
 void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m);
+void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
+void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
 #if defined(CORELM_HAVE_X86)
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m);
+void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
+void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
 #endif
 }  // namespace quant
 }  // namespace corelm

@@ -405,6 +405,15 @@ void Model::ensure_scratch(int64_t n) {
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
   hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
+  // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
+  qact_ld_ = 0;
+  auto fit = [&](const PackedMatrix& w) {
+    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (kt_.quant_act_bytes(w, m) + 63) / 64 * 64);
+  };
+  for (const LayerWeights& L : layers_)
+    for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) fit(*w);
+  fit(lm_head_);
+  qact_ = qact_ld_ ? aligned_buffer(nth * qact_ld_) : nullptr;
   scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
   tok_seq_.assign(T, 0);
@@ -498,21 +507,39 @@ struct NormedInput {
   }
 };
 
+// A task's matmul y = x @ W^T. With quantized weights, x is quantized once per region and buffer
+// index (prepare) into the index's own buffer, and every chunk its thread computes reads that.
+struct TaskMatmul {
+  const KernelTable* k;
+  const PackedMatrix* w;
+  uint8_t* qa;  // [buffers][ld_qa]; null: float weights, matmul reads x
+  size_t ld_qa;
+  void prepare(int buf, const float* x, int64_t m, int64_t ldx) const {
+    if (qa) k->quantize_act(x, m, ldx, *w, qa + buf * ld_qa);
+  }
+  void run(int buf, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+    if (qa)
+      k->matmul_quant(qa + buf * ld_qa, m, *w, y, ldy, n0, n1);
+    else
+      k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
+  }
+};
+
 // Attention norm, q/k/v projection, bias and RoPE by whole heads; the commit also writes keys and
 // values to the cache.
 struct QkvTask {
   NormedInput in;
-  const PackedMatrix* w;
+  TaskMatmul mm;
   const float *bias, *rope_cos, *rope_sin;  // bias may be null
   const int64_t *tok_pos, *tok_seq;
   float* qkv;  // [T][qkv_dim]
   KVCache* kv;
   const SeqSlice* seqs;
   int64_t layer, hd, nh, nkv, block_size;
-  void prepare(int buf) const { in.prepare(buf); }
+  void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
     const int64_t half = hd / 2;
-    in.k->matmul(in.rows(buf), in.T, in.d, *w, s - h0 * hd, ld, h0 * hd, h1 * hd);
+    mm.run(buf, in.rows(buf), in.T, in.d, s - h0 * hd, ld, h0 * hd, h1 * hd);
     for (int64_t t = 0; t < in.T; t++) {
       const float* cs = rope_cos + tok_pos[t] * half;
       const float* sn = rope_sin + tok_pos[t] * half;
@@ -547,15 +574,15 @@ struct QkvTask {
 // (into scratch), by whole gate/up block pairs.
 struct GateUpTask {
   NormedInput in;
-  const PackedMatrix* w;
+  TaskMatmul mm;
   float* hb;   // [buffers][T][2 * f]
   float* act;  // [T][f]
   int64_t f, block;
-  void prepare(int buf) const { in.prepare(buf); }
+  void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
     const int64_t T = in.T;
     float* h = hb + (size_t)buf * T * 2 * f;
-    in.k->matmul(in.rows(buf), T, in.d, *w, h, 2 * f, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
+    mm.run(buf, in.rows(buf), T, in.d, h, 2 * f, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
     for (int64_t t = 0; t < T; t++)
       for (int64_t b = b0; b < b1; b++) {
         const int64_t c = std::min(block, f - b * block);
@@ -571,16 +598,15 @@ struct GateUpTask {
 
 // y = in @ W^T by output rows; the commit adds y to x (the residual stream) or stores it (logits).
 struct MatmulTask {
-  const KernelTable* k;
+  TaskMatmul mm;
   const float* in;
   int64_t m, ld_in;
-  const PackedMatrix* w;
   float* out;  // [m][n_out]
   int64_t n_out;
   bool accumulate;
-  void prepare(int) const {}
-  void compute(int, int64_t n0, int64_t n1, float* s, int64_t ld) const {
-    k->matmul(in, m, ld_in, *w, s - n0, ld, n0, n1);
+  void prepare(int buf) const { mm.prepare(buf, in, m, ld_in); }
+  void compute(int buf, int64_t n0, int64_t n1, float* s, int64_t ld) const {
+    mm.run(buf, in, m, ld_in, s - n0, ld, n0, n1);
   }
   void commit(int64_t n0, int64_t n1, const float* s, int64_t ld) const {
     for (int64_t t = 0; t < m; t++) {
@@ -611,20 +637,23 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   auto normed = [&](const std::vector<float>& w) {
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
+  auto task_matmul = [&](const PackedMatrix& w) {
+    return TaskMatmul{&k, &w, k.quant_act_bytes(w, 1) ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_};
+  };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel_chunks(MatmulTask{&k, in, T, ld, &w, x, d, true}, chunking(w, d, kRowGrain, T, 1));
+    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, x, d, true}, chunking(w, d, kRowGrain, T, 1));
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
-    const QkvTask qkv{normed(L.attn_norm), &L.wqkv, L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
+    const QkvTask qkv{normed(L.attn_norm), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
                       rope_sin_.data(), tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh,
                       nkv, kv_.block_size()};
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     attention(l, seqs, T);
     matmul_residual(att_.data(), nh * hd, L.wo);
     const int64_t blocks = (f + GB - 1) / GB;
-    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), &L.w_gate_up, hb_.data(), act_.data(), f, GB},
+    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB},
                           chunking(L.w_gate_up, blocks, 1, T, GB));
     matmul_residual(act_.data(), f, L.w_down);
   }
@@ -637,7 +666,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
-  pool_.parallel_chunks(MatmulTask{&k, out_rows_.data(), rows, d, &lm_head_, logits, cfg_.vocab_size, false},
+  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false},
                         chunking(lm_head_, cfg_.vocab_size, kRowGrain, rows, 1));
 }
 

@@ -178,6 +178,8 @@ class Model {
   std::vector<float> att_;      // [T][n_heads * head_dim]
   std::vector<float> hb_;       // [n_threads][T][2 * ffn_dim] each thread's gate/up rows (interleaved)
   std::vector<float> act_;      // [T][ffn_dim]
+  std::shared_ptr<void> qact_;  // [n_threads][qact_ld_] each thread's quantized matmul input (quantized weights)
+  size_t qact_ld_ = 0;
   std::vector<float> scores_;   // [n_threads][query heads per kv head][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position
   std::vector<float> out_rows_;  // [rows][dim] normalized rows whose logits are wanted

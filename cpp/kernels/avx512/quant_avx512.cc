@@ -134,25 +134,43 @@ inline int32_t half_correction(WeightType type, int32_t s) {
   return (type == WeightType::Q8 ? -64 : type == WeightType::Q4 ? -4 : 0) * s;
 }
 
-// Activations quantized per block, in W_t lane order (spread_block). corr[b] is added to both
-// halves of each row's sum; dxs[b] = dx * sum(xq) multiplies Q4M's minimum.
-struct QuantX {
-  std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xv;  // [nb][4][16]
-  std::vector<float> dx, dxs;
-  std::vector<int32_t> corr;
+// Activations quantized once per matmul (avx512_quantize_act), shared by every [n0, n1) call on it.
+// Decode (m == 1) keeps each block spread in W_t lane order (spread_block), as the GEMV reads it once
+// per pair of groups; prefill keeps the plain int8 rows (the GEMM spreads a strip at a time into L1).
+// Per row and block: dx, dxs = dx * sum(xq) (multiplies Q4M's minimum) and corr, added to both
+// halves of each row's sum.
+struct QuantAct {
+  int32_t* xv;  // m == 1: [nb][4][16]
+  int8_t* q;    // m > 1: [m][nb][32]
+  float *dx, *dxs;
+  int32_t* corr;  // dx, dxs, corr: [m][nb]
 };
 
-void quantize_x(const float* x, int64_t K, int64_t nb, WeightType type, QuantX* qx) {
-  qx->xv.resize(64 * nb);
-  qx->dx.resize(nb), qx->dxs.resize(nb), qx->corr.resize(nb);
-  for (int64_t b = 0; b < nb; b++) {
-    float d;
-    int32_t s;
-    spread_block(quantize_act_block(x + b * kBlock, K - b * kBlock, &d, &s), qx->xv.data() + 64 * b);
-    qx->dx[b] = d;
-    qx->dxs[b] = d * (float)s;
-    qx->corr[b] = half_correction(type, s);
-  }
+inline size_t quants_bytes(int64_t m, int64_t nb) { return (size_t)(m == 1 ? 256 : 32 * m) * nb; }
+inline size_t act_bytes(int64_t m, int64_t nb) { return (quants_bytes(m, nb) + 12 * m * nb + 63) / 64 * 64; }
+
+// The view of a 64-byte aligned buffer of act_bytes(m, nb).
+inline QuantAct act_view(void* buf, int64_t m, int64_t nb) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  float* dx = reinterpret_cast<float*>(p + quants_bytes(m, nb));
+  return {reinterpret_cast<int32_t*>(p), reinterpret_cast<int8_t*>(p), dx, dx + m * nb,
+          reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
+}
+
+void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantAct& qa) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t b = 0; b < nb; b++) {
+      float d;
+      int32_t s;
+      const __m512i bytes = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, &d, &s);
+      if (m == 1)
+        spread_block(bytes, qa.xv + 64 * b);
+      else
+        _mm256_store_si256((__m256i*)(qa.q + (i * nb + b) * kBlock), _mm512_castsi512_si256(bytes));
+      qa.dx[i * nb + b] = d;
+      qa.dxs[i * nb + b] = d * (float)s;
+      qa.corr[i * nb + b] = half_correction(type, s);
+    }
 }
 
 inline __m512 scales8x2(const uint16_t* p) {  // 8 fp16 -> both halves of a vector
@@ -177,11 +195,11 @@ inline void load_w(const uint8_t* qs, __m512i w[4]) {
 // Block b of NG consecutive groups (records `gs` bytes apart from rec): each activation vector is
 // loaded once for all NG groups; row sums (times the scales) go to facc, Q4M's minimum terms to macc.
 template <WeightType T, bool VNNI, int NG>
-inline void gemv_block(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_t nb, int64_t b, __m512 facc[NG],
+inline void gemv_block(const QuantAct& qx, const uint8_t* rec, int64_t gs, int64_t nb, int64_t b, __m512 facc[NG],
                        __m256 macc[NG]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512i xq[4];
-  for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(qx.xv.data() + 16 * (4 * b + t)));
+  for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(qx.xv + 16 * (4 * b + t)));
   const __m512i c = _mm512_set1_epi32(qx.corr[b]);
   const __m512 d = _mm512_set1_ps(qx.dx[b]);
   for (int g = 0; g < NG; g++) {
@@ -206,7 +224,7 @@ inline void gemv_block(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_t
 // NG consecutive groups against the whole of x: out[g] = the group's 8 row results. Blocks go in
 // pairs so that each group has two fp32 accumulators in registers (the FMA chain is not the limit).
 template <WeightType T, bool VNNI, int NG>
-inline void gemv_groups(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_t nb, __m256 out[NG]) {
+inline void gemv_groups(const QuantAct& qx, const uint8_t* rec, int64_t gs, int64_t nb, __m256 out[NG]) {
   __m512 f0[NG], f1[NG];
   __m256 macc[NG];
   for (int g = 0; g < NG; g++) f0[g] = f1[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
@@ -223,10 +241,8 @@ inline void gemv_groups(const QuantX& qx, const uint8_t* rec, int64_t gs, int64_
 }
 
 template <WeightType T, bool VNNI>
-void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
-  thread_local QuantX qx;
-  quantize_x(x, w.cols, nb, T, &qx);
   const uint8_t* base = static_cast<const uint8_t*>(w.data());
   for (int64_t g = n0 / kGroup; g < g_end;) {
     __m256 r[2];
@@ -262,31 +278,10 @@ constexpr int kMR = 6;                         // activation rows per tile
 constexpr int64_t kKC = 16;                    // blocks per K chunk: the strip's 6 x 16 x 256 B in L1
 constexpr int64_t kChunkBytes = 384 << 10;     // weight bytes per (K chunk, group chunk): L2
 
-struct QuantRows {  // m rows quantized per block: q[i][ld] int8, then [i][nb] per block
-  std::vector<int8_t, avx512::AlignedAlloc<int8_t>> q;
-  std::vector<float> dx, dxs;
-  std::vector<int32_t> corr;
-};
-
-void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, QuantRows* qr) {
-  qr->q.resize(m * nb * kBlock);
-  qr->dx.resize(m * nb), qr->dxs.resize(m * nb), qr->corr.resize(m * nb);
-  for (int64_t i = 0; i < m; i++)
-    for (int64_t b = 0; b < nb; b++) {
-      float d;
-      int32_t s;
-      const __m512i bytes = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, &d, &s);
-      _mm256_store_si256((__m256i*)(qr->q.data() + (i * nb + b) * kBlock), _mm512_castsi512_si256(bytes));
-      qr->dx[i * nb + b] = d;
-      qr->dxs[i * nb + b] = d * (float)s;
-      qr->corr[i * nb + b] = half_correction(type, s);
-    }
-}
-
 // Rows i0..i0+MR-1 of y, groups g0..g0+NG-1, blocks [b0, b0 + nbk): xs holds the strip spread,
 // [row][block - b0][4][16]. Adds to y unless `first`; stores only the rows of W in [n0, n1).
 template <WeightType T, bool VNNI, int MR, int NG>
-void tile(const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_t nbk, const uint8_t* base,
+void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk, const uint8_t* base,
           int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512 acc[MR][NG];
@@ -332,7 +327,7 @@ void tile(const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_
 }
 
 template <WeightType T, bool VNNI, int NG>
-void tile_rows(int mr, const int32_t* xs, const QuantRows& qr, int64_t i0, int64_t b0, int64_t nbk,
+void tile_rows(int mr, const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk,
                const uint8_t* base, int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1,
                bool first) {
   static_assert(kMR == 6, "one case per strip height");
@@ -347,13 +342,10 @@ void tile_rows(int mr, const int32_t* xs, const QuantRows& qr, int64_t i0, int64
 }
 
 template <WeightType T, bool VNNI>
-void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-          int64_t n1) {
+void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
   const uint8_t* base = static_cast<const uint8_t*>(w.data());
-  thread_local QuantRows qr;
   thread_local std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xs(kMR * kKC * 64);
-  quantize_rows(x, m, ldx, w.cols, nb, T, &qr);
   const int64_t nc = std::max<int64_t>(2, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
   for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
     const int64_t nbk = std::min(kKC, nb - b0);
@@ -363,7 +355,7 @@ void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* 
         const int mr = (int)std::min<int64_t>(kMR, m - i0);
         for (int i = 0; i < mr; i++)
           for (int64_t bb = 0; bb < nbk; bb++)
-            spread_block(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qr.q.data() + ((i0 + i) * nb + b0 + bb) * kBlock))),
+            spread_block(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qr.q + ((i0 + i) * nb + b0 + bb) * kBlock))),
                          xs.data() + 64 * (i * kKC + bb));
         int64_t g = c0;
         for (; g + 2 <= c1; g += 2) tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0);
@@ -374,13 +366,12 @@ void gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* 
 }
 
 template <WeightType T>
-void matmul_t(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-              int64_t n1) {
-  if (m > 1) return use_vnni() ? gemm<T, true>(x, m, ldx, w, y, ldy, n0, n1) : gemm<T, false>(x, m, ldx, w, y, ldy, n0, n1);
+void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (m > 1) return use_vnni() ? gemm<T, true>(qa, m, w, y, ldy, n0, n1) : gemm<T, false>(qa, m, w, y, ldy, n0, n1);
   if (use_vnni())
-    gemv<T, true>(x, w, y, n0, n1);
+    gemv<T, true>(qa, w, y, n0, n1);
   else
-    gemv<T, false>(x, w, y, n0, n1);
+    gemv<T, false>(qa, w, y, n0, n1);
 }
 
 }  // namespace
@@ -430,11 +421,28 @@ void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   }
 }
 
+size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m) {
+  return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
+}
+
+void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
+  quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
+}
+
+void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                         int64_t n1) {
+  const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
+  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
+  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
+  return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
+}
+
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1) {
-  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(x, m, ldx, w, y, ldy, n0, n1);
-  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(x, m, ldx, w, y, ldy, n0, n1);
-  return matmul_t<WeightType::Q4M>(x, m, ldx, w, y, ldy, n0, n1);
+  thread_local std::vector<uint8_t, avx512::AlignedAlloc<uint8_t>> qa;
+  qa.resize(avx512_quant_act_bytes(w, m));
+  avx512_quantize_act(x, m, ldx, w, qa.data());
+  avx512_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
 }
 
 }  // namespace quant

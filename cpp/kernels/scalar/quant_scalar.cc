@@ -64,16 +64,40 @@ void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   }
 }
 
-void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
-                   int64_t n0, int64_t n1) {
-  const int64_t K = w.cols, nb = w.ld / kBlock;
+// Quantized activations: xq int8 [m][ld], then dx float [m][nb] and sxq int32 [m][nb].
+size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m) {
+  return is_quant(w.type) && m >= 1 ? (size_t)m * (w.ld + 8 * (w.ld / kBlock)) : 0;
+}
+
+namespace {
+struct ActRows {
+  int8_t* xq;
+  float* dx;
+  int32_t* sxq;
+};
+ActRows act_rows(void* qa, int64_t m, const PackedMatrix& w) {
+  int8_t* xq = static_cast<int8_t*>(qa);
+  float* dx = reinterpret_cast<float*>(xq + m * w.ld);
+  return {xq, dx, reinterpret_cast<int32_t*>(dx + m * (w.ld / kBlock))};
+}
+}  // namespace
+
+void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
+  const ActRows a = act_rows(qa, m, w);
+  const int64_t nb = w.ld / kBlock;
+  for (int64_t i = 0; i < m; i++) quantize_activations(x + i * ldx, w.cols, a.xq + i * w.ld, a.dx + i * nb, a.sxq + i * nb);
+}
+
+void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                         int64_t n1) {
+  const int64_t nb = w.ld / kBlock;
+  const ActRows a = act_rows(const_cast<void*>(qa), m, w);
   if (n1 > w.rows) n1 = w.rows;
-  std::vector<int8_t> xq(w.ld);  // one row's quantized activations, integer block dots
-  std::vector<float> dx(nb);
-  std::vector<int32_t> sxq(nb);
   int8_t q[32];
   for (int64_t i = 0; i < m; i++) {
-    quantize_activations(x + i * ldx, K, xq.data(), dx.data(), sxq.data());
+    const int8_t* xq = a.xq + i * w.ld;
+    const float* dx = a.dx + i * nb;
+    const int32_t* sxq = a.sxq + i * nb;
     for (int64_t n = n0; n < n1; n++) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; b++) {
@@ -87,6 +111,13 @@ void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
       y[i * ldy + n] = acc;
     }
   }
+}
+
+void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1) {
+  std::vector<uint8_t> qa(scalar_quant_act_bytes(w, m));
+  scalar_quantize_act(x, m, ldx, w, qa.data());
+  scalar_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
 }
 
 }  // namespace quant
