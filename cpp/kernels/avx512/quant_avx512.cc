@@ -13,9 +13,10 @@
 // this adds is taken back once per block). Q4/Q4M store the u4 quants of W_{2u} in the low and of
 // W_{2u+1} in the high nibbles of vector u; Q4 subtracts 8*sum(xq) per block, Q4M adds m*dx*sum(xq).
 //
-// Both paths quantize the activations once per call (bit-identical to quant::quantize_activations)
-// and lay them out in the lane order above. Decode streams the groups; prefill (m > 1) runs register
-// tiles of several activation rows x two groups over L1/L2-sized chunks (see gemm below).
+// The activations are quantized once per matmul (avx512_quantize_act, bit-identical to
+// quant::quantize_activations; the model shares one quantization among a thread's row ranges) and
+// used in the lane order above. Decode streams kGemvGroups groups at once; prefill (m > 1) runs
+// register tiles of several activation rows x two groups over L1/L2-sized chunks (see gemm below).
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -271,8 +272,8 @@ void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill (m > 1): int8 GEMM. The activation rows are quantized once per call (each row exactly as
-// decode quantizes it, so a token's result does not depend on the batch). Then, per chunk of kKC
+// Prefill (m > 1): int8 GEMM. The activation rows come quantized (each row exactly as decode
+// quantizes it, so a token's result does not depend on the batch). Then, per chunk of kKC
 // blocks along K and per chunk of weight groups that stays in L2, each strip of up to kMR rows is
 // spread into W_t lane order in an L1 buffer and register tiles of kMR rows x 2 groups sweep the
 // chunk: per block, the two groups' quants are loaded (Q4: nibbles unpacked) once for every row of
