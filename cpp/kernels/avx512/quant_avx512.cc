@@ -284,17 +284,31 @@ constexpr int kMR = 6;                         // activation rows per tile
 constexpr int64_t kKC = 16;                    // blocks per K chunk: the strip's 6 x 16 x 256 B in L1
 constexpr int64_t kChunkBytes = 384 << 10;     // weight bytes per (K chunk, group chunk): L2
 
+// Where the next chunk of weights starts, for the L2 prefetch in tile (none: group < 0).
+struct NextChunk {
+  int64_t group, block;
+};
+
 // Rows i0..i0+MR-1 of y, groups g0..g0+NG-1, blocks [b0, b0 + nbk): xs holds the strip spread,
 // [row][block - b0][4][16]. Adds to y unless `first`; stores only the rows of W in [n0, n1).
+// With next.group >= 0 it also asks L2 for the same groups' blocks of the next chunk: the first row
+// strip over a chunk otherwise waits for DRAM, which takes about as long as all its strips compute.
 template <WeightType T, bool VNNI, int MR, int NG>
 void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk, const uint8_t* base,
-          int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+          int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first,
+          NextChunk next) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512 acc[MR][NG];
   for (int i = 0; i < MR; i++)
     for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
   for (int64_t bb = 0; bb < nbk; bb++) {
     const int64_t b = b0 + bb;
+    if (next.group >= 0)  // prefetch never faults, so a shorter next chunk needs no care
+      for (int g = 0; g < NG; g++) {
+        const uint8_t* rec = base + (size_t)(next.group + g) * gs;
+        for (int64_t l = 0; l < QSB; l += 64) _mm_prefetch((const char*)rec + (next.block + bb) * QSB + l, _MM_HINT_T1);
+        if (bb % 4 == 0) _mm_prefetch((const char*)rec + nb * QSB + (next.block + bb) * kGroup * 2, _MM_HINT_T1);
+      }
     __m512i wv[NG][4];
     __m512 ws[NG], mv[NG];
     for (int g = 0; g < NG; g++) {
@@ -335,15 +349,15 @@ void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t
 template <WeightType T, bool VNNI, int NG>
 void tile_rows(int mr, const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk,
                const uint8_t* base, int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1,
-               bool first) {
+               bool first, NextChunk nx) {
   static_assert(kMR == 6, "one case per strip height");
   switch (mr) {
-    case 6: return tile<T, VNNI, 6, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
-    case 5: return tile<T, VNNI, 5, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
-    case 4: return tile<T, VNNI, 4, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
-    case 3: return tile<T, VNNI, 3, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
-    case 2: return tile<T, VNNI, 2, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
-    default: return tile<T, VNNI, 1, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first);
+    case 6: return tile<T, VNNI, 6, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    case 5: return tile<T, VNNI, 5, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    case 4: return tile<T, VNNI, 4, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    case 3: return tile<T, VNNI, 3, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    case 2: return tile<T, VNNI, 2, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    default: return tile<T, VNNI, 1, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
   }
 }
 
@@ -363,9 +377,16 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
           for (int64_t bb = 0; bb < nbk; bb++)
             spread_block(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qr.q + ((i0 + i) * nb + b0 + bb) * kBlock))),
                          xs.data() + 64 * (i * kKC + bb));
+        // the first strip prefetches the next chunk: the next groups, or the first ones of the next K chunk
+        auto next = [&](int64_t g) -> NextChunk {
+          if (i0 > 0) return {-1, 0};
+          if (c1 < g_end) return {c1 + (g - c0), b0};
+          return b0 + kKC < nb ? NextChunk{n0 / kGroup + (g - c0), b0 + kKC} : NextChunk{-1, 0};
+        };
         int64_t g = c0;
-        for (; g + 2 <= c1; g += 2) tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0);
-        if (g < c1) tile_rows<T, VNNI, 1>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0);
+        for (; g + 2 <= c1; g += 2)
+          tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
+        if (g < c1) tile_rows<T, VNNI, 1>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
       }
     }
   }
