@@ -31,9 +31,17 @@ const char* weight_type_name(WeightType t) {
 static constexpr size_t kOwnMappingBytes = 64 << 10;
 static constexpr size_t kHugePageBytes = 2 << 20;
 
+bool aligned_buffer_owns_pages(size_t bytes) {
+#if defined(__linux__)
+  return bytes >= kOwnMappingBytes;
+#else
+  return false;
+#endif
+}
+
 std::shared_ptr<void> aligned_buffer(size_t bytes) {
 #if defined(__linux__)
-  if (bytes >= kOwnMappingBytes) {
+  if (aligned_buffer_owns_pages(bytes)) {
     void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) throw std::bad_alloc();
     // Weights are streamed end to end every token: 2 MiB pages take the TLB misses out of the stream

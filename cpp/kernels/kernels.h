@@ -38,6 +38,9 @@ struct PackedMatrix {
 };
 
 std::shared_ptr<void> aligned_buffer(size_t bytes);
+// Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
+// pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.
+bool aligned_buffer_owns_pages(size_t bytes);
 
 struct KernelTable {
   const char* name;  // "avx512_bf16", "avx512", "scalar"
