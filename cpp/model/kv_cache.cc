@@ -145,29 +145,33 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
     for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off);
   };
   pieces([&](size_t row, int64_t off, int64_t cnt, int64_t next) {
-    prefetch_block(kb, next);
-    prefetch_block(vb, (int64_t)(row - row % bs));  // this block's values, read once the scores are done
     const size_t block_first = row - row % bs;  // rows of a block are consecutive
+    prefetch_block(kb, next);
+    prefetch_block(vb, (int64_t)block_first);  // this block's values, read once the scores are done
     const char* kp = kb + (block_first * hd + row % bs) * esz_;
     kt.kv_scores(type_, qs, G, hd, kp, bs, cnt, scores + off, n);
     if (i8)
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t i = 0; i < cnt; i++) {
+      for (int64_t i = 0; i < cnt; i++) {  // each row's fp16 step and offset converted once for all heads
+        const float step = ks[row + i].scale(), zero = ks[row + i].zero();
+        for (int64_t g = 0; g < G; g++) {
           float& s = scores[g * n + off + i];
-          s = s * ks[row + i].scale() + ks[row + i].zero() * q_sum[g];
+          s = s * step + zero * q_sum[g];
         }
+      }
   });
   for (int64_t g = 0; g < G; g++) kt.softmax(scores + g * n, n);
   std::memset(out, 0, G * hd * sizeof(float));
   pieces([&](size_t row, int64_t off, int64_t cnt, int64_t) {
     const char* vp = vb + row * hd * esz_;
     if (!i8) return kt.kv_accum(type_, scores + off, n, G, vp, cnt, hd, out);
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t i = 0; i < cnt; i++) {
+    for (int64_t i = 0; i < cnt; i++) {
+      const float step = vs[row + i].scale(), zero = vs[row + i].zero();
+      for (int64_t g = 0; g < G; g++) {
         const float p = scores[g * n + off + i];
-        p_scaled[g * bs + i] = p * vs[row + i].scale();
-        zero_sum[g] += p * vs[row + i].zero();  // sum_j p_j * zero_j, added to every output element below
+        p_scaled[g * bs + i] = p * step;
+        zero_sum[g] += p * zero;  // sum_j p_j * zero_j, added to every output element below
       }
+    }
     kt.kv_accum(type_, p_scaled, bs, G, vp, cnt, hd, out);
   });
   if (i8)  // out holds sum_j p_j Hv_j: rotate it back
