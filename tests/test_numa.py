@@ -114,21 +114,22 @@ def test_rows_split_in_proportion_to_threads_in_whole_grains():
 def test_row_grains_follow_the_parallel_loops():
     assert _core.numa_row_grain("wqkv", 64) == 64                    # whole heads
     assert _core.numa_row_grain("w_gate_up", 64) == 32               # gate/up block pairs
-    assert {_core.numa_row_grain(m, 64) for m in ("wo", "w_down", "lm_head")} == {16}
+    assert {_core.numa_row_grain(m, 64) for m in ("wo", "w_down", "lm_head")} == {32}
     with pytest.raises(ValueError):
         _core.numa_row_grain("tok_embeddings", 64)
 
 
 @pytest.mark.parametrize("wtype", ["fp32", "bf16", "q8", "q4", "q4m"])
 def test_row_offsets_match_the_packed_layouts(wtype):
-    """Every table stores rows in order in equal strides per row group, so row r of a matrix whose row
-    count is a multiple of 8 starts at nbytes * r / rows; checked by packing single rows."""
-    rows, cols = 48, 96
+    """Every table stores rows in order in equal strides per 32 rows (the AVX-512 quantized layout
+    interleaves 4 groups of 8 rows block by block), so row r, a multiple of 32, of a matrix whose row
+    count is a multiple of 32 starts at nbytes * r / rows; checked against the size of 32 packed rows."""
+    rows, cols = 96, 96
     for isa in _core.kernel_tables():
         nbytes = _core.kernel_packed_bytes(isa, np.zeros((rows, cols), np.float32), wtype)
-        per_8 = _core.kernel_packed_bytes(isa, np.zeros((8, cols), np.float32), wtype)
-        for r in (0, 8, 16, 40, 48):
-            assert _core.numa_row_offset(r, rows, nbytes) == r // 8 * per_8
+        per_32 = _core.kernel_packed_bytes(isa, np.zeros((32, cols), np.float32), wtype)
+        for r in (0, 32, 64, 96):
+            assert _core.numa_row_offset(r, rows, nbytes) == r // 32 * per_32
     assert _core.numa_row_offset(5, 10, 1000) == 500 and _core.numa_row_offset(99, 10, 1000) == 1000
 
 

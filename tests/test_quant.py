@@ -227,6 +227,24 @@ def test_prefill_matmul(isa, wtype, shape, m):
     assert (np.abs(y - exact) <= bound * 1.0001 + 1e-4 * np.abs(exact).max()).all()
 
 
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_row_ranges(isa, wtype, m):
+    """A thread's share [n0, n1) of the rows: exactly the full product's rows there, zeros elsewhere,
+    for ranges that start and end inside the AVX-512 layout's 32-row super-groups and 8-row groups,
+    cover a super-group whole, or hold the short last one (rows = 4 super-groups + 3 groups + 5)."""
+    rows, k = 4 * 32 + 3 * 8 + 5, 96
+    w = weights(rows, k, seed=m)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    full = _core.kernel_matmul(isa, x, w, wtype)
+    for n0, n1 in [(0, 32), (32, 64), (8, 40), (3, 61), (16, 100), (0, 157), (96, 157), (150, 157), (130, 131),
+                   (64, 64)]:
+        y = _core.kernel_matmul(isa, x, w, wtype, n0, n1)
+        np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
+        assert not y[:, :n0].any() and not y[:, n1:].any()
+
+
 @pytest.mark.skipif("avx512" not in TABLES, reason="no AVX-512")
 def test_avx512_without_vnni_matches():
     """The VPMADDUBSW fallback for AVX-512 CPUs without VNNI gives the same results (decode and prefill)."""
@@ -395,3 +413,17 @@ def test_raw_blocks_packed_on_the_pool_match_one_thread():
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
     logits = [build_core_model(loaded, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
     assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
+
+
+def test_gemv_stream_benchmark_runs():
+    """tools/bench_quant.py --stream's binding: bytes are the packed matrices', rates positive, bad kinds refused."""
+    isa = "avx512" if "avx512" in TABLES else "scalar"
+    d = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1)
+    assert d["bytes"] == 2 * (_core.kernel_packed_bytes(isa, np.zeros((40, 64), np.float32), "q4")
+                              + _core.kernel_packed_bytes(isa, np.zeros((8, 96), np.float32), "q4"))
+    assert d["gemv_GBps"] > 0 and d["read_GBps"] > 0
+    for bad in ("avx512_q5", "nosuch_q4", "q4"):
+        with pytest.raises(ValueError):
+            _core.bench_gemv_stream(bad, [(8, 32)], 1, 1)
+    with pytest.raises(ValueError):
+        _core.bench_gemv_stream(f"{isa}_q8", [], 1, 1)

@@ -2,13 +2,18 @@
 
     python tools/bench_quant.py [--rounds 3] [--tokens 32] [--dtypes bf16,q8,q4] [--threads 1,2]
     python tools/bench_quant.py --gemm [--rounds 5] [--dtypes q8,q4,q4m] [--threads 1,2] [--m 128]
+    python tools/bench_quant.py --stream [--rounds 3] [--dtypes q8,q4,q4m,bf16]
 
 Every (dtype, threads) model is built once from the same random weights, then the decode
 measurements alternate between them round by round, so a noisy neighbour hurts all of them alike.
 Reports the median prefill (128 tokens) and decode tok/s of each and the GB/s of packed weights it streams.
 --gemm measures the kernel table's matmul alone instead (weights packed once, m activation rows, the
 model's 896x4864, 4864x896 and 896x896 weight shapes), alternating kinds round by round: median GOP/s,
-2*m*N*K per call."""
+2*m*N*K per call.
+--stream measures decode's weight stream without the rest of the model: the kernel table's matmul for
+one activation row over 24 layers of the model's matrices (qkv, o, gate/up, down; ~200-800 MB, far
+beyond the caches) on one thread, alternating with a plain AVX-512 read of as many bytes in the same
+process: median GB/s of each and their ratio, the share of the bandwidth roofline the kernel reaches."""
 import argparse
 import os
 import sys
@@ -34,9 +39,12 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--gemm", action="store_true", help="the matmul kernel alone, GOP/s")
     ap.add_argument("--m", type=int, default=128, help="activation rows for --gemm")
+    ap.add_argument("--stream", action="store_true", help="decode's weight stream alone vs a plain read, GB/s")
     a = ap.parse_args()
     if a.gemm:
         return bench_gemm(a)
+    if a.stream:
+        return bench_stream(a)
     keys = [(d, int(t)) for t in a.threads.split(",") for d in (a.dtypes or "bf16,q8,q4").split(",")]
     models = {k: _core.Model(dict(core_config(SPEC, k[0], k[1], 1024), pin_threads=False)) for k in keys}
     rng = np.random.default_rng(0)
@@ -81,6 +89,24 @@ def bench_gemm(a):
     for (d, n, k, t), v in gops.items():
         print(f"{table}_{d:4s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in v)})")
+
+
+def bench_stream(a):
+    table = "avx512" if "avx512" in _core.kernel_tables() else "scalar"
+    h, f = SPEC.hidden_size, SPEC.intermediate_size
+    kv = SPEC.num_kv_heads * SPEC.head_dim
+    shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]     # W [N, K] in the order a layer reads them
+    kinds = [f"{table}_{d}" for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")]
+    got = {k: [] for k in kinds}
+    for r in range(a.rounds):
+        for k in kinds if r % 2 == 0 else kinds[::-1]:
+            got[k].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9))
+    for k, runs in got.items():
+        g = [d["gemv_GBps"] for d in runs]
+        p = [d["read_GBps"] for d in runs]
+        ratio = [x / y for x, y in zip(g, p)]
+        print(f"{k:12s} {runs[0]['bytes'] / 1e6:6.0f} MB  kernel {np.median(g):5.1f} GB/s  plain read {np.median(p):5.1f} GB/s  "
+              f"kernel/read {np.median(ratio):.2f}  (rounds: {', '.join(f'{x:.2f}' for x in ratio)})")
 
 
 if __name__ == "__main__":

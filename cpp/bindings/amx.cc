@@ -3,8 +3,13 @@
 // emulation. Registered from module.cc by register_amx().
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
+#if defined(CORELM_HAVE_X86)
+#include <immintrin.h>
+#endif
 #include <chrono>
 #include <functional>
 #include <random>
@@ -157,6 +162,33 @@ void corelm::register_amx(py::module_& m) {
      "One TDPBSSD/TDPBF16PS on byte tiles C [rows, colsb], A, B; returns the new C bytes.");
 }
 
+// The roofline's reference: sum `bytes` (a multiple of 64) as floats, eight independent AVX-512 adds
+// per 512 bytes (as shared/bench/peers' membw), or a scalar sum without AVX-512.
+#if defined(CORELM_HAVE_X86)
+__attribute__((target("avx512f"))) static float plain_read_avx512(const void* p, size_t bytes) {
+  const float* f = static_cast<const float*>(p);
+  const size_t n = bytes / 4;
+  __m512 s[8];
+  for (auto& v : s) v = _mm512_setzero_ps();
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128)
+    for (int j = 0; j < 8; j++) s[j] = _mm512_add_ps(s[j], _mm512_load_ps(f + i + 16 * j));
+  for (int j = 1; j < 8; j++) s[0] = _mm512_add_ps(s[0], s[j]);
+  float t = _mm512_reduce_add_ps(s[0]);
+  for (; i < n; i++) t += f[i];
+  return t;
+}
+#endif
+static float plain_read_sum(const void* p, size_t bytes) {
+#if defined(CORELM_HAVE_X86)
+  if (cpu_features().os_avx512) return plain_read_avx512(p, bytes);
+#endif
+  const float* f = static_cast<const float*>(p);
+  float t = 0;
+  for (size_t i = 0; i < bytes / 4; i++) t += f[i];
+  return t;
+}
+
 // Micro-benchmark: one GEMM y[m][n] = x[m][k] . W[n][k]^T, weights packed once, timed over repeated
 // calls on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16, amx_int8
 // (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_<weight type>" (fp32, bf16, q8, q4, q4m).
@@ -235,4 +267,82 @@ void corelm::register_amx_bench(py::module_& m) {
     d["threads"] = threads;
     return d;
   }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1);
+
+  // Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes`
+  // ([(N, K), ...] in the order a layer reads them), far more bytes than the caches hold, each
+  // multiplied by one quantized activation row on one thread, layer after layer. The peer in the same
+  // call is a plain AVX-512 read of as many bytes (what the roofline assumes). Alternates the two
+  // `reps` times; returns the median GB/s of each.
+  m.def("bench_gemv_stream", [](const std::string& kind, std::vector<std::pair<int64_t, int64_t>> shapes,
+                                int64_t layers, int reps) {
+    const size_t us = kind.rfind('_');
+    const KernelTable* kt = us == std::string::npos ? nullptr : kernels_by_name(kind.substr(0, us));
+    const WeightType wts[] = {WeightType::BF16, WeightType::Q8, WeightType::Q4, WeightType::Q4M};
+    const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) {
+      return us != std::string::npos && kind.substr(us + 1) == weight_type_name(t); });
+    if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
+    if (shapes.empty() || layers < 1 || reps < 1) throw std::invalid_argument("need shapes, layers >= 1, reps >= 1");
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd;
+    std::vector<PackedMatrix> mats;
+    int64_t max_n = 0, max_k = 0;
+    size_t bytes = 0;
+    for (auto [n, k] : shapes) {
+      if (n < 1 || k < 1) throw std::invalid_argument("bad shape");
+      std::vector<float> w((size_t)n * k);
+      for (auto& v : w) v = nd(rng);
+      PackedMatrix pk = kt->pack(w.data(), n, k, *type);
+      for (int64_t l = 0; l < layers; l++) {  // copies, so no layer finds another's lines in cache
+        PackedMatrix c = pk;
+        c.storage = aligned_buffer(pk.nbytes);
+        std::memcpy(c.storage.get(), pk.data(), pk.nbytes);
+        mats.push_back(c);
+        bytes += pk.nbytes;
+      }
+      max_n = std::max(max_n, n), max_k = std::max(max_k, k);
+    }
+    std::vector<PackedMatrix> order;  // layer by layer, as decode reads them
+    for (int64_t l = 0; l < layers; l++)
+      for (size_t i = 0; i < shapes.size(); i++) order.push_back(mats[i * layers + l]);
+    std::vector<float> x(max_k), y(max_n);
+    for (auto& v : x) v = nd(rng);
+    auto qa = aligned_buffer(std::max<size_t>(64, kt->quant_act_bytes(order[0], 1) * 8));
+    auto plain = aligned_buffer(bytes);
+    std::memset(plain.get(), 1, bytes);
+    py::gil_scoped_release release;
+    auto gemv_pass = [&] {
+      for (const PackedMatrix& w : order) {
+        if (kt->quant_act_bytes(w, 1)) {
+          kt->quantize_act(x.data(), 1, w.cols, w, qa.get());
+          kt->matmul_quant(qa.get(), 1, w, y.data(), w.rows, 0, w.rows);
+        } else {
+          kt->matmul(x.data(), 1, w.cols, w, y.data(), w.rows, 0, w.rows);
+        }
+      }
+    };
+    volatile float sink = 0;
+    auto read_pass = [&] { sink = sink + plain_read_sum(plain.get(), bytes); };
+    using clk = std::chrono::steady_clock;
+    auto gbs = [&](auto&& f) {
+      const auto t0 = clk::now();
+      f();
+      return bytes / std::chrono::duration<double>(clk::now() - t0).count() / 1e9;
+    };
+    gemv_pass(), read_pass();  // first touch, warm-up
+    std::vector<double> g, r;
+    for (int i = 0; i < reps; i++) {
+      if (i % 2) g.push_back(gbs(gemv_pass)), r.push_back(gbs(read_pass));
+      else r.push_back(gbs(read_pass)), g.push_back(gbs(gemv_pass));
+    }
+    auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+    py::gil_scoped_acquire acquire;
+    py::dict d;
+    d["kind"] = kind;
+    d["bytes"] = bytes;
+    d["gemv_GBps"] = median(g);
+    d["read_GBps"] = median(r);
+    d["gemv_samples"] = g;
+    d["read_samples"] = r;
+    return d;
+  }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9);
 }

@@ -129,8 +129,10 @@ class Model {
   static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
   // The row grains the parallel loops split matrices by, which the NUMA split follows: wqkv by whole
   // heads (head_dim rows), w_gate_up by gate/up block pairs (2 * kGateUpBlock rows), wo, w_down and
-  // lm_head by kRowGrain rows. row_grain("wqkv" | "wo" | "w_gate_up" | "w_down" | "lm_head", head_dim).
-  static constexpr int64_t kRowGrain = 16;
+  // lm_head by kRowGrain rows (a multiple of what the kernels keep together: the AVX-512 quantized
+  // layout interleaves 32 rows, so a chunk starting inside them would run its first rows slowly).
+  // row_grain("wqkv" | "wo" | "w_gate_up" | "w_down" | "lm_head", head_dim).
+  static constexpr int64_t kRowGrain = 32;
   static int64_t row_grain(const std::string& matrix, int64_t head_dim);
 
   const NumaLayout& numa_layout() const { return numa_; }

@@ -1,10 +1,12 @@
 // AVX-512 kernels for the block-quantized formats (Q8, Q4, Q4M; arithmetic in quant_formats.h).
 //
-// Layout: rows in groups of 8; a group is one contiguous record (so decode reads one stream):
-//   qs[nb][QSB]  the 8 rows' quants of each 32-column block (QSB = 256 bytes for Q8, 128 for Q4/Q4M)
-//   d[nb][8]     fp16 scales of the 8 rows, block by block
-//   m[nb][8]     fp16 minimums (Q4M only)
-// padded to 64 bytes; rows past the matrix are zero blocks. Within a block, the 256 quant bytes are
+// Layout: rows in groups of 8 (one VPDPBUSD row tile), groups in super-groups of kSuper (the last
+// super-group may have fewer, ns). A super-group is nb block rows, one per 32-column block, each
+//   qs[ns][QSB]  the groups' quants (QSB = 256 bytes for Q8, 128 for Q4/Q4M)
+//   d[ns][8]     fp16 scales of each group's 8 rows
+//   m[ns][8]     fp16 minimums (Q4M only)
+// padded to 64 bytes, and super-groups follow each other: decode, which multiplies a super-group's
+// groups at once, reads the whole matrix as one sequential stream. Rows past the matrix are zeros. Within a block, a group's 256 quant bytes are
 // four vectors W_t (t = 0..3) whose 32-bit lane l holds row l%8, columns 8t + 4*(l/8) + 0..3. So one
 // VPDPBUSD of W_t against an activation vector holding columns 8t..8t+3 in lanes 0..7 and
 // 8t+4..8t+7 in lanes 8..15 adds four products to every row's two partial sums at once, and the
@@ -15,7 +17,7 @@
 //
 // The activations are quantized once per matmul (avx512_quantize_act, bit-identical to
 // quant::quantize_activations; the model shares one quantization among a thread's row ranges) and
-// used in the lane order above. Decode streams kGemvGroups groups at once; prefill (m > 1) runs
+// used in the lane order above. Decode streams a super-group at a time; prefill (m > 1) runs
 // register tiles of several activation rows x two groups over L1/L2-sized chunks (see gemm below).
 #include <immintrin.h>
 
@@ -29,17 +31,39 @@ namespace quant {
 namespace {
 
 constexpr int64_t kGroup = 8;
-// Decode streams kGemvGroups group records at once, each kPrefetchBlocks blocks ahead in software:
-// fewer streams leave DRAM bandwidth unused on one core (Zen 5, Q4 weights beyond L3: ~20 GB/s with
-// 2 groups, ~30 with 4, ~32-35 with 6, about what a plain read gets), and a distance in blocks
-// suits Q4 and Q8 alike.
-constexpr int kGemvGroups = 6;
+// Decode multiplies a super-group's kSuper groups at once (each activation load serves 32 rows) and
+// prefetches kPrefetchBlocks block rows ahead along its one stream. With each group a record of its
+// own (quants, then scales) decode read a dozen short streams at once (4 KB each at 896 columns),
+// which the hardware prefetcher kept retraining on: one core got ~24 GB/s of Q4 in the model's
+// shapes against ~33 for a plain read (tools/bench_quant.py --stream).
+constexpr int kSuper = 4;
 constexpr int kPrefetchBlocks = 8;
 
 inline int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }
 inline int64_t nblocks(const PackedMatrix& w) { return w.ld / kBlock; }
-inline int64_t group_stride(WeightType t, int64_t nb) {
-  return (nb * qs_bytes(t) + nb * 16 * (t == WeightType::Q4M ? 2 : 1) + 63) / 64 * 64;
+inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
+// Bytes of a block row of ns groups, and of a super-group of them.
+inline int64_t row_bytes(WeightType t, int64_t ns) {
+  return (ns * (qs_bytes(t) + 16 * (t == WeightType::Q4M ? 2 : 1)) + 63) / 64 * 64;
+}
+inline int64_t super_bytes(WeightType t, int64_t nb, int64_t ns) { return nb * row_bytes(t, ns); }
+
+// Where group g's data starts, and the strides from one block to the next: group g + i of the same
+// super-group is at qs + i * QSB, d + 8 * i, m + 8 * i.
+struct GroupView {
+  const uint8_t* qs;     // block 0
+  const uint16_t *d, *m;  // block 0 (m: Q4M only)
+  int64_t qstride;       // bytes from block b to b + 1 (a block row)
+  int64_t dstride;       // the same in fp16 entries (d and m)
+  int64_t ns;            // groups in this super-group
+  int64_t first;         // the super-group's first group
+};
+inline GroupView group_view(const void* base, WeightType t, int64_t nb, int64_t groups, int64_t g) {
+  const int64_t s = g / kSuper, first = s * kSuper, ns = std::min<int64_t>(kSuper, groups - first), i = g - first;
+  const uint8_t* rec = static_cast<const uint8_t*>(base) + (size_t)s * super_bytes(t, nb, kSuper);
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(rec + ns * qs_bytes(t));
+  const int64_t rb = row_bytes(t, ns);
+  return {rec + i * qs_bytes(t), d + 8 * i, d + ns * 8 + 8 * i, rb, rb / 2, ns, first};
 }
 
 // Where column k of row j (of 8) sits among the 256 quant bytes of a block: vector t, byte c.
@@ -68,7 +92,8 @@ inline int get_quant(WeightType type, const uint8_t* qs, int j, int k) {
 
 PackedMatrix empty_matrix(WeightType t, int64_t rows, int64_t cols) {
   return new_matrix(t, rows, cols, &kAvx512Kernels, [&](int64_t ld) {
-    return (size_t)((rows + kGroup - 1) / kGroup) * group_stride(t, ld / kBlock);
+    const int64_t nb = ld / kBlock, groups = ngroups(rows), full = groups / kSuper, tail = groups % kSuper;
+    return (size_t)(full * super_bytes(t, nb, kSuper) + (tail ? super_bytes(t, nb, tail) : 0));
   });
 }
 
@@ -79,10 +104,9 @@ struct RowBlock {
   uint16_t* m;
 };
 inline RowBlock row_block(const PackedMatrix& w, int64_t r, int64_t b) {
-  const int64_t nb = nblocks(w);
-  uint8_t* g = static_cast<uint8_t*>(w.storage.get()) + (size_t)(r / kGroup) * group_stride(w.type, nb);
-  uint16_t* d = reinterpret_cast<uint16_t*>(g + nb * qs_bytes(w.type));
-  return {g + b * qs_bytes(w.type), d + b * kGroup + r % kGroup, d + nb * kGroup + b * kGroup + r % kGroup};
+  const GroupView v = group_view(w.data(), w.type, nblocks(w), ngroups(w.rows), r / kGroup);
+  return {const_cast<uint8_t*>(v.qs + b * v.qstride), const_cast<uint16_t*>(v.d + b * v.dstride + r % kGroup),
+          const_cast<uint16_t*>(v.m + b * v.dstride + r % kGroup)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -198,65 +222,64 @@ inline void load_w(const uint8_t* qs, __m512i w[4]) {
   }
 }
 
-// Block b of NG consecutive groups (records `gs` bytes apart from rec): each activation vector is
-// loaded once for all NG groups; row sums (times the scales) go to facc, Q4M's minimum terms to macc.
+// Block b of NG groups of one super-group (v: the first of them): each activation vector is loaded
+// once for all NG groups; row sums (times the scales) go to facc, Q4M's minimum terms to macc. The
+// block row kPrefetchBlocks ahead is prefetched (past the end of a super-group: the next one's).
 template <WeightType T, bool VNNI, int NG>
-inline void gemv_block(const QuantAct& qx, const uint8_t* rec, int64_t gs, int64_t nb, int64_t b, __m512 facc[NG],
-                       __m256 macc[NG]) {
+inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512 facc[NG], __m256 macc[NG]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512i xq[4];
   for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(qx.xv + 16 * (4 * b + t)));
   const __m512i c = _mm512_set1_epi32(qx.corr[b]);
   const __m512 d = _mm512_set1_ps(qx.dx[b]);
+  const uint8_t* qs = v.qs + b * v.qstride;
+  const uint16_t* dp = v.d + b * v.dstride;
+  for (int64_t o = 0; o < v.qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * v.qstride + o, _MM_HINT_T0);
   for (int g = 0; g < NG; g++) {
-    const uint8_t* qs = rec + g * gs + b * QSB;
-    const uint16_t* dp = reinterpret_cast<const uint16_t*>(rec + g * gs + nb * QSB) + b * kGroup;
-    for (int o = 0; o < QSB; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * QSB + o, _MM_HINT_T0);
-    if ((b & 3) == 0) {  // the next groups' scales (and minimums), a line per 4 blocks: a second
-      _mm_prefetch((const char*)(dp + NG * gs / 2), _MM_HINT_T0);  // stream the hardware misses
-      if constexpr (T == WeightType::Q4M) _mm_prefetch((const char*)(dp + NG * gs / 2 + nb * kGroup), _MM_HINT_T0);
-    }
     __m512i wv[4];
-    load_w<T>(qs, wv);
+    load_w<T>(qs + g * QSB, wv);
     __m512i acc = c;
     for (int t = 0; t < 4; t++) acc = dpbusd<VNNI>(acc, wv[t], xq[t]);
-    facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scales8x2(dp), d), facc[g]);
+    facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scales8x2(dp + 8 * g), d), facc[g]);
     if constexpr (T == WeightType::Q4M)
-      macc[g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))),
+      macc[g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g))),
                                 _mm256_set1_ps(qx.dxs[b]), macc[g]);
   }
 }
 
-// NG consecutive groups against the whole of x: out[g] = the group's 8 row results. Blocks go in
-// pairs so that each group has two fp32 accumulators in registers (the FMA chain is not the limit).
+// NG groups of one super-group against the whole of x: out[g] = the group's 8 row results. Blocks go
+// in pairs so that each group has two fp32 accumulators in registers (the FMA chain is not the limit).
 template <WeightType T, bool VNNI, int NG>
-inline void gemv_groups(const QuantAct& qx, const uint8_t* rec, int64_t gs, int64_t nb, __m256 out[NG]) {
+inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
   __m512 f0[NG], f1[NG];
   __m256 macc[NG];
   for (int g = 0; g < NG; g++) f0[g] = f1[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b, f0, macc);
-    gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b + 1, f1, macc);
+    gemv_block<T, VNNI, NG>(qx, v, b, f0, macc);
+    gemv_block<T, VNNI, NG>(qx, v, b + 1, f1, macc);
   }
-  if (b < nb) gemv_block<T, VNNI, NG>(qx, rec, gs, nb, b, f0, macc);
+  if (b < nb) gemv_block<T, VNNI, NG>(qx, v, b, f0, macc);
   for (int g = 0; g < NG; g++) {
     const __m512 f = _mm512_add_ps(f0[g], f1[g]);
     out[g] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(f), _mm512_extractf32x8_ps(f, 1)), macc[g]);
   }
 }
 
+// Rows [n0, n1): whole super-groups at once, the groups of a partly covered one one by one.
 template <WeightType T, bool VNNI>
 void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
-  const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data());
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   for (int64_t g = n0 / kGroup; g < g_end;) {
-    __m256 r[kGemvGroups];
-    const int ng = g + kGemvGroups <= g_end ? kGemvGroups : 1;
-    if (ng == kGemvGroups)
-      gemv_groups<T, VNNI, kGemvGroups>(qx, base + (size_t)g * gs, gs, nb, r);
-    else
-      gemv_groups<T, VNNI, 1>(qx, base + (size_t)g * gs, gs, nb, r);
+    const GroupView v = group_view(w.data(), T, nb, groups, g);
+    __m256 r[kSuper];
+    int ng = 1;
+    if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
+      gemv_groups<T, VNNI, kSuper>(qx, v, nb, r);
+      ng = kSuper;
+    } else {
+      gemv_groups<T, VNNI, 1>(qx, v, nb, r);
+    }
     for (int i = 0; i < ng; i++, g++) {
       const int64_t r0 = g * kGroup;
       if (r0 >= n0 && r0 + kGroup <= n1) {
@@ -294,10 +317,17 @@ struct NextChunk {
 // With next.group >= 0 it also asks L2 for the same groups' blocks of the next chunk: the first row
 // strip over a chunk otherwise waits for DRAM, which takes about as long as all its strips compute.
 template <WeightType T, bool VNNI, int MR, int NG>
-void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk, const uint8_t* base,
-          int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first,
+void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk, const void* base,
+          int64_t groups, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first,
           NextChunk next) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  GroupView gv[NG], nv[NG];
+  for (int g = 0; g < NG; g++) {
+    gv[g] = group_view(base, T, nb, groups, g0 + g);
+    if (next.group >= 0 && next.group + g >= groups) next.group = -1;
+  }
+  if (next.group >= 0)
+    for (int g = 0; g < NG; g++) nv[g] = group_view(base, T, nb, groups, next.group + g);
   __m512 acc[MR][NG];
   for (int i = 0; i < MR; i++)
     for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
@@ -305,19 +335,18 @@ void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t
     const int64_t b = b0 + bb;
     if (next.group >= 0)  // prefetch never faults, so a shorter next chunk needs no care
       for (int g = 0; g < NG; g++) {
-        const uint8_t* rec = base + (size_t)(next.group + g) * gs;
-        for (int64_t l = 0; l < QSB; l += 64) _mm_prefetch((const char*)rec + (next.block + bb) * QSB + l, _MM_HINT_T1);
-        if (bb % 4 == 0) _mm_prefetch((const char*)rec + nb * QSB + (next.block + bb) * kGroup * 2, _MM_HINT_T1);
+        const uint8_t* q = nv[g].qs + (next.block + bb) * nv[g].qstride;
+        for (int64_t l = 0; l < QSB; l += 64) _mm_prefetch((const char*)q + l, _MM_HINT_T1);
+        _mm_prefetch((const char*)(nv[g].d + (next.block + bb) * nv[g].dstride), _MM_HINT_T1);
       }
     __m512i wv[NG][4];
     __m512 ws[NG], mv[NG];
     for (int g = 0; g < NG; g++) {
-      const uint8_t* rec = base + (size_t)(g0 + g) * gs;
-      const uint16_t* dp = reinterpret_cast<const uint16_t*>(rec + nb * QSB) + b * kGroup;
-      load_w<T>(rec + b * QSB, wv[g]);
-      ws[g] = scales8x2(dp);
+      load_w<T>(gv[g].qs + b * gv[g].qstride, wv[g]);
+      ws[g] = scales8x2(gv[g].d + b * gv[g].dstride);
       mv[g] = _mm512_setzero_ps();  // Q4M: the minimums, in the low half only (the halves are summed)
-      if constexpr (T == WeightType::Q4M) mv[g] = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + nb * kGroup))));
+      if constexpr (T == WeightType::Q4M)
+        mv[g] = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gv[g].m + b * gv[g].dstride))));
     }
     for (int i = 0; i < MR; i++) {
       const int64_t ib = (i0 + i) * nb + b;
@@ -348,23 +377,23 @@ void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t
 
 template <WeightType T, bool VNNI, int NG>
 void tile_rows(int mr, const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk,
-               const uint8_t* base, int64_t gs, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1,
+               const void* base, int64_t groups, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1,
                bool first, NextChunk nx) {
   static_assert(kMR == 6, "one case per strip height");
   switch (mr) {
-    case 6: return tile<T, VNNI, 6, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
-    case 5: return tile<T, VNNI, 5, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
-    case 4: return tile<T, VNNI, 4, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
-    case 3: return tile<T, VNNI, 3, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
-    case 2: return tile<T, VNNI, 2, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
-    default: return tile<T, VNNI, 1, NG>(xs, qr, i0, b0, nbk, base, gs, nb, g0, y, ldy, n0, n1, first, nx);
+    case 6: return tile<T, VNNI, 6, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
+    case 5: return tile<T, VNNI, 5, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
+    case 4: return tile<T, VNNI, 4, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
+    case 3: return tile<T, VNNI, 3, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
+    case 2: return tile<T, VNNI, 2, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
+    default: return tile<T, VNNI, 1, NG>(xs, qr, i0, b0, nbk, base, groups, nb, g0, y, ldy, n0, n1, first, nx);
   }
 }
 
 template <WeightType T, bool VNNI>
 void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nb = nblocks(w), gs = group_stride(T, nb), g_end = (n1 + kGroup - 1) / kGroup;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data());
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  const void* base = w.data();
   thread_local std::vector<int32_t, avx512::AlignedAlloc<int32_t>> xs(kMR * kKC * 64);
   const int64_t nc = std::max<int64_t>(2, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
   for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
@@ -385,8 +414,8 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
         };
         int64_t g = c0;
         for (; g + 2 <= c1; g += 2)
-          tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
-        if (g < c1) tile_rows<T, VNNI, 1>(mr, xs.data(), qr, i0, b0, nbk, base, gs, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
+          tile_rows<T, VNNI, 2>(mr, xs.data(), qr, i0, b0, nbk, base, groups, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
+        if (g < c1) tile_rows<T, VNNI, 1>(mr, xs.data(), qr, i0, b0, nbk, base, groups, nb, g, y, ldy, n0, n1, b0 == 0, next(g));
       }
     }
   }
