@@ -1,2 +1,0 @@
-#define XD 16
-#define XH _MM_HINT_NTA
