@@ -427,3 +427,21 @@ def test_gemv_stream_benchmark_runs():
             _core.bench_gemv_stream(bad, [(8, 32)], 1, 1)
     with pytest.raises(ValueError):
         _core.bench_gemv_stream(f"{isa}_q8", [], 1, 1)
+
+
+@pytest.mark.parametrize("dtype", ["q4", "bf16"])
+def test_weights_are_one_stream_in_decode_order(dtype):
+    """finalize() packs the matrices end to end in decode's order (layers' wqkv, wo, w_gate_up, w_down,
+    then lm_head), each that owns its pages starting on a page of its own, and a tied embedding keeps
+    sharing lm_head's bytes (SmolLM2 ties them)."""
+    llm = get_llm(DEFAULT_GGUF, dtype)
+    spans = llm._core.weight_spans()
+    names = [s[0] for s in spans]
+    assert names[:4] == ["layers.0.wqkv", "layers.0.wo", "layers.0.w_gate_up", "layers.0.w_down"]
+    assert names[-2:] == ["lm_head", "tok_embeddings"]
+    assert spans[-1][1] == spans[-2][1] and spans[-1][2] == spans[-2][2]
+    for (_, a, n), (name, b, _) in zip(spans[:-2], spans[1:-1]):
+        assert a + n <= b < a + n + 4096 + 64, name           # next one right after (page or 64-byte aligned)
+        if n >= 64 << 10:
+            assert a % 4096 == 0
+    assert sum(s[2] for s in spans[:-1]) == llm._core.weight_bytes

@@ -14,7 +14,9 @@ Same columns as the peer benchmark (shared/bench/peers/bench_peers.py), so the t
   the peers' membw microbenchmark (compiled from its source if needed; numpy fallback), once per round and
   thread count, and printed.
 Engines: corelm:bf16|fp32|q8|q4 (our engine; HF folder or GGUF file; q8/q4 quantize at load, and the
-bytes per token are the packed matrices the engine reports), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
+bytes per token are the packed matrices the engine reports), corelm:file-q8|file-q4 (what users get from
+`corelm convert --weights q8|q4` or LLM(path, weights=...): the converted folder, made once and cached;
+file-q4 is Q4_1-type blocks with an 8-bit embedding/lm_head, so more bytes than q4), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
 (llama.cpp's own tool, on $PEERS/models/gguf/<model>-<var>.gguf; with a .gguf model path it runs that file),
 openvino-genai:int8|int4 (the peers' OpenVINO worker from shared/bench/peers/bench_peers.py in $PEERS/venv-ov,
 on $PEERS/models/ov/<model>-<var>, fed this run's prompt; no roofline column: its bytes are not known exactly).
@@ -186,8 +188,11 @@ def worker_main(engine, path, T, prompt_file):
     except ImportError:
         sys.path.insert(0, os.path.join(REPO, "python"))
         import corelm
+    if var.startswith("file-"):   # the converted folder (cached): convert outside the timed load
+        corelm.LLM(path, threads=T, weights=var[5:], max_seq_len=8)
     t_load = time.perf_counter()
-    llm = corelm.LLM(path, threads=T, dtype=var, max_seq_len=512)
+    kw = {"weights": var[5:]} if var.startswith("file-") else {"dtype": var}
+    llm = corelm.LLM(path, threads=T, max_seq_len=512, **kw)
     t_load = time.perf_counter() - t_load
 
     def run(prompt, n):

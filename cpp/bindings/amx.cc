@@ -269,7 +269,8 @@ void corelm::register_amx_bench(py::module_& m) {
   }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1);
 
   // Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes`
-  // ([(N, K), ...] in the order a layer reads them), far more bytes than the caches hold, each
+  // ([(N, K), ...] in the order a layer reads them), end to end in one buffer as the model keeps them
+  // (pack_contiguously), far more bytes than the caches hold, each
   // multiplied by one quantized activation row on one thread, layer after layer. The peer in the same
   // call is a plain AVX-512 read of as many bytes (what the roofline assumes). Alternates the two
   // `reps` times; returns the median GB/s of each.
@@ -304,6 +305,10 @@ void corelm::register_amx_bench(py::module_& m) {
     std::vector<PackedMatrix> order;  // layer by layer, as decode reads them
     for (int64_t l = 0; l < layers; l++)
       for (size_t i = 0; i < shapes.size(); i++) order.push_back(mats[i * layers + l]);
+    std::vector<PackedMatrix*> ptrs;
+    for (PackedMatrix& w : order) ptrs.push_back(&w);
+    pack_contiguously(ptrs);  // as the model keeps its weights
+    mats.clear();
     std::vector<float> x(max_k), y(max_n);
     for (auto& v : x) v = nd(rng);
     auto qa = aligned_buffer(std::max<size_t>(64, kt->quant_act_bytes(order[0], 1) * 8));

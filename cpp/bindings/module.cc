@@ -189,6 +189,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
+      .def("weight_spans", [](PyModel& s) { return s.model.weight_spans(); },
+           "[(name, address, bytes)] of the packed matrices in the order decode reads them.")
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })
       .def_property_readonly("thread_cpus", [](PyModel& s) { return s.model.thread_cpus(); },
                              "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")

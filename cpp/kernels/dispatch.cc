@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 
 #if defined(CORELM_HAVE_X86)
@@ -42,17 +43,56 @@ bool aligned_buffer_owns_pages(size_t bytes) {
 std::shared_ptr<void> aligned_buffer(size_t bytes) {
 #if defined(__linux__)
   if (aligned_buffer_owns_pages(bytes)) {
-    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) throw std::bad_alloc();
     // Weights are streamed end to end every token: 2 MiB pages take the TLB misses out of the stream
-    // (THP is often "madvise" only). A hint; ignored where unsupported.
-    if (bytes >= kHugePageBytes) madvise(m, bytes, MADV_HUGEPAGE);
-    return std::shared_ptr<void>(m, [bytes](void* q) { munmap(q, bytes); });
+    // (THP is often "madvise" only; a hint, ignored where unsupported), and only 2 MiB-aligned ranges
+    // can have them, so a large buffer starts on a 2 MiB boundary (the unused head stays untouched).
+    const size_t extra = bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
+    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    char* start = static_cast<char*>(m);
+    if (extra) {
+      start += (kHugePageBytes - (uintptr_t)m % kHugePageBytes) % kHugePageBytes;
+      madvise(start, bytes, MADV_HUGEPAGE);
+    }
+    std::shared_ptr<void> mapping(m, [len](void* q) { munmap(q, len); });
+    return std::shared_ptr<void>(mapping, start);
   }
 #endif
   void* p = nullptr;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) throw std::bad_alloc();
   return std::shared_ptr<void>(p, free);
+}
+
+void pack_contiguously(const std::vector<PackedMatrix*>& ms) {
+  const size_t page = 4096;
+  auto place_at = [&](size_t off, size_t bytes) {  // buffers that own their pages start on a page
+    const size_t a = aligned_buffer_owns_pages(bytes) ? page : 64;
+    return (off + a - 1) / a * a;
+  };
+  auto end_of = [&](size_t at, size_t bytes) {      // ... and end on one, sharing no page
+    return aligned_buffer_owns_pages(bytes) ? (at + bytes + page - 1) / page * page : at + bytes;
+  };
+  std::map<const void*, size_t> offset;  // storage already placed (a tied lm_head and embedding)
+  size_t total = 0;
+  for (PackedMatrix* m : ms)
+    if (m->storage && !offset.count(m->data())) {
+      const size_t at = place_at(total, m->nbytes);
+      offset[m->data()] = at;
+      total = end_of(at, m->nbytes);
+    }
+  if (total == 0) return;
+  std::shared_ptr<void> arena = aligned_buffer(total);
+  std::map<const void*, std::shared_ptr<void>> moved;
+  for (PackedMatrix* m : ms) {
+    if (!m->storage) continue;
+    auto it = moved.find(m->data());
+    if (it == moved.end()) {
+      char* dst = static_cast<char*>(arena.get()) + offset[m->data()];
+      std::memcpy(dst, m->data(), m->nbytes);
+      it = moved.emplace(m->data(), std::shared_ptr<void>(arena, dst)).first;
+    }
+    m->storage = it->second;  // the old buffer goes with its last owner
+  }
 }
 
 #if defined(CORELM_HAVE_X86)

@@ -41,6 +41,10 @@ std::shared_ptr<void> aligned_buffer(size_t bytes);
 // Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
 // pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.
 bool aligned_buffer_owns_pages(size_t bytes);
+// Moves the matrices' storage into one buffer, end to end in the given order (those large enough to
+// own their pages on pages of their own, as aligned_buffer gives them), so a pass over all of them is
+// one sequential stream on 2 MiB pages; matrices sharing storage keep sharing it.
+void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
   const char* name;  // "avx512_bf16", "avx512", "scalar"

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -115,6 +116,9 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   const KernelTable& kernel_table() const { return kt_; }
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
+  // The packed matrices in the order decode reads them (layers' wqkv, wo, w_gate_up, w_down, then
+  // lm_head and tok_embeddings): name, address, bytes. finalize() puts them end to end in one buffer.
+  std::vector<std::tuple<std::string, uintptr_t, size_t>> weight_spans() const;
   int n_threads() const { return pool_.size(); }
   const ThreadPool& pool() const { return pool_; }
   void set_schedule(Schedule s) { pool_.set_schedule(s), cfg_.schedule = s; }
