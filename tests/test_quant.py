@@ -427,6 +427,9 @@ def test_gemv_stream_benchmark_runs():
             _core.bench_gemv_stream(bad, [(8, 32)], 1, 1)
     with pytest.raises(ValueError):
         _core.bench_gemv_stream(f"{isa}_q8", [], 1, 1)
+    for shapes, layers in (([(0, 32)], 1), ([(1 << 40, 1 << 40)], 1), ([(8, 32)], 1 << 40)):   # hostile sizes
+        with pytest.raises(ValueError):
+            _core.bench_gemv_stream(f"{isa}_q8", shapes, layers, 1)
 
 
 @pytest.mark.parametrize("dtype", ["q4", "bf16"])

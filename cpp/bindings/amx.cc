@@ -282,14 +282,15 @@ void corelm::register_amx_bench(py::module_& m) {
     const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) {
       return us != std::string::npos && kind.substr(us + 1) == weight_type_name(t); });
     if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
-    if (shapes.empty() || layers < 1 || reps < 1) throw std::invalid_argument("need shapes, layers >= 1, reps >= 1");
+    if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1)
+      throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1");
     std::mt19937 rng(7);
     std::normal_distribution<float> nd;
     std::vector<PackedMatrix> mats;
     int64_t max_n = 0, max_k = 0;
     size_t bytes = 0;
     for (auto [n, k] : shapes) {
-      if (n < 1 || k < 1) throw std::invalid_argument("bad shape");
+      if (n < 1 || k < 1 || n > (1 << 20) || k > (1 << 20)) throw std::invalid_argument("bad shape");
       std::vector<float> w((size_t)n * k);
       for (auto& v : w) v = nd(rng);
       PackedMatrix pk = kt->pack(w.data(), n, k, *type);

@@ -81,7 +81,12 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms) {
       total = end_of(at, m->nbytes);
     }
   if (total == 0) return;
-  std::shared_ptr<void> arena = aligned_buffer(total);
+  std::shared_ptr<void> arena;
+  try {
+    arena = aligned_buffer(total);
+  } catch (const std::bad_alloc&) {
+    return;  // no room for a second copy while moving: the separate buffers work as they are
+  }
   std::map<const void*, std::shared_ptr<void>> moved;
   for (PackedMatrix* m : ms) {
     if (!m->storage) continue;

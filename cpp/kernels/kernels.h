@@ -43,7 +43,8 @@ std::shared_ptr<void> aligned_buffer(size_t bytes);
 bool aligned_buffer_owns_pages(size_t bytes);
 // Moves the matrices' storage into one buffer, end to end in the given order (those large enough to
 // own their pages on pages of their own, as aligned_buffer gives them), so a pass over all of them is
-// one sequential stream on 2 MiB pages; matrices sharing storage keep sharing it.
+// one sequential stream on 2 MiB pages; matrices sharing storage keep sharing it. Without memory for
+// the one buffer, leaves them where they are.
 void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {

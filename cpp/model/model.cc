@@ -136,22 +136,30 @@ int64_t Model::row_grain(const std::string& matrix, int64_t head_dim) {
 // Bound: every matrix's node ranges follow the grain its parallel loop splits by. The embedding table
 // is read a row per token by the calling thread and stays where it was written (unless tied, when it
 // is lm_head).
+std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
+  std::vector<NamedMatrix> out;
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    LayerWeights& L = layers_[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const std::pair<const char*, PackedMatrix*> kinds[] = {
+        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
+    for (const auto& k : kinds) out.push_back({p + k.first, k.first, k.second});
+  }
+  out.push_back({"lm_head", "lm_head", &lm_head_});
+  out.push_back({"tok_embeddings", "", &tok_embeddings_});  // read a row per token; shares lm_head's bytes when tied
+  return out;
+}
+
 void Model::place_weights() {
   if (!numa_places_memory()) return;
-  auto matrix = [&](const std::string& name, const PackedMatrix& m, const std::string& kind) {
+  for (const NamedMatrix& nm : matrices_in_decode_order()) {
+    if (nm.kind.empty()) continue;
+    const PackedMatrix& m = *nm.m;
     std::vector<RowRange> bytes;
-    for (const RowRange& r : numa_.ranges(m.rows, row_grain(kind, cfg_.head_dim)))
+    for (const RowRange& r : numa_.ranges(m.rows, row_grain(nm.kind, cfg_.head_dim)))
       bytes.push_back({r.node, (int64_t)row_offset(r.begin, m.rows, m.nbytes), (int64_t)row_offset(r.end, m.rows, m.nbytes)});
-    place(name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
-  };
-  for (int64_t l = 0; l < cfg_.n_layers; l++) {
-    const LayerWeights& L = layers_[l];
-    const std::string p = "layers." + std::to_string(l) + ".";
-    const std::pair<const char*, const PackedMatrix*> kinds[] = {
-        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
-    for (const auto& k : kinds) matrix(p + k.first, *k.second, k.first);
+    place(nm.name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
   }
-  matrix("lm_head", lm_head_, "lm_head");
 }
 
 static std::string numa_summary(const NumaLayout& n, bool placing, const std::vector<PlacedBuffer>& placed) {
@@ -386,10 +394,7 @@ void Model::finalize() {
   // few hundred buffers (the small ones on 4 KiB pages). Kernel stream alone, q4, one thread: 0.8 -> 0.9
   // of a plain read (tools/bench_quant.py --stream).
   std::vector<PackedMatrix*> order;
-  for (LayerWeights& L : layers_)
-    for (PackedMatrix* m : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) order.push_back(m);
-  order.push_back(&lm_head_);
-  order.push_back(&tok_embeddings_);  // moved along when tied (same storage), else after lm_head
+  for (const NamedMatrix& nm : matrices_in_decode_order()) order.push_back(nm.m);
   pack_contiguously(order);
   place_weights();
   numa_status_ = numa_summary(numa_, numa_places_memory(), placed_);
@@ -398,13 +403,8 @@ void Model::finalize() {
 
 std::vector<std::tuple<std::string, uintptr_t, size_t>> Model::weight_spans() const {
   std::vector<std::tuple<std::string, uintptr_t, size_t>> out;
-  auto add = [&](const std::string& name, const PackedMatrix& m) { out.emplace_back(name, (uintptr_t)m.data(), m.nbytes); };
-  for (size_t i = 0; i < layers_.size(); i++) {
-    const std::string p = "layers." + std::to_string(i) + ".";
-    add(p + "wqkv", layers_[i].wqkv), add(p + "wo", layers_[i].wo), add(p + "w_gate_up", layers_[i].w_gate_up);
-    add(p + "w_down", layers_[i].w_down);
-  }
-  add("lm_head", lm_head_), add("tok_embeddings", tok_embeddings_);
+  for (const NamedMatrix& nm : const_cast<Model*>(this)->matrices_in_decode_order())
+    out.emplace_back(nm.name, (uintptr_t)nm.m->data(), nm.m->nbytes);
   return out;
 }
 

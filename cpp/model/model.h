@@ -153,6 +153,13 @@ class Model {
   void place_kv_cache();
   void split_kv_heads();
   void place_weights();
+  // The packed matrices in the order decode reads them: (name, kind for row_grain or "" for
+  // tok_embeddings, matrix). The one list finalize(), place_weights() and weight_spans() walk.
+  struct NamedMatrix {
+    std::string name, kind;
+    PackedMatrix* m;
+  };
+  std::vector<NamedMatrix> matrices_in_decode_order();
 
   ModelConfig cfg_;
   const KernelTable& kt_;
