@@ -53,6 +53,51 @@ def test_matmul(isa, wtype, m, n, k):
     np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("n,k", [(9, 31), (37, 129), (70, 65), (16, 8)])
+def test_matmul_every_batch_size(isa, wtype, n, k):
+    """m = 1..40: decode, every split of a small batch into row strips, and the prefill path past it."""
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    w_used = (bf16_round(w) if wtype == "bf16" else w).astype(np.float64)
+    for m in range(1, 41):
+        x = RNG.standard_normal((m, k)).astype(np.float32)
+        x_used = bf16_round(x) if rounds_activations(isa, wtype, m) else x
+        y = _core.kernel_matmul(isa, x, w, wtype)
+        np.testing.assert_allclose(y, x_used.astype(np.float64) @ w_used.T, rtol=0, atol=2e-6 * k + 1e-6,
+                                   err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 33, 40])
+@pytest.mark.parametrize("n0,n1", [(0, 1), (3, 29), (7, 8), (13, 45), (16, 32), (36, 70), (64, 70), (5, 69)])
+def test_matmul_row_ranges(isa, wtype, m, n0, n1):
+    """One thread's share [n0, n1) of the rows, cutting through the layouts' row groups: exactly those
+    columns of y are written, the rest stay untouched."""
+    x = RNG.standard_normal((m, 65)).astype(np.float32)
+    w = RNG.standard_normal((70, 65)).astype(np.float32)
+    x_used = bf16_round(x) if rounds_activations(isa, wtype, m) else x
+    ref = x_used.astype(np.float64) @ (bf16_round(w) if wtype == "bf16" else w).astype(np.float64).T
+    y = _core.kernel_matmul(isa, x, w, wtype, n0, n1)
+    np.testing.assert_allclose(y[:, n0:n1], ref[:, n0:n1], rtol=0, atol=2e-6 * 65 + 1e-6)
+    assert not y[:, :n0].any() and not y[:, n1:].any()
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 5, 40])
+def test_matmul_row_split_keeps_the_bits(isa, wtype, m):
+    """However the rows are split across threads, each row's result is the same to the bit (the model
+    relies on it: logits must not depend on the thread count or the NUMA split)."""
+    x = RNG.standard_normal((m, 70)).astype(np.float32)
+    w = RNG.standard_normal((150, 70)).astype(np.float32)
+    full = _core.kernel_matmul(isa, x, w, wtype)
+    for cuts in ([0, 32, 64, 150], [0, 17, 48, 49, 112, 150], [0, 80, 150]):
+        y = sum(_core.kernel_matmul(isa, x, w, wtype, a, b) for a, b in zip(cuts, cuts[1:]))
+        np.testing.assert_array_equal(y, full, err_msg=f"cuts {cuts}")
+
+
 def test_bf16_rounding_matches_reference():
     special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.0078125, 3.0e38, -1e-40, 1.5, 65504.0], np.float32)
     w = np.concatenate([special, RNG.standard_normal(1000).astype(np.float32)])[None, :]
@@ -137,10 +182,13 @@ def _kv_values(kv, rng, shape):
 @pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("G,hd,ldk,n", [(1, 8, 1, 1), (2, 8, 16, 16), (7, 64, 16, 13), (3, 64, 32, 32),
-                                        (9, 24, 7, 5), (8, 80, 48, 33), (17, 128, 16, 1), (5, 3, 20, 17)])
+                                        (9, 24, 7, 5), (8, 80, 48, 33), (17, 128, 16, 1), (5, 3, 20, 17),
+                                        (1, 64, 80, 75), (2, 40, 64, 64), (4, 20, 40, 37), (1, 37, 40, 40),
+                                        (3, 19, 35, 35)])
 def test_kv_scores_and_accum(isa, kv, G, hd, ldk, n):
     """Attention over one KV block for G heads: keys transposed [hd][ldk] (first n tokens used), values
-    [n][hd]; head counts past one register tile (8), head_dim and token counts off the 16-lane grid."""
+    [n][hd]; head counts past one register tile (8), head_dim and token counts off the 16-lane grid,
+    and few heads with 32 tokens or channels per pass and a tail (the AVX2 tiles)."""
     rng = np.random.default_rng(G * 1000 + hd + n)
     q = rng.standard_normal((G, hd)).astype(np.float32)
     k, k64 = _kv_values(kv, rng, (hd, ldk))

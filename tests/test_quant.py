@@ -143,6 +143,24 @@ def test_raw_blocks_equal_float_path(isa, wtype, shape):
         np.testing.assert_array_equal(y_raw, y_float)
 
 
+@pytest.mark.parametrize("isa", TABLES)
+def test_raw_q8_extreme_quants_match_scalar(isa):
+    """A GGUF Q8_0 block may hold -128 (ggml's quantizer never writes it, a file can): every table
+    multiplies it exactly (AVX2's sign trick takes |q| as unsigned, so 128 stays 128)."""
+    rows, cols = 19, 96
+    rng = np.random.default_rng(11)
+    blk = np.zeros(rows * cols // 32, np.dtype([("d", "<f2"), ("qs", "i1", (32,))]))
+    blk["d"] = rng.uniform(0.001, 0.01, len(blk)).astype(np.float16)
+    blk["qs"] = rng.choice(np.array([-128, -127, -1, 0, 1, 127], np.int8), (len(blk), 32))
+    raw = blk.view(np.uint8).reshape(rows, -1)
+    for m in (1, 5):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        x[:, ::3] *= -1
+        y = _core.kernel_matmul_raw(isa, x, raw, "Q8_0", rows, cols)
+        ref = _core.kernel_matmul_raw("scalar", x, raw, "Q8_0", rows, cols)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_raw_path_rejects_bad_input():
     raw = ggml_quantize(weights(4, 64), "Q4_1")
     with pytest.raises(ValueError):
@@ -321,8 +339,10 @@ def test_quantized_models_run_on_awkward_shapes(dtype):
 
 def test_default_gguf_keeps_q4_1_blocks():
     """The embedded SmolLM2 Q4_1 GGUF under dtype="auto" keeps its blocks (Q4_1 -> q4m, Q8_0 embedding
-    -> q8): no more bytes than the file's blocks, logits within NMSE 2e-3 of the fp32-dequantized model
-    (int8 activations: up to 9.6e-4 measured), and greedy tokens identical until they part, if they do,
+    -> q8): no more bytes than the file's blocks, logits within NMSE 1e-2 of the fp32-dequantized model
+    (int8 activations; per case it depends on rounding order: up to 9.6e-4 measured with the AVX-512
+    table, 3.9e-3 with AVX2 and 7.1e-3 with scalar, on different cases; means 2e-3 and 2.8e-3, below 4e-3), and
+    greedy tokens identical until they part, if they do,
     at a near-tie (top-2 margin < 0.3: int8 activations amplify any rounding change, e.g. the same prompt
     read whole or token by token gives logits 0.08-1.4 apart on this model)."""
     fx = fixture("smollm2")
@@ -331,15 +351,17 @@ def test_default_gguf_keeps_q4_1_blocks():
     q4_1 = sum(t.nbytes for t in g.tensors.values() if t.type_name == "Q4_1")
     q8_0 = sum(t.nbytes for t in g.tensors.values() if t.type_name == "Q8_0")
     assert llm._core.weight_bytes < 1.1 * (q4_1 + q8_0)
+    errors = []
     for case in fx["cases"]:
         llm.reset()
-        logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
-        assert nmse(logits, case["last"]) < 2e-3
+        errors.append(nmse(llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
+        assert errors[-1] < 1e-2
         llm.reset()
         expected, margins = case["generated_ids"], case["margins"]
         out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
         n = matching_prefix(out.token_ids, expected)
         assert n == len(expected) or margins[n] < 0.3, f"diverged at {n}, margin {margins[n]}"
+    assert np.mean(errors) < 4e-3
     llm.reset()
     text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0].text
     assert "Paris" in text

@@ -294,16 +294,21 @@ def run_openvino(engine, model, T, prompt_file, env):
 
 # ---------------- memory bandwidth ----------------
 def membw_binary():
-    """The peers' membw (AVX-512 sum, OpenMP); compiled into $PEERS/micro or a cache dir when missing."""
+    """The peers' membw (AVX-512 sum, OpenMP), else tools/membw_avx2.c (the same with 256-bit loads, for
+    CPUs without AVX-512); compiled into $PEERS/micro or a cache dir when missing."""
     b = f"{PEERS}/micro/membw"
     if os.access(b, os.X_OK):
         return b
-    for src in (f"{PEERS}/micro/membw.c", os.path.join(PEERS_SRC, "micro", "membw.c")):
+    cache = os.path.expanduser("~/.cache/corelm-bench")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for src, dst, flags in ((f"{PEERS}/micro/membw.c", "membw", "-march=native"),
+                            (os.path.join(PEERS_SRC, "micro", "membw.c"), "membw", "-march=native"),
+                            (os.path.join(here, "membw_avx2.c"), "membw_avx2", "-mavx2")):
         if os.path.exists(src):
-            dst = os.path.expanduser("~/.cache/corelm-bench/membw")
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            dst = os.path.join(cache, dst)
+            os.makedirs(cache, exist_ok=True)
             if os.access(dst, os.X_OK) or subprocess.run(
-                    ["gcc", "-O3", "-march=native", "-fopenmp", src, "-o", dst], capture_output=True).returncode == 0:
+                    ["gcc", "-O3", flags, "-fopenmp", src, "-o", dst], capture_output=True).returncode == 0:
                 return dst
     return None
 

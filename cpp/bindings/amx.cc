@@ -163,7 +163,7 @@ void corelm::register_amx(py::module_& m) {
 }
 
 // The roofline's reference: sum `bytes` (a multiple of 64) as floats, eight independent AVX-512 adds
-// per 512 bytes (as shared/bench/peers' membw), or a scalar sum without AVX-512.
+// per 512 bytes (as shared/bench/peers' membw), eight AVX adds per 256 bytes with AVX2, or a scalar sum.
 #if defined(CORELM_HAVE_X86)
 __attribute__((target("avx512f"))) static float plain_read_avx512(const void* p, size_t bytes) {
   const float* f = static_cast<const float*>(p);
@@ -178,10 +178,27 @@ __attribute__((target("avx512f"))) static float plain_read_avx512(const void* p,
   for (; i < n; i++) t += f[i];
   return t;
 }
+__attribute__((target("avx2"))) static float plain_read_avx2(const void* p, size_t bytes) {
+  const float* f = static_cast<const float*>(p);
+  const size_t n = bytes / 4;
+  __m256 s[8];
+  for (auto& v : s) v = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 8; j++) s[j] = _mm256_add_ps(s[j], _mm256_load_ps(f + i + 8 * j));
+  for (int j = 1; j < 8; j++) s[0] = _mm256_add_ps(s[0], s[j]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, s[0]);
+  float t = 0;
+  for (float v : lanes) t += v;
+  for (; i < n; i++) t += f[i];
+  return t;
+}
 #endif
 static float plain_read_sum(const void* p, size_t bytes) {
 #if defined(CORELM_HAVE_X86)
   if (cpu_features().os_avx512) return plain_read_avx512(p, bytes);
+  if (cpu_features().os_avx && cpu_features().avx2) return plain_read_avx2(p, bytes);
 #endif
   const float* f = static_cast<const float*>(p);
   float t = 0;

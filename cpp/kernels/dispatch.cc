@@ -186,13 +186,17 @@ const KernelTable* kernels_by_name(const std::string& name) {
   if (name == "avx512") return can_run_avx512(cpu_features()) ? &kAvx512Kernels : nullptr;
   if (name == "avx512_bf16")
     return can_run_avx512(cpu_features()) && cpu_features().avx512_bf16 ? &kAvx512Bf16Kernels : nullptr;
+  if (name == "avx2") {
+    const CpuFeatures& f = cpu_features();
+    return f.os_avx && f.avx2 && f.fma && f.f16c ? &kAvx2Kernels : nullptr;
+  }
 #endif
   return nullptr;
 }
 
 std::vector<std::string> available_kernel_tables() {
   std::vector<std::string> out;
-  for (const char* n : {"avx512_bf16", "avx512", "scalar"})
+  for (const char* n : {"avx512_bf16", "avx512", "avx2", "scalar"})
     if (kernels_by_name(n)) out.push_back(n);
   return out;
 }

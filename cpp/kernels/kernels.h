@@ -48,7 +48,7 @@ bool aligned_buffer_owns_pages(size_t bytes);
 void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
-  const char* name;  // "avx512_bf16", "avx512", "scalar"
+  const char* name;  // "avx512_bf16", "avx512", "avx2", "scalar"
   // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout.
   PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type);
   // y[i][n] = sum_k x[i][k] * W[n][k] for i < m and n in [n0, n1): the caller splits n across threads.
@@ -90,6 +90,7 @@ extern const KernelTable kScalarKernels;
 #if defined(CORELM_HAVE_X86)
 extern const KernelTable kAvx512Kernels;
 extern const KernelTable kAvx512Bf16Kernels;  // kAvx512Kernels with VDPBF16PS for bf16 weights (AVX512_BF16)
+extern const KernelTable kAvx2Kernels;        // AVX2 + FMA + F16C
 #endif
 
 struct CpuFeatures {
@@ -103,13 +104,14 @@ struct CpuFeatures {
 };
 
 const CpuFeatures& cpu_features();
-// The table chosen once from CPUID; CORELM_ISA=scalar|avx512|avx512_bf16 in the environment overrides it.
+// The table chosen once from CPUID; CORELM_ISA=scalar|avx2|avx512|avx512_bf16 in the environment overrides it.
 const KernelTable& kernels();
 // A specific table by name, or nullptr if this CPU can't run it (tests compare every table).
 const KernelTable* kernels_by_name(const std::string& name);
 std::vector<std::string> available_kernel_tables();
 
-// fp32 <-> bf16, round to nearest even; NaN stays NaN.
+// fp32 <-> bf16, round to nearest even; NaN stays NaN. (Unnamed namespace: each ISA file's own copy.)
+namespace {
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   __builtin_memcpy(&u, &f, 4);
@@ -123,5 +125,6 @@ inline float bf16_to_f32(uint16_t h) {
   __builtin_memcpy(&f, &u, 4);
   return f;
 }
+}  // namespace
 
 }  // namespace corelm

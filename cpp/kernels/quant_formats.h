@@ -26,6 +26,7 @@
 
 namespace corelm {
 namespace quant {
+namespace {  // each ISA file's own copy, built with its flags (see kernels/kernel_util.h)
 
 constexpr int64_t kBlock = 32;
 
@@ -215,6 +216,7 @@ inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
                                 std::to_string((size_t)rows * (cols / kBlock) * ggml_block_bytes(t)));
 }
 
+}  // namespace
 }  // namespace quant
 }  // namespace corelm
 
@@ -234,10 +236,16 @@ PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
-void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m);
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
 void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
+PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
+void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1);
+size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m);
+void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
+void avx2_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
 #endif
 }  // namespace quant
 }  // namespace corelm

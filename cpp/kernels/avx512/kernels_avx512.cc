@@ -10,8 +10,9 @@
 
 #include "kernels/avx512/kernels_avx512_bf16.h"
 #include "kernels/avx512/panel_gemm.h"
+#include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
-#include "kernels/quant_formats.h"
+#include "kernels/quant_layout.h"
 
 namespace corelm {
 namespace {
@@ -257,17 +258,6 @@ inline __m512 load_kv16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
-// Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a
-// compile-time constant, so a tile's accumulators live in registers.
-constexpr int kMaxHeadTile = 8;
-template <int NG = 1, class F>
-void with_head_tile(int64_t g, F&& f) {
-  if constexpr (NG < kMaxHeadTile) {
-    if (g != NG) return with_head_tile<NG + 1>(g, f);
-  }
-  f(std::integral_constant<int, NG>());
-}
-
 // NG heads x 16 tokens per pass: a key channel vector is loaded once and used by every head.
 template <int NG, class T>
 void kv_scores_tile(const float* q, int64_t hd, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
@@ -298,23 +288,6 @@ void kv_accum_tile(const float* p, int64_t ldp, const T* v, int64_t n, int64_t h
       float* o = out + g * hd + d;
       _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[g]));
     }
-  }
-}
-
-// f(tile, g0) over the G heads in tiles of at most kMaxHeadTile, from head g0 on.
-template <class F>
-void for_head_tiles(int64_t G, F&& f) {
-  for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadTile)
-    with_head_tile(std::min<int64_t>(G - g0, kMaxHeadTile), [&](auto ng) { f(ng, g0); });
-}
-
-// f(typed pointer) for the cache's element type.
-template <class F>
-void with_kv_type(KVType t, const void* p, F&& f) {
-  switch (t) {
-    case KVType::F32: return f(static_cast<const float*>(p));
-    case KVType::BF16: return f(static_cast<const uint16_t*>(p));
-    case KVType::I8: return f(static_cast<const int8_t*>(p));
   }
 }
 
@@ -403,7 +376,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
-  if (quant::is_quant(w.type)) return quant::avx512_row_to_f32(w, row, out);
+  if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);
   const size_t esz = w.type == WeightType::BF16 ? 2 : 4;
   const int64_t nchunks = w.ld / kChunk;
   const char* p = static_cast<const char*>(w.data()) +

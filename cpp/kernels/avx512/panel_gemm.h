@@ -13,24 +13,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/kernel_util.h"
+
 namespace corelm {
 namespace avx512 {
 
-template <class T>
-struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads
-  using value_type = T;
-  AlignedAlloc() = default;
-  template <class U>
-  AlignedAlloc(const AlignedAlloc<U>&) {}
-  T* allocate(size_t n) {
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, n * sizeof(T)) != 0) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t) { free(p); }
-  bool operator==(const AlignedAlloc&) const { return true; }
-  bool operator!=(const AlignedAlloc&) const { return false; }
-};
+using corelm::AlignedAlloc;
 
 constexpr int64_t kPanel = 32;
 

@@ -1,19 +1,14 @@
 // AVX-512 kernels for the block-quantized formats (Q8, Q4, Q4M; arithmetic in quant_formats.h).
 //
-// Layout: rows in groups of 8 (one VPDPBUSD row tile), groups in super-groups of kSuper (the last
-// super-group may have fewer, ns). A super-group is nb block rows, one per 32-column block, each
-//   qs[ns][QSB]  the groups' quants (QSB = 256 bytes for Q8, 128 for Q4/Q4M)
-//   d[ns][8]     fp16 scales of each group's 8 rows
-//   m[ns][8]     fp16 minimums (Q4M only)
-// padded to 64 bytes, and super-groups follow each other: decode, which multiplies a super-group's
-// groups at once, reads the whole matrix as one sequential stream. Rows past the matrix are zeros. Within a block, a group's 256 quant bytes are
-// four vectors W_t (t = 0..3) whose 32-bit lane l holds row l%8, columns 8t + 4*(l/8) + 0..3. So one
-// VPDPBUSD of W_t against an activation vector holding columns 8t..8t+3 in lanes 0..7 and
-// 8t+4..8t+7 in lanes 8..15 adds four products to every row's two partial sums at once, and the
-// per-row scale is a broadcast of 8 values to both halves: no horizontal sums inside the loop.
-// Q8 stores q + 128 (VPDPBUSD multiplies unsigned weights by signed activations; the 128*sum(xq)
-// this adds is taken back once per block). Q4/Q4M store the u4 quants of W_{2u} in the low and of
-// W_{2u+1} in the high nibbles of vector u; Q4 subtracts 8*sum(xq) per block, Q4M adds m*dx*sum(xq).
+// Layout: quant_layout.h (rows in groups of 8, four groups interleaved block by block, one stream).
+// A group's 256 quant bytes of a block are four vectors W_t (t = 0..3) whose 32-bit lane l holds row
+// l%8, columns 8t + 4*(l/8) + 0..3. So one VPDPBUSD of W_t against an activation vector holding
+// columns 8t..8t+3 in lanes 0..7 and 8t+4..8t+7 in lanes 8..15 adds four products to every row's two
+// partial sums at once, and the per-row scale is a broadcast of 8 values to both halves: no
+// horizontal sums inside the loop. Q8 stores q + 128 (VPDPBUSD multiplies unsigned weights by
+// signed activations; the 128*sum(xq) this adds is taken back once per block). Q4/Q4M hold the u4
+// quants of W_{2u} in the low and of W_{2u+1} in the high nibbles of vector u; Q4 subtracts
+// 8*sum(xq) per block, Q4M adds m*dx*sum(xq).
 //
 // The activations are quantized once per matmul (avx512_quantize_act, bit-identical to
 // quant::quantize_activations; the model shares one quantization among a thread's row ranges) and
@@ -24,90 +19,14 @@
 #include <cstdlib>
 
 #include "kernels/avx512/panel_gemm.h"
-#include "kernels/quant_formats.h"
+#include "kernels/quant_layout.h"
 
 namespace corelm {
 namespace quant {
 namespace {
 
-constexpr int64_t kGroup = 8;
-// Decode multiplies a super-group's kSuper groups at once (each activation load serves 32 rows) and
-// prefetches kPrefetchBlocks block rows ahead along its one stream. With each group a record of its
-// own (quants, then scales) decode read a dozen short streams at once (4 KB each at 896 columns),
-// which the hardware prefetcher kept retraining on: one core got ~24 GB/s of Q4 in the model's
-// shapes against ~33 for a plain read (tools/bench_quant.py --stream).
-constexpr int kSuper = 4;
+// Decode prefetches kPrefetchBlocks block rows ahead along its one stream.
 constexpr int kPrefetchBlocks = 8;
-
-inline int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }
-inline int64_t nblocks(const PackedMatrix& w) { return w.ld / kBlock; }
-inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
-// Bytes of a block row of ns groups, and of a super-group of them.
-inline int64_t row_bytes(WeightType t, int64_t ns) {
-  return (ns * (qs_bytes(t) + 16 * (t == WeightType::Q4M ? 2 : 1)) + 63) / 64 * 64;
-}
-inline int64_t super_bytes(WeightType t, int64_t nb, int64_t ns) { return nb * row_bytes(t, ns); }
-
-// Where group g's data starts, and the strides from one block to the next: group g + i of the same
-// super-group is at qs + i * QSB, d + 8 * i, m + 8 * i.
-struct GroupView {
-  const uint8_t* qs;     // block 0
-  const uint16_t *d, *m;  // block 0 (m: Q4M only)
-  int64_t qstride;       // bytes from block b to b + 1 (a block row)
-  int64_t dstride;       // the same in fp16 entries (d and m)
-  int64_t ns;            // groups in this super-group
-  int64_t first;         // the super-group's first group
-};
-inline GroupView group_view(const void* base, WeightType t, int64_t nb, int64_t groups, int64_t g) {
-  const int64_t s = g / kSuper, first = s * kSuper, ns = std::min<int64_t>(kSuper, groups - first), i = g - first;
-  const uint8_t* rec = static_cast<const uint8_t*>(base) + (size_t)s * super_bytes(t, nb, kSuper);
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(rec + ns * qs_bytes(t));
-  const int64_t rb = row_bytes(t, ns);
-  return {rec + i * qs_bytes(t), d + 8 * i, d + ns * 8 + 8 * i, rb, rb / 2, ns, first};
-}
-
-// Where column k of row j (of 8) sits among the 256 quant bytes of a block: vector t, byte c.
-inline void position(int j, int k, int* t, int* c) {
-  *t = k / 8;
-  *c = 4 * (j + 8 * ((k % 8) / 4)) + k % 4;
-}
-
-inline void put_block(WeightType type, uint8_t* qs, int j, const int8_t* q) {
-  for (int k = 0; k < 32; k++) {
-    int t, c;
-    position(j, k, &t, &c);
-    if (type == WeightType::Q8)
-      qs[64 * t + c] = (uint8_t)(q[k] + 128);
-    else
-      qs[64 * (t / 2) + c] |= (uint8_t)((q[k] & 0x0f) << (4 * (t % 2)));
-  }
-}
-
-inline int get_quant(WeightType type, const uint8_t* qs, int j, int k) {
-  int t, c;
-  position(j, k, &t, &c);
-  if (type == WeightType::Q8) return (int)qs[64 * t + c] - 128;
-  return (qs[64 * (t / 2) + c] >> (4 * (t % 2))) & 0x0f;
-}
-
-PackedMatrix empty_matrix(WeightType t, int64_t rows, int64_t cols) {
-  return new_matrix(t, rows, cols, &kAvx512Kernels, [&](int64_t ld) {
-    const int64_t nb = ld / kBlock, groups = ngroups(rows), full = groups / kSuper, tail = groups % kSuper;
-    return (size_t)(full * super_bytes(t, nb, kSuper) + (tail ? super_bytes(t, nb, tail) : 0));
-  });
-}
-
-// Row r's block b: the quant record, and the d and m entries.
-struct RowBlock {
-  uint8_t* qs;
-  uint16_t* d;
-  uint16_t* m;
-};
-inline RowBlock row_block(const PackedMatrix& w, int64_t r, int64_t b) {
-  const GroupView v = group_view(w.data(), w.type, nblocks(w), ngroups(w.rows), r / kGroup);
-  return {const_cast<uint8_t*>(v.qs + b * v.qstride), const_cast<uint16_t*>(v.d + b * v.dstride + r % kGroup),
-          const_cast<uint16_t*>(v.m + b * v.dstride + r % kGroup)};
-}
 
 // ---------------------------------------------------------------------------------------------
 // VPDPBUSD: acc += sum of 4 (u8 a * s8 b) per 32-bit lane. VNNI by inline assembly (this file is
@@ -433,48 +352,11 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
 }  // namespace
 
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  PackedMatrix m = empty_matrix(type, rows, cols);
-  for (int64_t r = 0; r < rows; r++)
-    quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
-      RowBlock rb = row_block(m, r, b);
-      put_block(type, rb.qs, (int)(r % kGroup), q);
-      *rb.d = d16;
-      if (type == WeightType::Q4M) *rb.m = m16;
-    });
-  return m;
+  return grouped_pack(src, rows, cols, type, &kAvx512Kernels);
 }
 
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
-  PackedMatrix m = empty_matrix(type, rows, cols);
-  const int64_t nb = cols / kBlock;
-  const size_t bb = ggml_block_bytes(type);
-  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups of kGroup rows: disjoint bytes per range
-    int8_t q[32];
-    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++)
-      for (int64_t b = 0; b < nb; b++) {
-        uint16_t d16 = 0, m16 = 0;
-        decode_ggml_block(type, raw + ((size_t)r * nb + b) * bb, q, &d16, &m16);
-        RowBlock rb = row_block(m, r, b);
-        put_block(type, rb.qs, (int)(r % kGroup), q);
-        *rb.d = d16;
-        if (type == WeightType::Q4M) *rb.m = m16;
-      }
-  };
-  const int64_t groups = (rows + kGroup - 1) / kGroup;
-  if (par)
-    (*par)(groups, fill);
-  else
-    fill(0, groups);
-  return m;
-}
-
-void avx512_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
-  for (int64_t b = 0; b * kBlock < w.cols; b++) {
-    RowBlock rb = row_block(w, row, b);
-    const float d = f16_to_f32(*rb.d), mn = w.type == WeightType::Q4M ? f16_to_f32(*rb.m) : 0.f;
-    for (int64_t k = 0; k < kBlock && b * kBlock + k < w.cols; k++)
-      out[b * kBlock + k] = dequant_value(w.type, get_quant(w.type, rb.qs, (int)(row % kGroup), (int)k), d, mn);
-  }
+  return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m) {

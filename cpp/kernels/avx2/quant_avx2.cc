@@ -1,0 +1,310 @@
+// AVX2 kernels for the block-quantized formats (Q8, Q4, Q4M; arithmetic in quant_formats.h), on the
+// grouped layout the AVX-512 table uses too (quant_layout.h): a 32-byte piece of a group's block is
+// 8 rows x 4 columns, one row per 32-bit lane, so a 4-byte activation broadcast against it gives
+// every row four products and no horizontal sums are needed until the very end.
+//
+// Without VNNI the int8 dot is VPMADDUBSW (u8 x s8 -> pairs summed to int16, saturating) then
+// VPMADDWD by ones (int16 pairs -> int32):
+// - Q8 weights are stored as q + 128; XOR 0x80 gives q back, and |q| x (x with q's sign) keeps each
+//   int16 pair below 2 * 128 * 127 < 32768 (the sign trick of ggml's AVX2 path), exact for all q.
+// - Q4 nibbles (0..15) multiply the activations directly: a pair is at most 2 * 15 * 127, so a whole
+//   block's eight VPMADDUBSW sums fit in int16 before one VPMADDWD; the stored offset 8 comes off as
+//   8 * sum(xq) per block.
+// Activations are quantized once per matmul (avx2_quantize_act), bit-identical to
+// quant::quantize_activations, and kept as plain int8 rows. Decode streams a super-group (32 rows)
+// at a time; prefill runs register tiles of kMR activation rows x one group over L2-sized chunks.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/avx2/avx2_util.h"
+#include "kernels/kernel_util.h"
+#include "kernels/quant_layout.h"
+
+namespace corelm {
+namespace quant {
+namespace {
+
+constexpr int kPrefetchBlocks = 8;  // decode prefetches this many block rows ahead along its stream
+
+// Per row and block: the 32 int8 quants, dx, dxs = dx * sum(xq) (times Q4M's minimum) and corr, the
+// int32 added to each row's block sum for the stored offset (Q4: -8 * sum(xq); else 0).
+struct QuantAct {
+  int8_t* q;  // [m][nb][32]
+  float *dx, *dxs;
+  int32_t* corr;  // dx, dxs, corr: [m][nb]
+};
+
+inline size_t act_bytes(int64_t m, int64_t nb) { return ((size_t)(32 + 12) * m * nb + 63) / 64 * 64; }
+
+inline QuantAct act_view(void* buf, int64_t m, int64_t nb) {
+  int8_t* q = static_cast<int8_t*>(buf);
+  float* dx = reinterpret_cast<float*>(q + 32 * m * nb);
+  return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
+}
+
+// One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
+// as quant::quantize_activations into out[32]; returns the scale, *s the sum of the quants.
+inline float quantize_act_block(const float* x, int64_t left, int8_t* out, int32_t* s) {
+  __m256 v[4];
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = left >= 8 * (i + 1) ? _mm256_loadu_ps(x + 8 * i)
+           : left > 8 * i      ? _mm256_maskload_ps(x + 8 * i, tail_mask(left - 8 * i))
+                               : _mm256_setzero_ps();
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  }
+  const float d = hmax(amax) / 127.f;
+  const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // MXCSR: nearest even
+  *s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+  // int32 -> int8 (|q| <= 127: no saturation); the packs interleave 128-bit lanes, the permute undoes it
+  const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return d;
+}
+
+void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantAct& qa) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t b = 0; b < nb; b++) {
+      int32_t s;
+      const int64_t ib = i * nb + b;
+      const float d = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, qa.q + ib * kBlock, &s);
+      qa.dx[ib] = d;
+      qa.dxs[ib] = d * (float)s;
+      qa.corr[ib] = type == WeightType::Q4 ? -8 * s : 0;
+    }
+}
+
+inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// An empty asm that says v changed here: the sums before and after it can't be reassociated. Without
+// it GCC turns a block's chained adds into a tree, keeps all 32 products live and spills most of them
+// (55 stack accesses per block in the Q4 decode loop).
+template <class V>
+inline void pin(V& v) { __asm__("" : "+x"(v)); }
+
+inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// Q8: each lane += the four products of a piece (stored q + 128) with the broadcast activations.
+inline __m256i dot_q8(__m256i acc, __m256i stored, __m256i x4) {
+  const __m256i q = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x4, q));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: NG groups of one super-group against the whole of x, block by block; each activation
+// broadcast serves all NG groups. out[g] = the group's 8 row results.
+template <WeightType T, int NG>
+inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  __m256 facc[NG];
+  for (int g = 0; g < NG; g++) facc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const uint16_t* dp = v.d + b * v.dstride;
+    const int8_t* xb = qx.q + b * kBlock;
+    for (int64_t o = 0; o < v.qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * v.qstride + o, _MM_HINT_T0);
+    __m256i acc[NG];
+    if constexpr (T == WeightType::Q8) {
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; p++) {
+        const __m256i x4 = bcast4(xb + 4 * p);
+        for (int g = 0; g < NG; g++) {
+          acc[g] = dot_q8(acc[g], _mm256_load_si256((const __m256i*)(qs + g * QSB + 32 * p)), x4);
+          pin(acc[g]);
+        }
+      }
+    } else {
+      const __m256i m4 = _mm256_set1_epi8(0x0f);
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_si256();  // int16 sums until the block ends
+      for (int u = 0; u < 2; u++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i xlo = bcast4(xb + 4 * (4 * u + h)), xhi = bcast4(xb + 4 * (4 * u + 2 + h));
+          for (int g = 0; g < NG; g++) {
+            const __m256i w = _mm256_load_si256((const __m256i*)(qs + g * QSB + 64 * u + 32 * h));
+            acc[g] = _mm256_add_epi16(acc[g], _mm256_maddubs_epi16(_mm256_and_si256(w, m4), xlo));
+            acc[g] = _mm256_add_epi16(acc[g], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), xhi));
+            pin(acc[g]);
+          }
+        }
+      const __m256i c = _mm256_set1_epi32(qx.corr[b]);
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_add_epi32(_mm256_madd_epi16(acc[g], _mm256_set1_epi16(1)), c);
+    }
+    const __m256 dx = _mm256_set1_ps(qx.dx[b]);
+    for (int g = 0; g < NG; g++) {
+      facc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[g]), _mm256_mul_ps(scales8(dp + 8 * g), dx), facc[g]);
+      if constexpr (T == WeightType::Q4M)
+        facc[g] = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * g), _mm256_set1_ps(qx.dxs[b]), facc[g]);
+    }
+  }
+  for (int g = 0; g < NG; g++) out[g] = facc[g];
+}
+
+// Stores the rows of a group (first row r0) that fall in [n0, n1); adds to y unless `first`.
+inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, bool first) {
+  if (r0 >= n0 && r0 + kGroup <= n1) {
+    if (!first) r = _mm256_add_ps(r, _mm256_loadu_ps(yp));
+    _mm256_storeu_ps(yp, r);
+    return;
+  }
+  const __m256i keep = lane_mask(n0 - r0, n1 - r0);
+  if (!first) r = _mm256_add_ps(r, _mm256_maskload_ps(yp, keep));
+  _mm256_maskstore_ps(yp, keep, r);
+}
+
+// Rows [n0, n1): whole super-groups at once, the groups of a partly covered one one by one.
+template <WeightType T>
+void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  for (int64_t g = n0 / kGroup; g < g_end;) {
+    const GroupView v = group_view(w.data(), T, nb, groups, g);
+    __m256 r[kSuper];
+    int ng = 1;
+    if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
+      gemv_groups<T, kSuper>(qx, v, nb, r);
+      ng = kSuper;
+    } else {
+      gemv_groups<T, 1>(qx, v, nb, r);
+    }
+    for (int i = 0; i < ng; i++, g++) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (m > 1): per chunk of kKC blocks along K and per chunk of groups that stays in L2, strips
+// of up to kMR activation rows sweep the chunk one group at a time: each 32-byte weight piece is
+// loaded (Q4: unpacked) once for the strip's rows, each row's broadcasts come from L1.
+constexpr int kMR = 4;                      // activation rows per tile (16 ymm registers)
+constexpr int64_t kKC = 32;                 // blocks per K chunk: a strip's 4 x 32 x 32 B in L1
+constexpr int64_t kChunkBytes = 256 << 10;  // weight bytes per (K chunk, group chunk): L2
+
+template <WeightType T, int MR>
+void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v, int64_t r0,
+          float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  __m256 facc[MR];
+  for (int i = 0; i < MR; i++) facc[i] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b0 + nbk; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const __m256 ws = scales8(v.d + b * v.dstride);
+    __m256i acc[MR];
+    if constexpr (T == WeightType::Q8) {
+      for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; p++) {
+        const __m256i q = _mm256_xor_si256(_mm256_load_si256((const __m256i*)(qs + 32 * p)), _mm256_set1_epi8((char)0x80));
+        const __m256i aq = _mm256_abs_epi8(q);
+        for (int i = 0; i < MR; i++) {
+          const __m256i x4 = bcast4(qr.q + ((i0 + i) * nb + b) * kBlock + 4 * p);
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x4, q)),
+                                                              _mm256_set1_epi16(1)));
+          pin(acc[i]);
+        }
+      }
+    } else {
+      const __m256i m4 = _mm256_set1_epi8(0x0f);
+      for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_si256();
+      for (int u = 0; u < 2; u++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i w = _mm256_load_si256((const __m256i*)(qs + 64 * u + 32 * h));
+          const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+          for (int i = 0; i < MR; i++) {
+            const int8_t* xb = qr.q + ((i0 + i) * nb + b) * kBlock;
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * (4 * u + h))));
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(hi, bcast4(xb + 4 * (4 * u + 2 + h))));
+            pin(acc[i]);
+          }
+        }
+      for (int i = 0; i < MR; i++) acc[i] = _mm256_madd_epi16(acc[i], _mm256_set1_epi16(1));
+    }
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + b;
+      if constexpr (T == WeightType::Q4) acc[i] = _mm256_add_epi32(acc[i], _mm256_set1_epi32(qr.corr[ib]));
+      facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(ws, _mm256_set1_ps(qr.dx[ib])), facc[i]);
+      if constexpr (T == WeightType::Q4M)
+        facc[i] = _mm256_fmadd_ps(scales8(v.m + b * v.dstride), _mm256_set1_ps(qr.dxs[ib]), facc[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++) store_rows(y + (i0 + i) * ldy + r0, r0, n0, n1, facc[i], first);
+}
+
+template <WeightType T>
+void tile_rows(int mr, const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v,
+               int64_t r0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  static_assert(kMR == 4, "one case per strip height");
+  switch (mr) {
+    case 4: return tile<T, 4>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+    case 3: return tile<T, 3>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+    case 2: return tile<T, 2>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+    default: return tile<T, 1>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+  }
+}
+
+template <WeightType T>
+void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  const int64_t nc = std::max<int64_t>(1, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
+  for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
+    const int64_t nbk = std::min(kKC, nb - b0);
+    for (int64_t c0 = n0 / kGroup; c0 < g_end; c0 += nc) {
+      const int64_t c1 = std::min(c0 + nc, g_end);
+      for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+        const int mr = (int)std::min<int64_t>(kMR, m - i0);
+        for (int64_t g = c0; g < c1; g++)
+          tile_rows<T>(mr, qr, nb, i0, b0, nbk, group_view(w.data(), T, nb, groups, g), g * kGroup, y, ldy, n0, n1,
+                       b0 == 0);
+      }
+    }
+  }
+}
+
+template <WeightType T>
+void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (m > 1) return gemm<T>(qa, m, w, y, ldy, n0, n1);
+  gemv<T>(qa, w, y, n0, n1);
+}
+
+}  // namespace
+
+PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+  return grouped_pack(src, rows, cols, type, &kAvx2Kernels);
+}
+
+PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  return grouped_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
+}
+
+size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m) {
+  return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
+}
+
+void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
+  quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
+}
+
+void avx2_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+  const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
+  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
+  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
+  return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
+}
+
+void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                 int64_t n1) {
+  thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> qa;
+  qa.resize(avx2_quant_act_bytes(w, m));
+  avx2_quantize_act(x, m, ldx, w, qa.data());
+  avx2_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
+}
+
+}  // namespace quant
+}  // namespace corelm

@@ -1,0 +1,60 @@
+// Plain C++ helpers shared by the ISA files (no intrinsics). Everything here is in an unnamed
+// namespace on purpose: each ISA file gets its own copy built with its own flags, so the linker can
+// never hand an AVX2-only caller a shared inline instance compiled with AVX-512 instructions.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <type_traits>
+
+#include "kernels/kernels.h"
+
+namespace corelm {
+namespace {
+
+template <class T>
+struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads (thread-local vectors)
+  using value_type = T;
+  AlignedAlloc() = default;
+  template <class U>
+  AlignedAlloc(const AlignedAlloc<U>&) {}
+  T* allocate(size_t n) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, n * sizeof(T)) != 0) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { free(p); }
+  bool operator==(const AlignedAlloc&) const { return true; }
+  bool operator!=(const AlignedAlloc&) const { return false; }
+};
+
+// Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a
+// compile-time constant, so an attention tile's accumulators live in registers.
+constexpr int kMaxHeadTile = 8;
+template <int NG = 1, class F>
+void with_head_tile(int64_t g, F&& f) {
+  if constexpr (NG < kMaxHeadTile) {
+    if (g != NG) return with_head_tile<NG + 1>(g, f);
+  }
+  f(std::integral_constant<int, NG>());
+}
+
+// f(tile, g0) over the G heads in tiles of at most kMaxHeadTile, from head g0 on.
+template <class F>
+void for_head_tiles(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadTile)
+    with_head_tile(G - g0 < kMaxHeadTile ? G - g0 : kMaxHeadTile, [&](auto ng) { f(ng, g0); });
+}
+
+// f(typed pointer) for the KV cache's element type.
+template <class F>
+void with_kv_type(KVType t, const void* p, F&& f) {
+  switch (t) {
+    case KVType::F32: return f(static_cast<const float*>(p));
+    case KVType::BF16: return f(static_cast<const uint16_t*>(p));
+    case KVType::I8: return f(static_cast<const int8_t*>(p));
+  }
+}
+
+}  // namespace
+}  // namespace corelm
