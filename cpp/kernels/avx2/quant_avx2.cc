@@ -142,10 +142,10 @@ inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m2
           }
       }
     }
-    if constexpr (T != WeightType::Q8) {
-      const __m256i c = _mm256_set1_epi32(qx.corr[b]);
-      for (int g = 0; g < NG; g++) acc[g] = _mm256_add_epi32(_mm256_madd_epi16(acc[g], _mm256_set1_epi16(1)), c);
-    }
+    if constexpr (T != WeightType::Q8)
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_madd_epi16(acc[g], _mm256_set1_epi16(1));
+    if constexpr (T == WeightType::Q4)  // the stored offset 8 (Q4M's minimum is a float term below)
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_add_epi32(acc[g], _mm256_set1_epi32(qx.corr[b]));
     const __m256 dx = _mm256_set1_ps(qx.dx[b]);
     for (int g = 0; g < NG; g++) {
       facc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[g]), _mm256_mul_ps(scales8(dp + 8 * g), dx), facc[g]);
@@ -202,6 +202,7 @@ void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, c
   for (int64_t b = b0; b < b0 + nbk; b++) {
     const uint8_t* qs = v.qs + b * v.qstride;
     const __m256 ws = scales8(v.d + b * v.dstride);
+    const __m256 wm = T == WeightType::Q4M ? scales8(v.m + b * v.dstride) : _mm256_setzero_ps();
     __m256i acc[MR];
     if constexpr (T == WeightType::Q8) {
       for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_si256();
@@ -236,7 +237,7 @@ void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, c
       if constexpr (T == WeightType::Q4) acc[i] = _mm256_add_epi32(acc[i], _mm256_set1_epi32(qr.corr[ib]));
       facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(ws, _mm256_set1_ps(qr.dx[ib])), facc[i]);
       if constexpr (T == WeightType::Q4M)
-        facc[i] = _mm256_fmadd_ps(scales8(v.m + b * v.dstride), _mm256_set1_ps(qr.dxs[ib]), facc[i]);
+        facc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(qr.dxs[ib]), facc[i]);
     }
   }
   for (int i = 0; i < MR; i++) store_rows(y + (i0 + i) * ldy + r0, r0, n0, n1, facc[i], first);
