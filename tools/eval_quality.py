@@ -41,14 +41,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def build(path: str, dtype: str, threads: int, ctx: int):
+def build(path: str, dtype: str, threads: int, ctx: int, activations: str = "int8"):
     from corelm.engine import build_core_model
     from corelm.loader import load_model
     loaded = load_model(path)
     if dtype == "auto" and loaded.source_format == "corelm":
         from corelm.convert import folder_dtype
         dtype = folder_dtype(loaded.source)
-    model = build_core_model(loaded, dtype=dtype, threads=threads, max_seq_len=ctx)
+    model = build_core_model(loaded, dtype=dtype, threads=threads, max_seq_len=ctx, activations=activations)
     return loaded, model
 
 
@@ -95,6 +95,9 @@ def main(argv=None) -> int:
                     help="kinds to convert MODEL to and evaluate (default: %(default)s)")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PATH[@DTYPE]",
                     help="another model to evaluate, e.g. gguf-Q4_1=model.Q4_1.gguf@q4 (repeatable)")
+    ap.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "int8x2"],
+                    help="input precision of quantized matmuls; each --weights/--extra model is evaluated "
+                         "with each (default: %(default)s)")
     ap.add_argument("--text", default=DEFAULT_TEXT)
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens (0 = all)")
@@ -110,13 +113,16 @@ def main(argv=None) -> int:
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     variants = {}
+    def add(label, path, dtype):
+        for act in args.activations:
+            suffix = "" if act == "int8" else f", {act} activations"
+            variants[label + suffix] = build(path, dtype, args.threads, args.ctx, act)[1]
     for kind in args.weights:
-        folder = cached_conversion(args.model, kind, progress=args.progress)
-        variants[f"corelm {kind}"] = build(folder, "auto", args.threads, args.ctx)[1]
+        add(f"corelm {kind}", cached_conversion(args.model, kind, progress=args.progress), "auto")
     for spec in args.extra:
         label, _, rest = spec.partition("=")
         path, _, dtype = rest.partition("@")
-        variants[label] = build(path, dtype or "auto", args.threads, args.ctx)[1]
+        add(label, path, dtype or "auto")
     res = evaluate(reference, variants, ids, args.ctx, args.progress)
 
     name = os.path.basename(os.path.normpath(args.model))

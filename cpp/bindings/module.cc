@@ -82,6 +82,11 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
+  if (d.contains("activations")) {
+    const std::string a = d["activations"].cast<std::string>();
+    if (a != "int8" && a != "int8x2") throw std::invalid_argument("activations must be 'int8' or 'int8x2', got '" + a + "'");
+    c.act_terms = a == "int8x2" ? 2 : 1;
+  }
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
   if (d.contains("schedule") && !parse_schedule(d["schedule"].cast<std::string>(), &c.schedule))
     throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
@@ -218,7 +223,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("vocab_size", [](PyModel& s) { return s.model.config().vocab_size; })
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })
       .def_property_readonly("weight_type",
-                             [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); });
+                             [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); })
+      .def_property_readonly("activations",
+                             [](PyModel& s) { return std::string(s.model.config().act_terms == 2 ? "int8x2" : "int8"); },
+                             "How quantized matmuls take their input: int8 per block of 32, or int8x2 (hi + lo terms).");
 
   register_amx(m);
 

@@ -16,6 +16,7 @@
 //
 // This header is included by baseline-ISA code and by the ISA files; keep it plain C++.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -205,6 +206,22 @@ inline void quantize_activations(const float* x, int64_t n, int8_t* xq, float* d
     }
     dx[b] = d;
     sxq[b] = s;
+  }
+}
+
+// x = hi + lo for two-term activations: hi is what quantize_activations represents exactly (its
+// scale times its int8 values), lo the rounding residual, quantized in turn by the next quantization.
+inline void split_activations(const float* x, int64_t n, float* hi, float* lo) {
+  for (int64_t b = 0; b * kBlock < n; b++) {
+    const int64_t c = std::min<int64_t>(kBlock, n - b * kBlock);
+    int8_t q[kBlock];
+    float d;
+    int32_t s;
+    quantize_activations(x + b * kBlock, c, q, &d, &s);
+    for (int64_t j = 0; j < c; j++) {
+      hi[b * kBlock + j] = d * q[j];
+      lo[b * kBlock + j] = x[b * kBlock + j] - hi[b * kBlock + j];
+    }
   }
 }
 

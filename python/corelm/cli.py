@@ -48,6 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_numa_arg(p)
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
+    p.add_argument("--activations", choices=["int8", "int8x2"], default="int8",
+                   help="input of matmuls with q8/q4 weights: int8 per block of 32 (fast), or int8x2, two int8 "
+                        "terms (about 15 bits: closer to fp32, slower) (default: %(default)s)")
     p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
                    help="how kernels split work across threads: by measured thread speed, stealing "
                         "leftovers (dynamic), or in equal parts (static) (default: $CORELM_SCHEDULE or dynamic)")
@@ -187,6 +190,8 @@ def llm_from_args(args: argparse.Namespace):
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     extra = {"schedule": args.schedule} if getattr(args, "schedule", None) else {}
+    if getattr(args, "activations", "int8") != "int8":
+        extra["activations"] = args.activations
     return _make_llm(model=args.model, threads=args.threads, dtype=args.dtype,
                      max_seq_len=args.ctx_size or None, numa=args.numa, **extra)
 

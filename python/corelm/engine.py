@@ -130,6 +130,7 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
 
 _RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
 KV_DTYPES = ("fp32", "bf16", "int8")
+ACTIVATIONS = ("int8", "int8x2")
 KV_BLOCK_SIZE = 16
 
 
@@ -154,12 +155,15 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
-                     numa: Optional[str] = None, schedule: Optional[str] = None):
+                     numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "int8"):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
     (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went.
-    schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md."""
+    schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md.
+    activations: how matmuls with quantized weights take their input, "int8" (per block of 32) or
+    "int8x2" (two int8 terms, hi and its rounding residual: about 15 bits, closer to fp32, twice the
+    integer work); see docs/quality.md."""
     from . import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -172,10 +176,12 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
-    config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
+    config.update(kv_type=kv_cache_dtype, activations=activations, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
     names = list(loaded.weight_names())

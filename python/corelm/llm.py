@@ -67,7 +67,7 @@ class LLM:
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
                  kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
-                 numa: Optional[str] = None, schedule: Optional[str] = None):
+                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "int8"):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         if weights is not None:   # "f32" | "bf16" | "q8" | "q4": convert once into the cache, then load that
@@ -84,9 +84,11 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self._core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                                       progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
-                                      pin_threads=pin_threads, numa=numa, schedule=schedule)
+                                      pin_threads=pin_threads, numa=numa, schedule=schedule,
+                                      activations=activations)
         self.threads = self._core.n_threads
         self.schedule = self._core.schedule
+        self.activations = self._core.activations
         self.numa = numa
         self.dtype = getattr(self.loaded, "stored_types", None) or self._core.weight_type  # e.g. "q4m+q8"
         self.max_seq_len = self._core.max_seq_len
