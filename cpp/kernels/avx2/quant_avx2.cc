@@ -11,8 +11,9 @@
 //   block's eight VPMADDUBSW sums fit in int16 before one VPMADDWD; the stored offset 8 comes off as
 //   8 * sum(xq) per block.
 // Activations are quantized once per matmul (avx2_quantize_act), bit-identical to
-// quant::quantize_activations, and kept as plain int8 rows. Decode streams a super-group (32 rows)
-// at a time; prefill runs register tiles of kMR activation rows x one group over L2-sized chunks.
+// quant::quantize_activations, and kept as plain int8 rows. Decode (up to kMaxStream activation rows:
+// a few sequences, or a token's two-term activations) streams a super-group (32 rows) at a time;
+// prefill runs register tiles of kMR activation rows x one group over L2-sized chunks.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -101,59 +102,80 @@ inline __m256i dot_q8(__m256i acc, __m256i stored, __m256i x4) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode: NG groups of one super-group against the whole of x, block by block; each activation
-// broadcast serves all NG groups. out[g] = the group's 8 row results.
-template <WeightType T, int NG>
-inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
+// Decode (m <= kMaxStream rows): NG groups of one super-group against MR activation rows, block by
+// block in the order they are stored, so the weights are one sequential stream whatever MR is; each
+// weight piece (Q8: its sign and magnitude, Q4: its nibbles) is prepared once for the MR rows and
+// each activation broadcast serves two groups. out[g * MR + i] = group g's 8 results for row i.
+constexpr int kMaxStream = 3;  // activation rows that still stream (more: the prefill tiles)
+
+template <WeightType T, int NG, int MR>
+inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
-  __m256 facc[NG];
-  for (int g = 0; g < NG; g++) facc[g] = _mm256_setzero_ps();
+  __m256 facc[NG * MR];
+  for (int j = 0; j < NG * MR; j++) facc[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* qs = v.qs + b * v.qstride;
     const uint16_t* dp = v.d + b * v.dstride;
-    const int8_t* xb = qx.q + b * kBlock;
     for (int64_t o = 0; o < v.qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * v.qstride + o, _MM_HINT_T0);
-    __m256i acc[NG];
     // Two groups side by side, then the next two: from DRAM, one Zen 3 core read q4 at 0.90 of a plain
     // read this way against 0.83 with all four side by side (0.80 one after another), q8 at 0.82
     // against 0.74 (tools/bench_quant.py --stream); each broadcast still serves two groups.
-    for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_si256();  // Q4: int16 sums until the block ends
     for (int g0 = 0; g0 < NG; g0 += 2) {
-      const int g1 = std::min(NG, g0 + 2);
+      constexpr int kPair = NG < 2 ? NG : 2;
+      __m256i acc[kPair][MR];  // Q4: int16 sums until the block ends
+      for (int g = 0; g < kPair; g++)
+        for (int i = 0; i < MR; i++) acc[g][i] = _mm256_setzero_si256();
       if constexpr (T == WeightType::Q8) {
         for (int p = 0; p < 8; p++) {
-          const __m256i x4 = bcast4(xb + 4 * p);
-          for (int g = g0; g < g1; g++) {
-            acc[g] = dot_q8(acc[g], _mm256_load_si256((const __m256i*)(qs + g * QSB + 32 * p)), x4);
-            pin(acc[g]);
+          __m256i x4[MR];
+          for (int i = 0; i < MR; i++) x4[i] = bcast4(qx.q + (i * nb + b) * kBlock + 4 * p);
+          for (int g = 0; g < kPair; g++) {
+            const __m256i q = _mm256_xor_si256(_mm256_load_si256((const __m256i*)(qs + (g0 + g) * QSB + 32 * p)),
+                                               _mm256_set1_epi8((char)0x80));
+            const __m256i aq = _mm256_abs_epi8(q);
+            for (int i = 0; i < MR; i++) {
+              acc[g][i] = _mm256_add_epi32(
+                  acc[g][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x4[i], q)), _mm256_set1_epi16(1)));
+              pin(acc[g][i]);
+            }
           }
         }
       } else {
         const __m256i m4 = _mm256_set1_epi8(0x0f);
         for (int u = 0; u < 2; u++)
           for (int h = 0; h < 2; h++) {
-            const __m256i xlo = bcast4(xb + 4 * (4 * u + h)), xhi = bcast4(xb + 4 * (4 * u + 2 + h));
-            for (int g = g0; g < g1; g++) {
-              const __m256i w = _mm256_load_si256((const __m256i*)(qs + g * QSB + 64 * u + 32 * h));
-              acc[g] = _mm256_add_epi16(acc[g], _mm256_maddubs_epi16(_mm256_and_si256(w, m4), xlo));
-              acc[g] = _mm256_add_epi16(acc[g], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), xhi));
-              pin(acc[g]);
+            __m256i xlo[MR], xhi[MR];
+            for (int i = 0; i < MR; i++) {
+              const int8_t* xb = qx.q + (i * nb + b) * kBlock;
+              xlo[i] = bcast4(xb + 4 * (4 * u + h)), xhi[i] = bcast4(xb + 4 * (4 * u + 2 + h));
+            }
+            for (int g = 0; g < kPair; g++) {
+              const __m256i w = _mm256_load_si256((const __m256i*)(qs + (g0 + g) * QSB + 64 * u + 32 * h));
+              const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+              for (int i = 0; i < MR; i++) {
+                acc[g][i] = _mm256_add_epi16(acc[g][i], _mm256_maddubs_epi16(lo, xlo[i]));
+                acc[g][i] = _mm256_add_epi16(acc[g][i], _mm256_maddubs_epi16(hi, xhi[i]));
+                pin(acc[g][i]);
+              }
             }
           }
       }
-    }
-    if constexpr (T != WeightType::Q8)
-      for (int g = 0; g < NG; g++) acc[g] = _mm256_madd_epi16(acc[g], _mm256_set1_epi16(1));
-    if constexpr (T == WeightType::Q4)  // the stored offset 8 (Q4M's minimum is a float term below)
-      for (int g = 0; g < NG; g++) acc[g] = _mm256_add_epi32(acc[g], _mm256_set1_epi32(qx.corr[b]));
-    const __m256 dx = _mm256_set1_ps(qx.dx[b]);
-    for (int g = 0; g < NG; g++) {
-      facc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[g]), _mm256_mul_ps(scales8(dp + 8 * g), dx), facc[g]);
-      if constexpr (T == WeightType::Q4M)
-        facc[g] = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * g), _mm256_set1_ps(qx.dxs[b]), facc[g]);
+      for (int g = 0; g < kPair; g++) {
+        const __m256 ws = scales8(dp + 8 * (g0 + g));
+        for (int i = 0; i < MR; i++) {
+          const int64_t ib = i * nb + b;
+          __m256i a = acc[g][i];
+          if constexpr (T != WeightType::Q8) a = _mm256_madd_epi16(a, _mm256_set1_epi16(1));
+          if constexpr (T == WeightType::Q4) a = _mm256_add_epi32(a, _mm256_set1_epi32(qx.corr[ib]));  // stored offset 8
+          __m256& f = facc[(g0 + g) * MR + i];
+          f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, _mm256_set1_ps(qx.dx[ib])), f);
+          if constexpr (T == WeightType::Q4M)
+            f = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * (g0 + g)), _mm256_set1_ps(qx.dxs[ib]), f);
+        }
+      }
     }
   }
-  for (int g = 0; g < NG; g++) out[g] = facc[g];
+  for (int j = 0; j < NG * MR; j++) out[j] = facc[j];
 }
 
 // Stores the rows of a group (first row r0) that fall in [n0, n1); adds to y unless `first`.
@@ -168,21 +190,23 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, 
   _mm256_maskstore_ps(yp, keep, r);
 }
 
-// Rows [n0, n1): whole super-groups at once, the groups of a partly covered one one by one.
-template <WeightType T>
-void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+// Rows [n0, n1) for MR activation rows: whole super-groups at once, the groups of a partly covered
+// one one by one.
+template <WeightType T, int MR>
+void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const GroupView v = group_view(w.data(), T, nb, groups, g);
-    __m256 r[kSuper];
+    __m256 r[kSuper * MR];
     int ng = 1;
     if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
-      gemv_groups<T, kSuper>(qx, v, nb, r);
+      gemv_groups<T, kSuper, MR>(qx, v, nb, r);
       ng = kSuper;
     } else {
-      gemv_groups<T, 1>(qx, v, nb, r);
+      gemv_groups<T, 1, MR>(qx, v, nb, r);
     }
-    for (int i = 0; i < ng; i++, g++) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
+    for (int j = 0; j < ng; j++, g++)
+      for (int i = 0; i < MR; i++) store_rows(y + i * ldy + g * kGroup, g * kGroup, n0, n1, r[j * MR + i], true);
   }
 }
 
@@ -275,8 +299,13 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
 
 template <WeightType T>
 void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if (m > 1) return gemm<T>(qa, m, w, y, ldy, n0, n1);
-  gemv<T>(qa, w, y, n0, n1);
+  static_assert(kMaxStream == 3, "one case per streamed row count");
+  switch (m) {
+    case 1: return gemv<T, 1>(qa, w, y, ldy, n0, n1);
+    case 2: return gemv<T, 2>(qa, w, y, ldy, n0, n1);
+    case 3: return gemv<T, 3>(qa, w, y, ldy, n0, n1);
+    default: return gemm<T>(qa, m, w, y, ldy, n0, n1);
+  }
 }
 
 }  // namespace
