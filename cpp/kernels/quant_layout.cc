@@ -18,6 +18,30 @@ inline void put_block(WeightType type, uint8_t* qs, int j, const int8_t* q) {
   }
 }
 
+// put_block for a ggml block's own quant bytes (Q8_0: 32 int8; Q4_0/Q4_1: element i in the low
+// nibble of byte i, i + 16 in the high one), moved 4 bytes at a time: packing runs at every load.
+// Row j's columns 4p..4p+3 are the 4 bytes at 32p + 4j (Q8); for Q4 the bytes at 4j, 32 + 4j,
+// 64 + 4j, 96 + 4j hold columns {0-3, 8-11}, {4-7, 12-15}, {16-19, 24-27}, {20-23, 28-31}
+// (low nibble, high nibble), as put_block places them.
+inline uint32_t load4(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void store4(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+inline void put_raw_block(WeightType type, uint8_t* qs, int j, const uint8_t* rq) {
+  if (type == WeightType::Q8) {
+    for (int p = 0; p < 8; p++) store4(qs + 32 * p + 4 * j, load4(rq + 4 * p) ^ 0x80808080u);
+    return;
+  }
+  const uint32_t lo = 0x0f0f0f0fu, a = load4(rq), c = load4(rq + 4), b = load4(rq + 8), e = load4(rq + 12);
+  store4(qs + 4 * j, (a & lo) | ((b & lo) << 4));
+  store4(qs + 32 + 4 * j, (c & lo) | ((e & lo) << 4));
+  store4(qs + 64 + 4 * j, ((a >> 4) & lo) | (b & ~lo));
+  store4(qs + 96 + 4 * j, ((c >> 4) & lo) | (e & ~lo));
+}
+
 inline int get_quant(WeightType type, const uint8_t* qs, int j, int k) {
   const int c = position(j, k);
   if (type == WeightType::Q8) return (int)qs[c] - 128;
@@ -66,16 +90,19 @@ PackedMatrix grouped_pack_raw(WeightType type, const uint8_t* raw, int64_t rows,
   PackedMatrix m = empty_matrix(type, rows, cols, by);
   const int64_t nb = cols / kBlock;
   const size_t bb = ggml_block_bytes(type);
-  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups of kGroup rows: disjoint bytes per range
-    int8_t q[32];
-    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++)
-      for (int64_t b = 0; b < nb; b++) {
-        uint16_t d16 = 0, m16 = 0;
-        decode_ggml_block(type, raw + ((size_t)r * nb + b) * bb, q, &d16, &m16);
-        put(m, r, b, q, d16, m16);
-      }
-  };
   const int64_t groups = ngroups(rows);
+  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups of kGroup rows: disjoint bytes per range
+    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++) {
+      const GroupView v = group_view(m.data(), type, nb, groups, r / kGroup);
+      const int j = (int)(r % kGroup);
+      for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = raw + ((size_t)r * nb + b) * bb;  // fp16 d, (Q4_1) fp16 m, the quants
+        put_raw_block(type, const_cast<uint8_t*>(v.qs + b * v.qstride), j, blk + (type == WeightType::Q4M ? 4 : 2));
+        std::memcpy(const_cast<uint16_t*>(v.d) + b * v.dstride + j, blk, 2);
+        if (type == WeightType::Q4M) std::memcpy(const_cast<uint16_t*>(v.m) + b * v.dstride + j, blk + 2, 2);
+      }
+    }
+  };
   if (par)
     (*par)(groups, fill);
   else
