@@ -531,21 +531,21 @@ def test_activations_option_checked():
 
 @pytest.mark.parametrize("wtype", WTYPES)
 def test_avx2_streamed_rows_keep_the_single_row_bits(wtype):
-    """avx2 serves up to 3 activation rows (a few sequences' decode, or a token's two int8 terms) with
-    the decode stream: each row's result is the same to the bit as that row alone, also past 1024
+    """avx2 serves up to 8 activation rows (a few sequences' decode, or a token's two int8 terms) with
+    the decode stream, in strips of up to 4 rows: each row's result is the same to the bit as that row alone, also past 1024
     columns (where the prefill tiles would sum K in chunks), and the super-group edges and row ranges
     behave as for one row."""
     if "avx2" not in TABLES:
         pytest.skip("no avx2 table on this CPU")
     rows, k = 4 * 32 + 3 * 8 + 5, 1536 + 64
     w = weights(rows, k, seed=3)
-    x = np.random.default_rng(3).standard_normal((4, k)).astype(np.float32)
-    single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype)[0] for i in range(4)])
-    for m in (2, 3):
+    x = np.random.default_rng(3).standard_normal((9, k)).astype(np.float32)
+    single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype)[0] for i in range(9)])
+    for m in (2, 3, 4, 5, 8):
         np.testing.assert_array_equal(_core.kernel_matmul("avx2", x[:m], w, wtype), single[:m])
         for n0, n1 in [(3, 61), (96, 157), (130, 131)]:
             y = _core.kernel_matmul("avx2", x[:m], w, wtype, n0, n1)
             np.testing.assert_array_equal(y[:, n0:n1], single[:m, n0:n1])
             assert not y[:, :n0].any() and not y[:, n1:].any()
-    # four rows take the prefill tiles: equal up to float summation order
+    # nine rows take the prefill tiles: equal up to float summation order
     assert np.allclose(_core.kernel_matmul("avx2", x, w, wtype), single, rtol=1e-4, atol=1e-3)

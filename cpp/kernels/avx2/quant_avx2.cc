@@ -102,11 +102,12 @@ inline __m256i dot_q8(__m256i acc, __m256i stored, __m256i x4) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode (m <= kMaxStream rows): NG groups of one super-group against MR activation rows, block by
+// Decode (m <= kStreamRows rows, in strips of kMaxStream): NG groups of one super-group against MR activation rows, block by
 // block in the order they are stored, so the weights are one sequential stream whatever MR is; each
 // weight piece (Q8: its sign and magnitude, Q4: its nibbles) is prepared once for the MR rows and
 // each activation broadcast serves two groups. out[g * MR + i] = group g's 8 results for row i.
-constexpr int kMaxStream = 3;  // activation rows that still stream (more: the prefill tiles)
+constexpr int kMaxStream = 4;     // activation rows one pass over the weights serves
+constexpr int64_t kStreamRows = 8;  // up to this many rows, strips of kMaxStream stream; more: the prefill tiles
 
 template <WeightType T, int NG, int MR>
 inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
@@ -297,14 +298,25 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
   }
 }
 
+// Activation rows [i0, i0 + rows) of qa as an input of their own.
+inline QuantAct act_rows(const QuantAct& qa, int64_t nb, int64_t i0) {
+  return {qa.q + i0 * nb * kBlock, qa.dx + i0 * nb, qa.dxs + i0 * nb, qa.corr + i0 * nb};
+}
+
 template <WeightType T>
 void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  static_assert(kMaxStream == 3, "one case per streamed row count");
-  switch (m) {
-    case 1: return gemv<T, 1>(qa, w, y, ldy, n0, n1);
-    case 2: return gemv<T, 2>(qa, w, y, ldy, n0, n1);
-    case 3: return gemv<T, 3>(qa, w, y, ldy, n0, n1);
-    default: return gemm<T>(qa, m, w, y, ldy, n0, n1);
+  if (m > kStreamRows) return gemm<T>(qa, m, w, y, ldy, n0, n1);
+  static_assert(kMaxStream == 4, "one case per streamed row count");
+  const int64_t nb = nblocks(w);
+  for (int64_t i0 = 0; i0 < m; i0 += kMaxStream) {  // strips of up to kMaxStream rows, one stream each
+    const QuantAct a = act_rows(qa, nb, i0);
+    float* yi = y + i0 * ldy;
+    switch (std::min<int64_t>(kMaxStream, m - i0)) {
+      case 1: gemv<T, 1>(a, w, yi, ldy, n0, n1); break;
+      case 2: gemv<T, 2>(a, w, yi, ldy, n0, n1); break;
+      case 3: gemv<T, 3>(a, w, yi, ldy, n0, n1); break;
+      default: gemv<T, 4>(a, w, yi, ldy, n0, n1); break;
+    }
   }
 }
 
