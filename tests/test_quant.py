@@ -444,6 +444,12 @@ def test_gemv_stream_benchmark_runs():
     assert d["bytes"] == 2 * (_core.kernel_packed_bytes(isa, np.zeros((40, 64), np.float32), "q4")
                               + _core.kernel_packed_bytes(isa, np.zeros((8, 96), np.float32), "q4"))
     assert d["gemv_GBps"] > 0 and d["read_GBps"] > 0
+    for sync in (True, False):   # threads split each matrix's rows (40 rows: shares of 32 and 8, and 0 of 8)
+        d3 = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 3, sync)
+        assert d3["bytes"] == d["bytes"] and d3["gemv_GBps"] > 0 and d3["read_GBps"] > 0
+    for threads in (0, 257):
+        with pytest.raises(ValueError):
+            _core.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, threads)
     for bad in ("avx512_q5", "nosuch_q4", "q4"):
         with pytest.raises(ValueError):
             _core.bench_gemv_stream(bad, [(8, 32)], 1, 1)

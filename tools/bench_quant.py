@@ -12,8 +12,10 @@ model's 896x4864, 4864x896 and 896x896 weight shapes), alternating kinds round b
 2*m*N*K per call.
 --stream measures decode's weight stream without the rest of the model: the kernel table's matmul for
 one activation row over 24 layers of the model's matrices (qkv, o, gate/up, down; ~200-800 MB, far
-beyond the caches) on one thread, alternating with a plain AVX-512 read of as many bytes in the same
-process: median GB/s of each and their ratio, the share of the bandwidth roofline the kernel reaches."""
+beyond the caches), alternating with a plain AVX-512 read of as many bytes in the same process:
+median GB/s of each and their ratio, the share of the bandwidth roofline the kernel reaches. On each
+of --threads: with T > 1 every thread streams its share of each matrix's rows, once waiting for the
+others after every matrix as the model's regions do ("sync") and once without waiting ("free")."""
 import argparse
 import os
 import sys
@@ -102,16 +104,19 @@ def bench_stream(a):
     kv = SPEC.num_kv_heads * SPEC.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]     # W [N, K] in the order a layer reads them
     kinds = [f"{table}_{d}" for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")]
-    got = {k: [] for k in kinds}
+    runs_of = [(k, t, sync) for t in map(int, a.threads.split(",")) for k in kinds
+               for sync in ((True,) if t == 1 else (True, False))]
+    got = {r: [] for r in runs_of}
     for r in range(a.rounds):
-        for k in kinds if r % 2 == 0 else kinds[::-1]:
-            got[k].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9))
-    for k, runs in got.items():
+        for k, t, sync in runs_of if r % 2 == 0 else runs_of[::-1]:
+            got[(k, t, sync)].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync))
+    for (k, t, sync), runs in got.items():
         g = [d["gemv_GBps"] for d in runs]
         p = [d["read_GBps"] for d in runs]
         ratio = [x / y for x, y in zip(g, p)]
-        print(f"{k:12s} {runs[0]['bytes'] / 1e6:6.0f} MB  kernel {np.median(g):5.1f} GB/s  plain read {np.median(p):5.1f} GB/s  "
-              f"kernel/read {np.median(ratio):.2f}  (rounds: {', '.join(f'{x:.2f}' for x in ratio)})")
+        mode = "" if t == 1 else (" sync" if sync else " free")
+        print(f"{k:12s} {t}t{mode:5s} {runs[0]['bytes'] / 1e6:6.0f} MB  kernel {np.median(g):5.1f} GB/s  plain read "
+              f"{np.median(p):5.1f} GB/s  kernel/read {np.median(ratio):.2f}  (rounds: {', '.join(f'{x:.2f}' for x in ratio)})")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #if defined(CORELM_HAVE_X86)
 #include <immintrin.h>
@@ -287,20 +288,20 @@ void corelm::register_amx_bench(py::module_& m) {
 
   // Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes`
   // ([(N, K), ...] in the order a layer reads them), end to end in one buffer as the model keeps them
-  // (pack_contiguously), far more bytes than the caches hold, each
-  // multiplied by one quantized activation row on one thread, layer after layer. The peer in the same
-  // call is a plain AVX-512 read of as many bytes (what the roofline assumes). Alternates the two
-  // `reps` times; returns the median GB/s of each.
+  // (pack_contiguously), far more bytes than the caches hold, each multiplied by one quantized
+  // activation row, layer after layer, on `threads` threads. The peer in the same call is a plain
+  // AVX-512 read of as many bytes (what the roofline assumes). Alternates the two `reps` times;
+  // returns the median GB/s of each.
   m.def("bench_gemv_stream", [](const std::string& kind, std::vector<std::pair<int64_t, int64_t>> shapes,
-                                int64_t layers, int reps) {
+                                int64_t layers, int reps, int threads, bool sync) {
     const size_t us = kind.rfind('_');
     const KernelTable* kt = us == std::string::npos ? nullptr : kernels_by_name(kind.substr(0, us));
     const WeightType wts[] = {WeightType::BF16, WeightType::Q8, WeightType::Q4, WeightType::Q4M};
     const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) {
       return us != std::string::npos && kind.substr(us + 1) == weight_type_name(t); });
     if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
-    if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1)
-      throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1");
+    if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1 || threads < 1 || threads > 256)
+      throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1, 1 <= threads <= 256");
     std::mt19937 rng(7);
     std::normal_distribution<float> nd;
     std::vector<PackedMatrix> mats;
@@ -327,24 +328,56 @@ void corelm::register_amx_bench(py::module_& m) {
     for (PackedMatrix& w : order) ptrs.push_back(&w);
     pack_contiguously(ptrs);  // as the model keeps its weights
     mats.clear();
-    std::vector<float> x(max_k), y(max_n);
+    std::vector<float> x(max_k);
     for (auto& v : x) v = nd(rng);
-    auto qa = aligned_buffer(std::max<size_t>(64, kt->quant_act_bytes(order[0], 1) * 8));
     auto plain = aligned_buffer(bytes);
     std::memset(plain.get(), 1, bytes);
     py::gil_scoped_release release;
+    // threads > 1: each thread streams its contiguous share of every matrix's rows (multiples of 32,
+    // the layout's super-group) and, with sync, waits for the others after each matrix, as the
+    // model's regions do; the plain read splits the buffer the same way, without waits.
+    std::atomic<int64_t> arrived{0};
+    auto barrier = [&](int64_t& gen) {
+      gen += threads;
+      arrived.fetch_add(1, std::memory_order_acq_rel);
+      while (arrived.load(std::memory_order_acquire) < gen) _mm_pause();
+    };
+    auto team = [&](auto&& body) {
+      arrived.store(0);
+      std::vector<std::thread> ts;
+      for (int t = 1; t < threads; t++) ts.emplace_back([&, t] { body(t); });
+      body(0);
+      for (auto& th : ts) th.join();
+    };
     auto gemv_pass = [&] {
-      for (const PackedMatrix& w : order) {
-        if (kt->quant_act_bytes(w, 1)) {
-          kt->quantize_act(x.data(), 1, w.cols, w, qa.get());
-          kt->matmul_quant(qa.get(), 1, w, y.data(), w.rows, 0, w.rows);
-        } else {
-          kt->matmul(x.data(), 1, w.cols, w, y.data(), w.rows, 0, w.rows);
+      team([&](int t) {
+        std::vector<float> y(max_n);
+        auto qa = aligned_buffer(std::max<size_t>(64, kt->quant_act_bytes(order[0], 1) * 8));
+        int64_t gen = 0;
+        barrier(gen);
+        for (const PackedMatrix& w : order) {
+          const int64_t per = (w.rows / threads + 31) / 32 * 32;
+          const int64_t n0 = std::min(w.rows, t * per), n1 = t == threads - 1 ? w.rows : std::min(w.rows, n0 + per);
+          if (n0 < n1 && kt->quant_act_bytes(w, 1)) {
+            kt->quantize_act(x.data(), 1, w.cols, w, qa.get());
+            kt->matmul_quant(qa.get(), 1, w, y.data(), w.rows, n0, n1);
+          } else if (n0 < n1) {
+            kt->matmul(x.data(), 1, w.cols, w, y.data(), w.rows, n0, n1);
+          }
+          if (sync) barrier(gen);
         }
-      }
+      });
     };
     volatile float sink = 0;
-    auto read_pass = [&] { sink = sink + plain_read_sum(plain.get(), bytes); };
+    auto read_pass = [&] {
+      team([&](int t) {
+        const size_t per = (bytes / threads + 4095) / 4096 * 4096, b0 = std::min(bytes, t * per);
+        const size_t b1 = t == threads - 1 ? bytes : std::min(bytes, b0 + per);
+        int64_t gen = 0;
+        barrier(gen);
+        sink = sink + plain_read_sum(static_cast<uint8_t*>(plain.get()) + b0, b1 - b0);
+      });
+    };
     using clk = std::chrono::steady_clock;
     auto gbs = [&](auto&& f) {
       const auto t0 = clk::now();
@@ -367,5 +400,6 @@ void corelm::register_amx_bench(py::module_& m) {
     d["gemv_samples"] = g;
     d["read_samples"] = r;
     return d;
-  }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9);
+  }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9, py::arg("threads") = 1,
+     py::arg("sync") = true);
 }
