@@ -200,6 +200,40 @@ def test_sigkill_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     assert sorted(ids) == sorted(f"k{i}" for i in range(40))
 
 
+def test_engine_options_reach_every_worker(tmp_path):
+    """dtype, activations and schedule go to each worker's engine; output matches the API with the same options."""
+    src = write_input(tmp_path / "in.jsonl", mixed(4))
+    out = str(tmp_path / "out.jsonl")
+    s = run_batch(src, out, workers=2, threads=1, model=STORIES, dtype="q8", activations="int8x2",
+                  schedule="static", task_size=1, progress=False)
+    assert (s["requests"], s["errors"], sorted(s["workers"])) == (4, 0, [0, 1])
+    for info in s["workers"].values():
+        assert (info["dtype"], info["activations"], info["schedule"]) == ("q8", "int8x2", "static")
+    import corelm
+    llm = corelm.LLM(STORIES, threads=1, dtype="q8", activations="int8x2", schedule="static")
+    comp = {r["custom_id"]: r for r in read_output(out)}["p0"]["response"]["body"]
+    greedy = corelm.SamplingParams(temperature=0, max_tokens=8)
+    assert comp["choices"][0]["text"] == llm.generate(["Once upon a time 0"], greedy)[0].outputs[0].text
+    for bad in ({"activations": "int4"}, {"schedule": "fast"}):   # refused before any worker starts
+        with pytest.raises(ValueError, match="activations|schedule"):
+            run_batch(src, str(tmp_path / "o2.jsonl"), model=STORIES, progress=False, **bad)
+    assert not os.path.exists(tmp_path / "o2.jsonl")
+
+
+def test_cli_batch_passes_engine_options(tmp_path, monkeypatch):
+    got = {}
+
+    def fake_run_batch(*args, **kwargs):
+        got.update(kwargs)
+        return {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "seconds": 0.0, "restarts": 0}
+    import corelm.batch
+    monkeypatch.setattr(corelm.batch, "run_batch", fake_run_batch)
+    src = write_input(tmp_path / "in.jsonl", mixed(1))
+    assert cli.main(["batch", src, "-o", str(tmp_path / "o.jsonl"), "--dtype", "q4", "--activations", "int8x2",
+                     "--schedule", "static", "--no-progress"]) == 0
+    assert (got["dtype"], got["activations"], got["schedule"]) == ("q4", "int8x2", "static")
+
+
 def test_cli_batch(tmp_path, capsys):
     src = write_input(tmp_path / "in.jsonl", mixed(3))
     out = str(tmp_path / "out.jsonl")

@@ -48,16 +48,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_numa_arg(p)
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
                    help="weight type for the matrix kernels (default: auto)")
+    _add_kernel_args(p)
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="context length in tokens (default 0: the model's own)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print prompt and generation speed after each answer")
+
+
+def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=["int8", "int8x2"], default="int8",
                    help="input of matmuls with q8/q4 weights: int8 per block of 32 (fast), or int8x2, two int8 "
                         "terms (about 15 bits: closer to fp32, slower) (default: %(default)s)")
     p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
                    help="how kernels split work across threads: by measured thread speed, stealing "
                         "leftovers (dynamic), or in equal parts (static) (default: $CORELM_SCHEDULE or dynamic)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="context length in tokens (default 0: the model's own)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="print prompt and generation speed after each answer")
 
 
 def _add_numa_arg(p: argparse.ArgumentParser) -> None:
@@ -148,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="threads per worker (default: the cores of its set; 1 per Ray actor)")
     _add_numa_arg(batch)
     batch.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto")
+    _add_kernel_args(batch)
     batch.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N", help="context length (default: the model's)")
     batch.add_argument("--task-size", type=int, default=8, metavar="N",
                        help="requests handed to a worker at a time (default: %(default)s)")
@@ -780,7 +785,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import run_batch
     s = run_batch(args.input, args.output, workers=args.workers, threads=args.threads, model=args.model,
                   dtype=args.dtype, max_seq_len=args.ctx_size or None, task_size=args.task_size,
-                  progress=args.progress, ray_address=args.ray, numa=args.numa)
+                  progress=args.progress, ray_address=args.ray, numa=args.numa, schedule=args.schedule,
+                  activations=args.activations)
     print(f"corelm batch: {s['requests']} written ({s['errors']} errors), {s['skipped']} already done, "
           f"{s['generated_tokens']} tokens in {s['seconds']:.1f} s, {s['restarts']} worker restarts -> {args.output}",
           file=sys.stderr)

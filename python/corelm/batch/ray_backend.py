@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional
 
 
 class _ActorBody:
-    def __init__(self, model, threads, dtype, max_seq_len, numa=None):
+    def __init__(self, model, threads, options):
         from .worker import BatchEngine
-        self.engine = BatchEngine(model, threads, dtype, max_seq_len, numa)
+        self.engine = BatchEngine(model, threads, options)
 
     def ready(self) -> Dict[str, Any]:
         return self.engine.info()
@@ -34,7 +34,7 @@ def _import_ray():
 
 class RayBackend:
     def __init__(self, address: str, workers: int, threads: Optional[int], model: Optional[str],
-                 dtype: str, max_seq_len: Optional[int], numa: Optional[str] = None):
+                 options: Dict[str, Any]):
         ray = self.ray = _import_ray()
         self._owns_ray = False
         if not ray.is_initialized():
@@ -47,7 +47,7 @@ class RayBackend:
             self._owns_ray = True
         self.threads = threads or 1
         self.model = os.path.abspath(model) if model and os.path.exists(model) else model
-        self.args = (self.model, self.threads, dtype, max_seq_len, numa)
+        self.args = (self.model, self.threads, options)
         self.actor_cls = ray.remote(num_cpus=self.threads, max_restarts=0)(_ActorBody)
         self.actors: Dict[int, Any] = {}
         self.refs: Dict[Any, tuple] = {}     # object ref -> (slot, task_id or None for ready)

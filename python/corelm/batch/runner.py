@@ -95,12 +95,12 @@ class _Writer:
 # ("ready", slot, info) | ("result", slot, task_id, results) | ("died", slot, why) | ("fatal", slot, text)
 
 class ProcessBackend:
-    def __init__(self, workers: int, threads: Optional[int], model: Optional[str], dtype: str,
-                 max_seq_len: Optional[int], cpu_sets: Optional[List[List[int]]] = None, numa: Optional[str] = None):
+    def __init__(self, workers: int, threads: Optional[int], model: Optional[str], options: Dict[str, Any],
+                 cpu_sets: Optional[List[List[int]]] = None):
         import multiprocessing as mp
         self.ctx = mp.get_context("spawn")
         self.cpu_sets = cpu_sets or split_cpus(workers)
-        self.args = (model, threads, dtype, max_seq_len, numa)
+        self.args = (model, threads, options)
         self.procs: Dict[int, Any] = {}
         self.conns: Dict[int, Any] = {}
         self.incarnation = collections.Counter()
@@ -196,8 +196,10 @@ def _progress(total: int, enabled: Optional[bool]):
 def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Optional[int] = None,
               model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
-              max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None) -> Dict[str, Any]:
+              max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
+              schedule: Optional[str] = None, activations: str = "int8") -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
+    dtype, max_seq_len, numa, schedule and activations are corelm.LLM's, for every worker.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}.")
@@ -205,8 +207,14 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         raise ValueError(f"--threads must be at least 1, got {threads}.")
     if task_size < 1:
         raise ValueError(f"--task-size must be at least 1, got {task_size}.")
-    from ..engine import check_numa
+    from ..engine import ACTIVATIONS, check_numa, resolve_schedule
     check_numa(numa)
+    if schedule is not None:
+        resolve_schedule(schedule)
+    if activations not in ACTIVATIONS:   # checked here too, so a typo fails before any worker starts
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
+    options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
+               "activations": activations}
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     max_restarts = 3 * workers if max_restarts is None else max_restarts
@@ -214,7 +222,8 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     total = _count_lines(input_path)
     writer = _Writer(output_path, done_ids)
     bar = _progress(total, progress)
-    stats = {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "restarts": 0}
+    stats: Dict[str, Any] = {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "restarts": 0,
+                             "workers": {}}   # workers: slot -> what its engine reported when ready
     t0 = time.perf_counter()
     seen: Set[str] = set()
 
@@ -270,9 +279,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     try:
         if ray_address:
             from .ray_backend import RayBackend
-            backend = RayBackend(ray_address, workers, threads, model, dtype, max_seq_len, numa)
+            backend = RayBackend(ray_address, workers, threads, model, options)
         else:
-            backend = ProcessBackend(workers, threads, model, dtype, max_seq_len, numa=numa)
+            backend = ProcessBackend(workers, threads, model, options)
         if on_start is not None:
             on_start(backend)
         source = tasks()
@@ -300,6 +309,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                 kind, slot = ev[0], ev[1]
                 if kind == "ready":
                     holding[slot] = None
+                    stats["workers"][slot] = ev[2]
                 elif kind == "fatal":
                     raise ValueError(f"a batch worker could not load the model: {ev[2]}")
                 elif kind == "result":

@@ -26,15 +26,17 @@ def model_name(path: Optional[str]) -> str:
 
 
 class BatchEngine:
-    def __init__(self, model: Optional[str], threads: Optional[int], dtype: str = "auto",
-                 max_seq_len: Optional[int] = None, numa: Optional[str] = None):
+    """One worker's engine. options: corelm.LLM keyword arguments (dtype, max_seq_len, numa, schedule,
+    activations), the same for every worker."""
+    def __init__(self, model: Optional[str], threads: Optional[int], options: Optional[Dict[str, Any]] = None):
         from ..llm import LLM
-        self.llm = LLM(model, threads=threads, dtype=dtype, max_seq_len=max_seq_len, numa=numa)
+        self.llm = LLM(model, threads=threads, **(options or {}))
         self.model = model_name(model)
 
     def info(self) -> Dict[str, Any]:
         return {"pid": os.getpid(), "threads": self.llm.threads,
-                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "dtype": self.llm.dtype, "schedule": self.llm.schedule, "activations": self.llm.activations}
 
     def run_task(self, requests: Sequence[BatchRequest]) -> List[Tuple[Dict[str, Any], int]]:
         """[(output line, completion tokens)] for every request of the task, in any order."""
@@ -78,13 +80,13 @@ class BatchEngine:
 
 
 def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
-                threads: Optional[int], dtype: str, max_seq_len: Optional[int], numa: Optional[str] = None) -> None:
+                threads: Optional[int], options: Dict[str, Any]) -> None:
     """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
     pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results)."""
     try:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)   # before loading: the weights are first touched from here
-        engine = BatchEngine(model, threads, dtype, max_seq_len, numa)
+        engine = BatchEngine(model, threads, options)
     except Exception as e:                   # a missing or corrupt model: the parent reports it
         conn.send(("fatal", f"{e}"))
         conn.close()
