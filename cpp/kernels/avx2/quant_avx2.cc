@@ -231,6 +231,9 @@ void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, c
     __m256i acc[MR];
     if constexpr (T == WeightType::Q8) {
       for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_si256();
+      // Unrolled: as a loop GCC kept three of the four int32 sums on the stack (a store-forwarding
+      // round trip per piece); unrolled they stay in registers, 1.6x the GEMM's GOP/s.
+#pragma GCC unroll 8
       for (int p = 0; p < 8; p++) {
         const __m256i q = _mm256_xor_si256(_mm256_load_si256((const __m256i*)(qs + 32 * p)), _mm256_set1_epi8((char)0x80));
         const __m256i aq = _mm256_abs_epi8(q);
@@ -244,6 +247,7 @@ void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, c
     } else {
       const __m256i m4 = _mm256_set1_epi8(0x0f);
       for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
       for (int u = 0; u < 2; u++)
         for (int h = 0; h < 2; h++) {
           const __m256i w = _mm256_load_si256((const __m256i*)(qs + 64 * u + 32 * h));
