@@ -425,6 +425,19 @@ def test_q4_keeps_q4_1_blocks():
     assert nmse(logits, case["last"]) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_float_weights_quantized_on_the_pool_match_one_thread(dtype):
+    """fp32 weights are quantized and packed on the model's thread pool at load (by whole row groups):
+    the result must not depend on how many threads shared the work. With 3 threads, tiny-qwen2's 64-row
+    matrices (8 groups of 8 rows) split unequally."""
+    from corelm.engine import build_core_model
+    from corelm.loader import load_model
+    loaded = load_model(os.path.join(ROOT, "tests", "data", "models", "tiny-qwen2"))
+    tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
+    logits = [build_core_model(loaded, dtype=dtype, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
+
+
 def test_raw_blocks_packed_on_the_pool_match_one_thread():
     """GGUF blocks are repacked on the model's thread pool at load: the packed weights (and so the logits)
     must not depend on how many threads shared the work."""

@@ -252,7 +252,7 @@ void corelm::register_amx_bench(py::module_& m) {
       const WeightType wts[] = {WeightType::F32, WeightType::BF16, WeightType::Q8, WeightType::Q4, WeightType::Q4M};
       const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) { return wt == weight_type_name(t); });
       if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
-      pk = kt->pack(w.data(), N, K, *type);
+      pk = kt->pack(w.data(), N, K, *type, nullptr);
       run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
     }
     const int64_t tiles = (N + 15) / 16;
@@ -311,7 +311,7 @@ void corelm::register_amx_bench(py::module_& m) {
       if (n < 1 || k < 1 || n > (1 << 20) || k > (1 << 20)) throw std::invalid_argument("bad shape");
       std::vector<float> w((size_t)n * k);
       for (auto& v : w) v = nd(rng);
-      PackedMatrix pk = kt->pack(w.data(), n, k, *type);
+      PackedMatrix pk = kt->pack(w.data(), n, k, *type, nullptr);
       for (int64_t l = 0; l < layers; l++) {  // copies, so no layer finds another's lines in cache
         PackedMatrix c = pk;
         c.storage = aligned_buffer(pk.nbytes);

@@ -257,7 +257,7 @@ PYBIND11_MODULE(_core, m) {
     if (n1 < 0) n1 = N;
     if (n0 < 0 || n0 > n1 || n1 > N) throw std::invalid_argument("bad column range");
     const KernelTable& kt = table(isa);
-    PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype));
+    PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype), nullptr);
     py::array_t<float> y({M, N});
     std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.f);
     kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
@@ -290,7 +290,7 @@ PYBIND11_MODULE(_core, m) {
   }, "Every row of raw GGUF blocks packed by a table, read back with row_to_f32.");
   m.def("kernel_packed_bytes", [](const std::string& isa, FloatArray w, const std::string& wtype) {
     if (w.ndim() != 2) throw std::invalid_argument("w must be 2-D");
-    return table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype)).bytes();
+    return table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype), nullptr).bytes();
   });
   m.def("kernel_rmsnorm", [](const std::string& isa, FloatArray x, FloatArray w, float eps) {
     if (x.ndim() != 1 || w.ndim() != 1 || x.shape(0) != w.shape(0)) throw std::invalid_argument("shape mismatch");
@@ -355,7 +355,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
     if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
-    PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype));
+    PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype), nullptr);
     py::array_t<float> y(w.shape(1));
     table(isa).row_to_f32(pw, row, y.mutable_data());
     return y;

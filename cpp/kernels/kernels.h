@@ -49,8 +49,9 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
   const char* name;  // "avx512_bf16", "avx512", "avx2", "scalar"
-  // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout.
-  PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type);
+  // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout;
+  // par (may be null): threads lent to quantizing it, which splits by whole row groups.
+  PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
   // y[i][n] = sum_k x[i][k] * W[n][k] for i < m and n in [n0, n1): the caller splits n across threads.
   void (*matmul)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                  int64_t n0, int64_t n1);

@@ -240,7 +240,7 @@ inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
 // The quantized halves of the kernel tables (each table's pack/matmul/row_to_f32 hands Q types here).
 namespace corelm {
 namespace quant {
-PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
 PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
@@ -249,14 +249,14 @@ size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m);
 void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
 void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
 #if defined(CORELM_HAVE_X86)
-PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m);
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
 void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
-PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type);
+PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
 PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                  int64_t n0, int64_t n1);

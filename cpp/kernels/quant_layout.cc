@@ -76,12 +76,19 @@ inline void put(const PackedMatrix& m, int64_t r, int64_t b, const int8_t* q, ui
 
 }  // namespace
 
-PackedMatrix grouped_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const KernelTable* by) {
+PackedMatrix grouped_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par,
+                          const KernelTable* by) {
   PackedMatrix m = empty_matrix(type, rows, cols, by);
-  for (int64_t r = 0; r < rows; r++)
-    quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
-      put(m, r, b, q, d16, m16);
-    });
+  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups of kGroup rows: disjoint bytes per range
+    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++)
+      quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
+        put(m, r, b, q, d16, m16);
+      });
+  };
+  if (par)
+    (*par)(ngroups(rows), fill);
+  else
+    fill(0, ngroups(rows));
   return m;
 }
 

@@ -64,7 +64,8 @@ inline GroupView group_view(const void* base, WeightType t, int64_t nb, int64_t 
 }  // namespace
 
 // The grouped layout's packers and row reader; `by` is the table the matrix is handed to.
-PackedMatrix grouped_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const KernelTable* by);
+PackedMatrix grouped_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par,
+                          const KernelTable* by);
 PackedMatrix grouped_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par,
                               const KernelTable* by);
 void grouped_row_to_f32(const PackedMatrix& w, int64_t row, float* out);

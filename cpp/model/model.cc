@@ -205,12 +205,12 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
   auto vec = [&](int64_t n) { return std::vector<float>(data, data + n); };
   if (name == "tok_embeddings") {
     check_shape(name, shape, {cfg_.vocab_size, d});
-    tok_embeddings_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type);
+    tok_embeddings_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type, &pack_threads_);
     if (cfg_.tie_embeddings) lm_head_ = tok_embeddings_;
   } else if (name == "lm_head") {
     require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
     check_shape(name, shape, {cfg_.vocab_size, d});
-    lm_head_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type);
+    lm_head_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type, &pack_threads_);
   } else if (name == "norm") {
     check_shape(name, shape, {d});
     norm_ = vec(d);
@@ -236,7 +236,7 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
         std::vector<float> fused;
         fused.reserve((q_rows + 2 * kv_rows) * d);
         for (auto* n : {&nq, &nk, &nv}) fused.insert(fused.end(), pending_[*n].begin(), pending_[*n].end());
-        L.wqkv = kt_.pack(fused.data(), q_rows + 2 * kv_rows, d, cfg_.weight_type);
+        L.wqkv = kt_.pack(fused.data(), q_rows + 2 * kv_rows, d, cfg_.weight_type, &pack_threads_);
         pending_.erase(nq), pending_.erase(nk), pending_.erase(nv);
       }
     } else if (part == "bq" || part == "bk" || part == "bv") {
@@ -248,7 +248,7 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
       std::copy(data, data + rows, L.bqkv.begin() + off);
     } else if (part == "wo") {
       check_shape(name, shape, {d, q_rows});
-      L.wo = kt_.pack(data, d, q_rows, cfg_.weight_type);
+      L.wo = kt_.pack(data, d, q_rows, cfg_.weight_type, &pack_threads_);
     } else if (part == "w_gate" || part == "w_up") {
       const int64_t f = cfg_.ffn_dim;
       check_shape(name, shape, {f, d});
@@ -265,12 +265,12 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
           std::memcpy(out, g.data() + b * d, c * d * sizeof(float)), out += c * d;
           std::memcpy(out, u.data() + b * d, c * d * sizeof(float)), out += c * d;
         }
-        L.w_gate_up = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type);
+        L.w_gate_up = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type, &pack_threads_);
         pending_.erase(ng), pending_.erase(nu);
       }
     } else if (part == "w_down") {
       check_shape(name, shape, {d, cfg_.ffn_dim});
-      L.w_down = kt_.pack(data, d, cfg_.ffn_dim, cfg_.weight_type);
+      L.w_down = kt_.pack(data, d, cfg_.ffn_dim, cfg_.weight_type, &pack_threads_);
     } else {
       throw std::invalid_argument("unknown weight " + name);
     }

@@ -54,8 +54,8 @@ struct Scratch {
   }
 };
 
-PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  if (quant::is_quant(type)) return quant::avx2_pack(src, rows, cols, type);
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (quant::is_quant(type)) return quant::avx2_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;

@@ -34,8 +34,8 @@ constexpr int64_t kSmallBatch = 32;  // up to this many rows of x, stream weight
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  if (quant::is_quant(type)) return quant::avx512_pack(src, rows, cols, type);
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (quant::is_quant(type)) return quant::avx512_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;

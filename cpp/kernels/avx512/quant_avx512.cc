@@ -351,8 +351,8 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
 
 }  // namespace
 
-PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  return grouped_pack(src, rows, cols, type, &kAvx512Kernels);
+PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  return grouped_pack(src, rows, cols, type, par, &kAvx512Kernels);
 }
 
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {

@@ -9,8 +9,8 @@ namespace corelm {
 namespace {
 
 // Layout: plain row-major, ld = cols.
-PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
-  if (quant::is_quant(type)) return quant::scalar_pack(src, rows, cols, type);
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (quant::is_quant(type)) return quant::scalar_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;

@@ -36,14 +36,20 @@ const uint8_t* block_at(const PackedMatrix& w, int64_t row, int64_t b) {
 
 }  // namespace
 
-PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type) {
+PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
   PackedMatrix m = empty_matrix(type, rows, cols);
   const size_t bb = ggml_block_bytes(type);
   uint8_t* dst = static_cast<uint8_t*>(m.storage.get());
-  for (int64_t r = 0; r < rows; r++)
-    quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
-      encode_block(type, q, d16, m16, dst + ((size_t)r * (m.ld / kBlock) + b) * bb);
-    });
+  auto fill = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+      quantize_row(type, src + r * cols, cols, [&](int64_t b, const int8_t* q, uint16_t d16, uint16_t m16) {
+        encode_block(type, q, d16, m16, dst + ((size_t)r * (m.ld / kBlock) + b) * bb);
+      });
+  };
+  if (par)
+    (*par)(rows, fill);
+  else
+    fill(0, rows);
   return m;
 }
 
