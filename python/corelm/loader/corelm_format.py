@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import LoadedModel, ModelLoadError, ModelSpec, release_mapped_range, weight_shapes
+from .spec import LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, release_mapped_range, weight_shapes
 
 MAGIC = b"CORELMW\0"
 FORMAT_VERSION = 1
@@ -136,7 +136,7 @@ class CorelmWeights:
         if t.type == "f32":
             out = raw.view("<f4").reshape(t.shape).copy()
         elif t.type == "bf16":
-            out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+            out = bf16_to_f32(raw).reshape(t.shape)
         else:
             n = int(np.prod(t.shape))
             out = _DECODERS[TYPES[t.type][2]](raw, n).reshape(t.shape)

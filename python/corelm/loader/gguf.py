@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import ModelLoadError, release_mapped_range
+from .spec import ModelLoadError, bf16_to_f32, release_mapped_range
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -194,8 +194,7 @@ def _dequant_q4_1(raw: np.ndarray, n: int) -> np.ndarray:
 
 
 def _dequant_bf16(raw: np.ndarray, n: int) -> np.ndarray:
-    # bf16 is the top half of an fp32: widen and shift.
-    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return bf16_to_f32(raw)
 
 
 _DECODERS = {

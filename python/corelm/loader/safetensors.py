@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import ModelLoadError, release_mapped_range
+from .spec import ModelLoadError, bf16_to_f32, release_mapped_range
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000   # the spec's cap "to prevent parsing extremely large JSON"
 MAX_RANK = 16
@@ -82,8 +82,7 @@ class SafetensorsFile:
         count = info.end - info.begin
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=count, offset=self.data_offset + info.begin)
         if info.dtype == "BF16":
-            # bf16 is the top half of an fp32: widen and shift.
-            out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+            out = bf16_to_f32(raw)
         else:
             out = raw.view(DTYPES[info.dtype][0])
             if out.dtype != np.float32:
