@@ -134,6 +134,12 @@ ACTIVATIONS = ("int8", "int8x2")
 KV_BLOCK_SIZE = 16
 
 
+def check_activations(activations: str) -> str:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
+    return activations
+
+
 def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb: Optional[float]) -> int:
     """Blocks in the KV pool. The default budget holds 8 full-context sequences, capped at 4 GiB;
     pages are reserved, not touched, so unused capacity costs no memory."""
@@ -176,8 +182,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
+    check_activations(activations)
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
