@@ -109,8 +109,8 @@ def test_chat_flags_reach_the_engine_and_sampling_params(monkeypatch, fake):
 
 
 def test_activations_flag_reaches_the_engine(monkeypatch, fake):
-    run_chat(monkeypatch, "hi\n", "--dtype", "q8", "--activations", "int8x2")
-    assert fake.llm.kwargs["activations"] == "int8x2" and fake.llm.kwargs["dtype"] == "q8"
+    run_chat(monkeypatch, "hi\n", "--dtype", "q8", "--activations", "int16")
+    assert fake.llm.kwargs["activations"] == "int16" and fake.llm.kwargs["dtype"] == "q8"
 
 
 def test_chat_defaults_follow_llama_cli(monkeypatch, fake):

@@ -58,13 +58,18 @@ def dequant(raw, kind, shape):
     return _DECODERS[kind](np.ascontiguousarray(raw).reshape(-1), shape[0] * shape[1]).reshape(shape)
 
 
-def quantize_activations(x):
-    """[K] -> dequantized activations as the kernels see them (dx = absmax/127, round half even)."""
+QMAX = {"int8": 127, "int16": 32767}
+ACTS = tuple(QMAX)
+
+
+def quantize_activations(x, act="int8"):
+    """[K] -> dequantized activations as the kernels see them (dx = absmax/127 for int8, absmax/32767
+    for int16, round half even)."""
     K = len(x)
     xp = np.zeros(-(-K // 32) * 32, np.float32)
     xp[:K] = x
     b = xp.reshape(-1, 32)
-    d = (np.abs(b).max(1) / np.float32(127)).astype(np.float32)
+    d = (np.abs(b).max(1) / np.float32(QMAX[act])).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     return (np.rint(b * inv[:, None]) * d[:, None]).reshape(-1)[:K]
 
@@ -187,36 +192,38 @@ def test_packed_sizes():
 GEMM_SHAPES = [(1, 32), (9, 32), (24, 544), (40, 1000), (17, 4864), (130, 160)]
 
 
-def matmul_reference(x, w, wtype):
+def matmul_reference(x, w, wtype, act="int8"):
     """Every m: the dequantized weights against each row's dequantized activations (float64)."""
     deq = np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(w.shape[0])]).astype(np.float64)
-    return np.stack([quantize_activations(r) for r in x]).astype(np.float64) @ deq.T, deq
+    return np.stack([quantize_activations(r, act) for r in x]).astype(np.float64) @ deq.T, deq
 
 
 @pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 7, 130])
-def test_matmul_against_reference(isa, wtype, shape, m):
-    """Dequantized weights against quantized activations, for every m. Every table agrees with numpy
-    and with the scalar table."""
+@pytest.mark.parametrize("act", ACTS)
+def test_matmul_against_reference(isa, wtype, shape, m, act):
+    """Dequantized weights against quantized activations (int8 or int16), for every m. Every table
+    agrees with numpy and with the scalar table."""
     w = weights(*shape)
     rng = np.random.default_rng(shape[0] * 7 + m)
     x = rng.standard_normal((m, shape[1])).astype(np.float32)
     x[0, :min(shape[1], 32)] *= 30
-    ref, _ = matmul_reference(x, w, wtype)
-    y = _core.kernel_matmul(isa, x, w, wtype)
+    ref, _ = matmul_reference(x, w, wtype, act)
+    y = _core.kernel_matmul(isa, x, w, wtype, activations=act)
     assert y.shape == (m, shape[0])
     assert rel_err(y, ref) < 2e-5
     if isa != "scalar":
-        assert rel_err(y, _core.kernel_matmul("scalar", x, w, wtype).astype(np.float64)) < 2e-5
+        assert rel_err(y, _core.kernel_matmul("scalar", x, w, wtype, activations=act).astype(np.float64)) < 2e-5
 
 
 @pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("shape", GEMM_SHAPES)
 @pytest.mark.parametrize("m", [2, 3, 5, 6, 7, 13, 40, 128, 130])
-def test_prefill_matmul(isa, wtype, shape, m):
+@pytest.mark.parametrize("act", ACTS)
+def test_prefill_matmul(isa, wtype, shape, m, act):
     """m > 1 over the awkward shapes of the register tiles: each row as the reference quantizes it
     (tight), as the same row alone gives it (the decode path), and the fp32 product within the
     quantization error of weights and activations."""
@@ -225,13 +232,14 @@ def test_prefill_matmul(isa, wtype, shape, m):
     x = rng.standard_normal((m, shape[1])).astype(np.float32)
     x[m // 2, :min(shape[1], 32)] *= 30
     x[m - 1, :] = 0                                   # a row of zeros: scale 0
-    ref, deq = matmul_reference(x, w, wtype)
-    y = _core.kernel_matmul(isa, x, w, wtype)
+    ref, deq = matmul_reference(x, w, wtype, act)
+    y = _core.kernel_matmul(isa, x, w, wtype, activations=act)
     assert rel_err(y, ref) < 2e-5
     assert (y[m - 1] == 0).all()
     for i in (0, m // 2, m - 2):
-        assert rel_err(y[i], _core.kernel_matmul(isa, x[i:i + 1], w, wtype)[0].astype(np.float64)) < 2e-5
-    # |sum_k x_k w_k - x'_k w'_k| <= sum_k |x_k - x'_k| |w'_k| + |x_k| |w_k - w'_k|: half an int8 step of
+        one = _core.kernel_matmul(isa, x[i:i + 1], w, wtype, activations=act)[0]
+        assert rel_err(y[i], one.astype(np.float64)) < 2e-5
+    # |sum_k x_k w_k - x'_k w'_k| <= sum_k |x_k - x'_k| |w'_k| + |x_k| |w_k - w'_k|: half an activation step of
     # each activation block against the dequantized weights, plus the weights' rounding (bounded per
     # format in test_round_trip_error_bound) against the activations
     K, Kp, n = shape[1], -(-shape[1] // 32) * 32, shape[0]
@@ -240,7 +248,7 @@ def test_prefill_matmul(isa, wtype, shape, m):
     xb, wb, db = xp.reshape(m, -1, 32), wp.reshape(n, -1, 32), dp.reshape(n, -1, 32)
     wstep = {"q8": np.abs(wb).max(2) / 127, "q4": np.abs(wb).max(2) / 8, "q4m": (wb.max(2) - wb.min(2)) / 15}[wtype]
     wstep = wstep * {"q8": 0.57, "q4": 1.07, "q4m": 0.57}[wtype] + np.abs(wb).max(2) * 2 ** -10
-    bound = 0.5 * (np.abs(xb).max(2) / 127) @ np.abs(db).sum(2).T + np.abs(xb).sum(2) @ wstep.T
+    bound = 0.5 * (np.abs(xb).max(2) / QMAX[act]) @ np.abs(db).sum(2).T + np.abs(xb).sum(2) @ wstep.T
     exact = x.astype(np.float64) @ w.astype(np.float64).T
     assert (np.abs(y - exact) <= bound * 1.0001 + 1e-4 * np.abs(exact).max()).all()
 
@@ -248,19 +256,50 @@ def test_prefill_matmul(isa, wtype, shape, m):
 @pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("m", [1, 3])
-def test_row_ranges(isa, wtype, m):
+@pytest.mark.parametrize("act", ACTS)
+def test_row_ranges(isa, wtype, m, act):
     """A thread's share [n0, n1) of the rows: exactly the full product's rows there, zeros elsewhere,
     for ranges that start and end inside the AVX-512 layout's 32-row super-groups and 8-row groups,
     cover a super-group whole, or hold the short last one (rows = 4 super-groups + 3 groups + 5)."""
     rows, k = 4 * 32 + 3 * 8 + 5, 96
     w = weights(rows, k, seed=m)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-    full = _core.kernel_matmul(isa, x, w, wtype)
+    full = _core.kernel_matmul(isa, x, w, wtype, activations=act)
     for n0, n1 in [(0, 32), (32, 64), (8, 40), (3, 61), (16, 100), (0, 157), (96, 157), (150, 157), (130, 131),
                    (64, 64)]:
-        y = _core.kernel_matmul(isa, x, w, wtype, n0, n1)
+        y = _core.kernel_matmul(isa, x, w, wtype, n0, n1, activations=act)
         np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
         assert not y[:, :n0].any() and not y[:, n1:].any()
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("wtype", WTYPES)
+def test_int16_activations_quantized_exactly(isa, wtype):
+    """One-hot weight rows pick single activations, so each output is (dw * dx) * (qw * qx) with one
+    rounding each: the int16 quants and scales must equal numpy's (absmax/32767, 1/d, round half to
+    even) to the bit, ties, an all-zero block and a padded last block included. A quantizer one int16
+    step off would hide under the matmul tests' float tolerance."""
+    K = 80                                              # 3 blocks, the last half padding
+    w = np.eye(K, dtype=np.float32)
+    x = np.random.default_rng(5).standard_normal((3, K)).astype(np.float32)
+    x[0, :32] *= 1000
+    x[1, 32:64] = 0                                     # scale 0
+    x[2, 31] = 32767 / 1024                             # absmax: d = 2^-10 and 1/d exact ...
+    x[2, 0], x[2, 1] = 100.5 / 1024, -3.5 / 1024        # ... so x / d = 100.5 and -3.5: ties, to even
+    deq = np.diag(np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(K)]))
+    qw = {"q8": 127, "q4": -8, "q4m": 15}[wtype]
+    dw = (deq / np.float32(qw)).astype(np.float32)
+    xp = np.zeros((3, 96), np.float32)
+    xp[:, :K] = x
+    b = xp.reshape(3, -1, 32)
+    d = (np.abs(b).max(2) / np.float32(32767)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[:, :, None]).reshape(3, -1)[:, :K]
+    assert (q[2, 0], q[2, 1]) == (100, -4)
+    dx = np.repeat(d, 32, axis=1)[:, :K]
+    expected = (dw[None, :] * dx).astype(np.float32) * (qw * q).astype(np.float32)
+    y = _core.kernel_matmul(isa, x, w, wtype, activations="int16")   # y[i, n] = x[i, n] as quantized
+    np.testing.assert_array_equal(y, expected)
 
 
 @pytest.mark.skipif("avx512" not in TABLES, reason="no AVX-512")
@@ -492,17 +531,17 @@ def test_weights_are_one_stream_in_decode_order(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# two-term activations (activations="int8x2")
+# int16 activations (activations="int16")
 
-def test_int8x2_activations_close_the_gap_to_fp32():
+def test_int16_activations_close_the_gap_to_fp32():
     """The embedded SmolLM2 GGUF keeps its Q4_1 blocks, so against the fp32-dequantized model
-    (transformers) all that differs is how activations enter the matmuls: int8x2 (hi + rounding
-    residual, ~15 bits) must be far closer than int8 (measured on avx2: NMSE int8 5.9e-4..3.9e-3,
-    int8x2 4e-9..3e-8), and greedy decoding must keep transformers' tokens except at true near-ties."""
+    (transformers) all that differs is how activations enter the matmuls: int16 (~15 bits) must be
+    far closer than int8 (measured on avx2: NMSE int8 5.9e-4..3.9e-3, int16 about 1e-8), and greedy
+    decoding must keep transformers' tokens except at true near-ties."""
     fx = fixture("smollm2")
     one = get_llm(DEFAULT_GGUF, "auto")
-    two = corelm.LLM(DEFAULT_GGUF, threads=2, activations="int8x2")
-    assert (one.activations, two.activations) == ("int8", "int8x2")
+    two = corelm.LLM(DEFAULT_GGUF, threads=2, activations="int16")
+    assert (one.activations, two.activations) == ("int8", "int16")
     assert two._core.weight_bytes == one._core.weight_bytes   # same weights, only the input differs
     e1, e2 = [], []
     for case in fx["cases"]:
@@ -519,10 +558,11 @@ def test_int8x2_activations_close_the_gap_to_fp32():
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
-def test_int8x2_prefill_and_decode_agree(dtype):
-    """stories260K (ffn 172: padded blocks, so split rows end mid-block): with int8x2 the whole prompt
-    in one forward and token by token give the same last logits to ~fp32 rounding."""
-    llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype=dtype, threads=2, activations="int8x2")
+def test_int16_prefill_and_decode_agree(dtype):
+    """stories260K (ffn 172: padded blocks, so rows end mid-block): with int16 the whole prompt in one
+    forward (the prefill tiles) and token by token (the decode stream) give the same last logits to
+    ~fp32 rounding."""
+    llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype=dtype, threads=2, activations="int16")
     prompt = np.asarray(fixture("stories260K")["cases"][1]["prompt_ids"], np.int32)
     whole = llm._core.forward(prompt, 0, False)
     llm.reset()
@@ -540,18 +580,44 @@ def test_activations_option_checked():
     with pytest.raises(ValueError, match="activations"):
         corelm.LLM(STORIES_GGUF, threads=1, activations="int4")
     with pytest.raises(ValueError, match="activations"):
+        corelm.LLM(STORIES_GGUF, threads=1, activations="int8x2")   # the two-term mode int16 replaced
+    with pytest.raises(ValueError, match="activations"):
         _core.Model({**core_config(spec, "q8", 1, 64), "activations": "fp16"})
-    # float weights take their input as it is: int8x2 changes nothing
+    # float weights take their input as it is: int16 changes nothing
     a = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1)
-    b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int8x2")
+    b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int16")
     ids = np.asarray([1, 400, 20, 87], np.int32)
     assert np.array_equal(a._core.forward(ids, 0, True), b._core.forward(ids, 0, True))
 
 
+def test_auto_activations_follow_the_stored_weights():
+    """activations="auto" (the default): int16 where most matrices are q8 (quantized at load, or a q8
+    GGUF/converted folder's blocks kept), int8 for 4-bit and float weights; an explicit choice wins,
+    and the model's setting can change between forwards (new activation buffers, new results)."""
+    stories = os.path.join(MODELS, "stories260K")
+    assert get_llm(stories, "q8").activations == "int16"
+    assert get_llm(stories, "q4").activations == "int8"
+    assert corelm.LLM(STORIES_GGUF, threads=1, dtype="fp32").activations == "int8"
+    assert corelm.LLM(stories, threads=1, dtype="q8", activations="int8").activations == "int8"
+    llm = corelm.LLM(stories, threads=1, dtype="q8")
+    ids = np.asarray([1, 400, 20, 87], np.int32)
+    a16 = llm._core.forward(ids, 0, True)
+    llm._core.activations = "int8"
+    llm.reset()
+    a8 = llm._core.forward(ids, 0, True)
+    llm._core.activations = "int16"
+    llm.reset()
+    assert np.array_equal(llm._core.forward(ids, 0, True), a16) and not np.array_equal(a8, a16)
+    with pytest.raises(ValueError, match="activations"):
+        llm._core.activations = "int4"
+    assert llm._core.activations == "int16"
+
+
 @pytest.mark.parametrize("wtype", WTYPES)
-def test_avx2_streamed_rows_keep_the_single_row_bits(wtype):
-    """avx2 serves up to 8 activation rows (a few sequences' decode, or a token's two int8 terms) with
-    the decode stream, in strips of up to 4 rows: each row's result is the same to the bit as that row alone, also past 1024
+@pytest.mark.parametrize("act", ACTS)
+def test_avx2_streamed_rows_keep_the_single_row_bits(wtype, act):
+    """avx2 serves up to 8 activation rows (a few sequences' decode) with the decode stream, in strips
+    of up to 4 rows (int16: 2): each row's result is the same to the bit as that row alone, also past 1024
     columns (where the prefill tiles would sum K in chunks), and the super-group edges and row ranges
     behave as for one row."""
     if "avx2" not in TABLES:
@@ -559,12 +625,12 @@ def test_avx2_streamed_rows_keep_the_single_row_bits(wtype):
     rows, k = 4 * 32 + 3 * 8 + 5, 1536 + 64
     w = weights(rows, k, seed=3)
     x = np.random.default_rng(3).standard_normal((9, k)).astype(np.float32)
-    single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype)[0] for i in range(9)])
+    single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype, activations=act)[0] for i in range(9)])
     for m in (2, 3, 4, 5, 8):
-        np.testing.assert_array_equal(_core.kernel_matmul("avx2", x[:m], w, wtype), single[:m])
+        np.testing.assert_array_equal(_core.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m])
         for n0, n1 in [(3, 61), (96, 157), (130, 131)]:
-            y = _core.kernel_matmul("avx2", x[:m], w, wtype, n0, n1)
+            y = _core.kernel_matmul("avx2", x[:m], w, wtype, n0, n1, activations=act)
             np.testing.assert_array_equal(y[:, n0:n1], single[:m, n0:n1])
             assert not y[:, :n0].any() and not y[:, n1:].any()
     # nine rows take the prefill tiles: equal up to float summation order
-    assert np.allclose(_core.kernel_matmul("avx2", x, w, wtype), single, rtol=1e-4, atol=1e-3)
+    assert np.allclose(_core.kernel_matmul("avx2", x, w, wtype, activations=act), single, rtol=1e-4, atol=1e-3)

@@ -23,9 +23,9 @@ N_PROMPT, N_GEN = 128, 64
 
 def worker(dtype, threads, reps):
     import corelm
-    dtype, _, act = dtype.partition("+")   # q8+x2: two-term activations
+    dtype, _, act = dtype.partition("+")   # q8+i8 / q8+i16: int8 / int16 activations (else "auto")
     llm = corelm.LLM(MODEL, threads=threads, dtype=dtype, max_seq_len=512,
-                     **({"activations": "int8x2"} if act == "x2" else {}))
+                     **({"activations": {"i8": "int8", "i16": "int16"}[act]} if act else {}))
     rng = random.Random(1)
     vocab = llm.spec.vocab_size
 
@@ -45,7 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True, help="python/ folder of build A (the baseline)")
     ap.add_argument("--b", required=True, help="python/ folder of build B")
-    ap.add_argument("--dtypes", default="q4,q8", help="comma-separated; a +x2 suffix (q8+x2) runs activations=\"int8x2\"")
+    ap.add_argument("--dtypes", default="q4,q8", help="comma-separated; a +i8/+i16 suffix (q8+i8) runs activations=\"int8\"/\"int16\"")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2, help="requests timed per worker process")

@@ -16,8 +16,8 @@ Same columns as the peer benchmark (shared/bench/peers/bench_peers.py), so the t
 Engines: corelm:bf16|fp32|q8|q4 (our engine; HF folder or GGUF file; q8/q4 quantize at load, and the
 bytes per token are the packed matrices the engine reports), corelm:file-q8|file-q4 (what users get from
 `corelm convert --weights q8|q4` or LLM(path, weights=...): the converted folder, made once and cached;
-file-q4 is Q4_1-type blocks with an 8-bit embedding/lm_head, so more bytes than q4); a "+x2" suffix
-(corelm:q8+x2) runs with activations="int8x2", llama-bench:F16|Q8_0|Q4_0|Q4_K_M
+file-q4 is Q4_1-type blocks with an 8-bit embedding/lm_head, so more bytes than q4); a "+i8" or "+i16"
+suffix (corelm:q8+i8) runs with activations="int8" or "int16" (default "auto": int16 for q8, int8 for q4), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
 (llama.cpp's own tool, on $PEERS/models/gguf/<model>-<var>.gguf; with a .gguf model path it runs that file),
 openvino-genai:int8|int4 (the peers' OpenVINO worker from shared/bench/peers/bench_peers.py in $PEERS/venv-ov,
 on $PEERS/models/ov/<model>-<var>, fed this run's prompt; no roofline column: its bytes are not known exactly).
@@ -183,7 +183,7 @@ def llama_bench_bin(a):
 # ---------------- worker (child process) ----------------
 def worker_main(engine, path, T, prompt_file):
     kind, var = engine.split(":")
-    var, _, act = var.partition("+")          # corelm:q8+x2: two-term activations
+    var, _, act = var.partition("+")          # corelm:q8+i8: int8 activations
     ids, warm = json.load(open(prompt_file))
     try:
         import corelm
@@ -195,7 +195,7 @@ def worker_main(engine, path, T, prompt_file):
     t_load = time.perf_counter()
     kw = {"weights": var[5:]} if var.startswith("file-") else {"dtype": var}
     if act:
-        kw["activations"] = {"x2": "int8x2"}[act]
+        kw["activations"] = {"i8": "int8", "i16": "int16"}[act]
     llm = corelm.LLM(path, threads=T, max_seq_len=512, **kw)
     t_load = time.perf_counter() - t_load
 

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                     help="kinds to convert MODEL to and evaluate (default: %(default)s)")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PATH[@DTYPE]",
                     help="another model to evaluate, e.g. gguf-Q4_1=model.Q4_1.gguf@q4 (repeatable)")
-    ap.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "int8x2"],
+    ap.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "int16"],
                     help="input precision of quantized matmuls; each --weights/--extra model is evaluated "
                          "with each (default: %(default)s)")
     ap.add_argument("--text", default=DEFAULT_TEXT)

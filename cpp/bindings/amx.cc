@@ -211,7 +211,9 @@ static float plain_read_sum(const void* p, size_t bytes) {
 // calls on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16, amx_int8
 // (real kernels), amx_bf16_emulated, or a kernel table's matmul: "<table>_<weight type>" (fp32, bf16, q8, q4, q4m).
 void corelm::register_amx_bench(py::module_& m) {
-  m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads) {
+  m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads,
+                         const std::string& activations) {
+    const ActType act = parse_act_type(activations);
     if (M < 1 || N < 1 || K < 1 || threads < 1) throw std::invalid_argument("bad shape or thread count");
     std::mt19937 rng(7);
     std::normal_distribution<float> nd;
@@ -253,7 +255,18 @@ void corelm::register_amx_bench(py::module_& m) {
       const WeightType* type = std::find_if(std::begin(wts), std::end(wts), [&](WeightType t) { return wt == weight_type_name(t); });
       if (!kt || type == std::end(wts)) throw std::invalid_argument("unknown or unavailable kind " + kind);
       pk = kt->pack(w.data(), N, K, *type, nullptr);
-      run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
+      if (act == ActType::I8 || !kt->quant_act_bytes(pk, M, act)) {
+        run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
+      } else {  // quantized per call, as matmul does for int8
+        run = [&, act](int64_t n0, int64_t n1) {
+          thread_local std::shared_ptr<void> qa;
+          thread_local size_t have = 0;
+          const size_t need = kt->quant_act_bytes(pk, M, act);
+          if (have < need) qa = aligned_buffer(need), have = need;
+          kt->quantize_act(x.data(), M, K, pk, act, qa.get());
+          kt->matmul_quant(qa.get(), M, act, pk, y.data(), N, n0, n1);
+        };
+      }
     }
     const int64_t tiles = (N + 15) / 16;
     auto once = [&] {
@@ -284,7 +297,8 @@ void corelm::register_amx_bench(py::module_& m) {
     d["iters"] = iters;
     d["threads"] = threads;
     return d;
-  }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1);
+  }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1,
+     py::arg("activations") = "int8");
 
   // Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes`
   // ([(N, K), ...] in the order a layer reads them), end to end in one buffer as the model keeps them
@@ -293,7 +307,8 @@ void corelm::register_amx_bench(py::module_& m) {
   // AVX-512 read of as many bytes (what the roofline assumes). Alternates the two `reps` times;
   // returns the median GB/s of each.
   m.def("bench_gemv_stream", [](const std::string& kind, std::vector<std::pair<int64_t, int64_t>> shapes,
-                                int64_t layers, int reps, int threads, bool sync) {
+                                int64_t layers, int reps, int threads, bool sync, const std::string& activations) {
+    const ActType act = parse_act_type(activations);
     const size_t us = kind.rfind('_');
     const KernelTable* kt = us == std::string::npos ? nullptr : kernels_by_name(kind.substr(0, us));
     const WeightType wts[] = {WeightType::BF16, WeightType::Q8, WeightType::Q4, WeightType::Q4M};
@@ -352,15 +367,17 @@ void corelm::register_amx_bench(py::module_& m) {
     auto gemv_pass = [&] {
       team([&](int t) {
         std::vector<float> y(max_n);
-        auto qa = aligned_buffer(std::max<size_t>(64, kt->quant_act_bytes(order[0], 1) * 8));
+        size_t qbytes = 64;
+        for (const PackedMatrix& w : order) qbytes = std::max(qbytes, kt->quant_act_bytes(w, 1, act));
+        auto qa = aligned_buffer(qbytes);
         int64_t gen = 0;
         barrier(gen);
         for (const PackedMatrix& w : order) {
           const int64_t per = (w.rows / threads + 31) / 32 * 32;
           const int64_t n0 = std::min(w.rows, t * per), n1 = t == threads - 1 ? w.rows : std::min(w.rows, n0 + per);
-          if (n0 < n1 && kt->quant_act_bytes(w, 1)) {
-            kt->quantize_act(x.data(), 1, w.cols, w, qa.get());
-            kt->matmul_quant(qa.get(), 1, w, y.data(), w.rows, n0, n1);
+          if (n0 < n1 && kt->quant_act_bytes(w, 1, act)) {
+            kt->quantize_act(x.data(), 1, w.cols, w, act, qa.get());
+            kt->matmul_quant(qa.get(), 1, act, w, y.data(), w.rows, n0, n1);
           } else if (n0 < n1) {
             kt->matmul(x.data(), 1, w.cols, w, y.data(), w.rows, n0, n1);
           }
@@ -401,5 +418,5 @@ void corelm::register_amx_bench(py::module_& m) {
     d["read_samples"] = r;
     return d;
   }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9, py::arg("threads") = 1,
-     py::arg("sync") = true);
+     py::arg("sync") = true, py::arg("activations") = "int8");
 }

@@ -82,11 +82,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
-  if (d.contains("activations")) {
-    const std::string a = d["activations"].cast<std::string>();
-    if (a != "int8" && a != "int8x2") throw std::invalid_argument("activations must be 'int8' or 'int8x2', got '" + a + "'");
-    c.act_terms = a == "int8x2" ? 2 : 1;
-  }
+  if (d.contains("activations")) c.act_type = parse_act_type(d["activations"].cast<std::string>());
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
   if (d.contains("schedule") && !parse_schedule(d["schedule"].cast<std::string>(), &c.schedule))
     throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
@@ -224,9 +220,13 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kernel_table", [](PyModel& s) { return std::string(s.model.kernel_table().name); })
       .def_property_readonly("weight_type",
                              [](PyModel& s) { return std::string(weight_type_name(s.model.config().weight_type)); })
-      .def_property_readonly("activations",
-                             [](PyModel& s) { return std::string(s.model.config().act_terms == 2 ? "int8x2" : "int8"); },
-                             "How quantized matmuls take their input: int8 per block of 32, or int8x2 (hi + lo terms).");
+      .def_property("activations", [](PyModel& s) { return std::string(act_type_name(s.model.config().act_type)); },
+                    [](PyModel& s, const std::string& a) {
+                      const ActType act = parse_act_type(a);
+                      py::gil_scoped_release release;
+                      std::lock_guard<std::mutex> lock(s.mu);
+                      s.model.set_act_type(act);
+                    }, "How quantized matmuls take their input: int8 or int16 per block of 32 (settable between forwards).");
 
   register_amx(m);
 
@@ -250,7 +250,7 @@ PYBIND11_MODULE(_core, m) {
   // Single kernels, for tests against the scalar reference.
   m.def("kernel_tables", &available_kernel_tables);
   m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype, int64_t n0,
-                            int64_t n1) {
+                            int64_t n1, const std::string& activations) {
     if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
       throw std::invalid_argument("kernel_matmul needs x [M, K] and w [N, K]");
     const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
@@ -260,10 +260,20 @@ PYBIND11_MODULE(_core, m) {
     PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype), nullptr);
     py::array_t<float> y({M, N});
     std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.f);
-    kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+    const ActType act = parse_act_type(activations);
+    const size_t qbytes = kt.quant_act_bytes(pw, M, act);
+    if (act == ActType::I8 || !qbytes) {
+      kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
+    } else {
+      auto qa = aligned_buffer(qbytes);
+      kt.quantize_act(x.data(), M, K, pw, act, qa.get());
+      kt.matmul_quant(qa.get(), M, act, pw, y.mutable_data(), N, n0, n1);
+    }
     return y;
   }, py::arg("isa"), py::arg("x"), py::arg("w"), py::arg("wtype"), py::arg("n0") = 0, py::arg("n1") = -1,
-     "x W^T; with n0, n1 only columns [n0, n1) are computed (as one thread's share) and the rest stay 0.");
+     py::arg("activations") = "int8",
+     "x W^T; with n0, n1 only columns [n0, n1) are computed (as one thread's share) and the rest stay 0. "
+     "activations: how quantized weights take x (int8 through matmul, int16 through quantize_act/matmul_quant).");
   using RawArray = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
   auto pack_raw = [](const KernelTable& kt, RawArray raw, const std::string& ggml_type, int64_t rows, int64_t cols) {
     WeightType t = quant::type_of_ggml(ggml_type);

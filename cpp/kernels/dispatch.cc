@@ -26,6 +26,14 @@ const char* weight_type_name(WeightType t) {
   }
 }
 
+const char* act_type_name(ActType a) { return a == ActType::I16 ? "int16" : "int8"; }
+
+ActType parse_act_type(const std::string& name) {
+  if (name == "int8") return ActType::I8;
+  if (name == "int16") return ActType::I16;
+  throw std::invalid_argument("activations must be 'int8' or 'int16', got '" + name + "'");
+}
+
 // Buffers of at least this many bytes get their own mapping: page-aligned and sharing no page with
 // other data, so NUMA placement (runtime/numa.h) can move their pages without moving anything else,
 // and the policy goes away with the mapping. Fresh pages are zero and untouched until written.

@@ -14,6 +14,14 @@ namespace corelm {
 enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
 const char* weight_type_name(WeightType t);
 
+// How a quantized matmul takes its input: each row per block of 32 as int8 (scale absmax/127, the
+// cheapest) or int16 (absmax/32767: ~15 bits, near fp32; on AVX2 about as cheap, VPMADDWD against
+// widened weights). Semantics in kernels/quant_formats.h.
+enum class ActType : int { I8 = 0, I16 = 1 };
+const char* act_type_name(ActType a);  // "int8", "int16"
+// "int8"/"int16" -> ActType; throws std::invalid_argument naming the choices.
+ActType parse_act_type(const std::string& name);
+
 // How the KV cache stores keys and values; int8 rows carry a scale and offset the caller applies.
 enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
 
@@ -80,11 +88,13 @@ struct KernelTable {
   // on par's threads when given.
   PackedMatrix (*pack_raw)(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
   // matmul in two steps for quantized w, so that the calls over parts of [0, rows) share one
-  // quantization of x: quantize_act fills a 64-byte aligned buffer of quant_act_bytes(w, m) bytes
-  // (0 for a float w: use matmul) from x [m][ldx], and matmul_quant gives what matmul gives from it.
-  size_t (*quant_act_bytes)(const PackedMatrix& w, int64_t m);
-  void (*quantize_act)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
-  void (*matmul_quant)(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
+  // quantization of x: quantize_act fills a 64-byte aligned buffer of quant_act_bytes(w, m, act) bytes
+  // (0 for a float w: use matmul) from x [m][ldx], and matmul_quant gives from it what matmul gives
+  // (matmul itself: act I8).
+  size_t (*quant_act_bytes)(const PackedMatrix& w, int64_t m, ActType act);
+  void (*quantize_act)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
+  void (*matmul_quant)(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                       int64_t n0, int64_t n1);
 };
 
 extern const KernelTable kScalarKernels;

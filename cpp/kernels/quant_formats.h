@@ -9,8 +9,9 @@
 // Q8_0/Q4_0/Q4_1 block re-quantized from its own dequantized values gives back the same block.
 //
 // matmul semantics (every table, every m): each activation row is quantized per block of 32 like
-// ggml's Q8_0 but with an fp32 scale: dx = absmax/127, xq = round-to-nearest-even(x * (1/dx))
-// (0 when absmax is 0), and y[n] = sum over blocks of dw*dx*sum(wq*xq) (+ m*dx*sum(xq) for Q4M),
+// ggml's Q8_0 but with an fp32 scale: dx = absmax/127 (ActType::I8; I16: absmax/32767, xq int16),
+// xq = round-to-nearest-even(x * (1/dx)) (0 when absmax is 0), and y[n] = sum over blocks of
+// dw*dx*sum(wq*xq) (+ m*dx*sum(xq) for Q4M), the block's integer sum exact in int32,
 // i.e. the dot of the dequantized weights with the dequantized activations. A row's result does not
 // depend on how many rows come with it (decode m == 1, prefill m > 1), up to fp32 summation order.
 //
@@ -191,17 +192,20 @@ inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int6
     }
 }
 
-// The activation quantizer of every matmul (reference; ISA versions must give the same bytes).
-// x has n floats; xq gets round_up(n, 32) int8 values, dx and sxq one entry per block.
-inline void quantize_activations(const float* x, int64_t n, int8_t* xq, float* dx, int32_t* sxq) {
+// The activation quantizer of every matmul (reference; ISA versions must give the same bytes), for Q
+// int8_t (ActType::I8, dx = absmax/127) or int16_t (I16, dx = absmax/32767).
+// x has n floats; xq gets round_up(n, 32) values, dx and sxq one entry per block.
+template <class Q>
+inline void quantize_activations(const float* x, int64_t n, Q* xq, float* dx, int32_t* sxq) {
+  constexpr float kMax = sizeof(Q) == 1 ? 127.f : 32767.f;
   for (int64_t b = 0; b * kBlock < n; b++) {
     float amax = 0.f;
     for (int64_t j = b * kBlock; j < n && j < (b + 1) * kBlock; j++) amax = std::fmax(amax, std::fabs(x[j]));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const float d = amax / kMax, id = d != 0.f ? 1.f / d : 0.f;
     int32_t s = 0;
     for (int64_t j = b * kBlock; j < (b + 1) * kBlock; j++) {
       int v = j < n ? (int)std::nearbyint(x[j] * id) : 0;
-      xq[j] = (int8_t)v;
+      xq[j] = (Q)v;
       s += v;
     }
     dx[b] = d;
@@ -209,21 +213,7 @@ inline void quantize_activations(const float* x, int64_t n, int8_t* xq, float* d
   }
 }
 
-// x = hi + lo for two-term activations: hi is what quantize_activations represents exactly (its
-// scale times its int8 values), lo the rounding residual, quantized in turn by the next quantization.
-inline void split_activations(const float* x, int64_t n, float* hi, float* lo) {
-  for (int64_t b = 0; b * kBlock < n; b++) {
-    const int64_t c = std::min<int64_t>(kBlock, n - b * kBlock);
-    int8_t q[kBlock];
-    float d;
-    int32_t s;
-    quantize_activations(x + b * kBlock, c, q, &d, &s);
-    for (int64_t j = 0; j < c; j++) {
-      hi[b * kBlock + j] = d * q[j];
-      lo[b * kBlock + j] = x[b * kBlock + j] - hi[b * kBlock + j];
-    }
-  }
-}
+inline size_t act_elem_bytes(ActType a) { return a == ActType::I16 ? 2 : 1; }
 
 // Validates a raw buffer's size for rows x cols of type t; cols must be a multiple of 32.
 inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
@@ -245,24 +235,27 @@ PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
 void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
 void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
-size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m);
-void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
-void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
+size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act);
+void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
+void scalar_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                        int64_t n0, int64_t n1);
 #if defined(CORELM_HAVE_X86)
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1);
-size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m);
-void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
-void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
+size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act);
+void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
+void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                        int64_t n0, int64_t n1);
 PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
 PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par);
 void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                  int64_t n0, int64_t n1);
-size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m);
-void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa);
-void avx2_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1);
+size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act);
+void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
+void avx2_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                      int64_t n0, int64_t n1);
 #endif
 }  // namespace quant
 }  // namespace corelm

@@ -26,7 +26,7 @@ void ModelConfig::validate() const {
   require(max_seq_len > 0 && max_seq_len <= (1 << 24), "max_seq_len must be in [1, 16M]");
   require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
   require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");
-  require(act_terms == 1 || act_terms == 2, "act_terms must be 1 or 2");
+  require(act_type == ActType::I8 || act_type == ActType::I16, "act_type must be I8 or I16");
   require(sliding_window >= 0, "sliding_window must be >= 0");
   require(kv_block_size >= 1 && kv_block_size <= 4096, "kv_block_size must be in [1, 4096]");
   require(kv_blocks >= 0 && kv_blocks <= (1 << 24), "kv_blocks must be in [0, 16M]");
@@ -418,6 +418,12 @@ size_t Model::weight_bytes() const {
 // ---------------------------------------------------------------------------------------------
 // Forward pass
 
+void Model::set_act_type(ActType a) {
+  pool_.quiesce();  // a descheduled pool thread may still read the old buffers
+  cfg_.act_type = a;
+  scratch_tokens_ = 0;
+}
+
 void Model::ensure_scratch(int64_t n) {
   if (n <= scratch_tokens_) return;
   pool_.quiesce();  // a descheduled pool thread may still read the old buffers
@@ -429,19 +435,15 @@ void Model::ensure_scratch(int64_t n) {
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
   hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
-  // room for any matrix's quantized input of up to T rows, act_terms rows per token (0 bytes with
-  // float weights), and with two terms for the hi and lo rows it is quantized from
-  qact_ld_ = act_split_ld_ = 0;
-  const int64_t terms = cfg_.act_terms;
+  // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
+  qact_ld_ = 0;
   auto fit = [&](const PackedMatrix& w) {
-    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (kt_.quant_act_bytes(w, terms * m) + 63) / 64 * 64);
-    if (terms > 1 && kt_.quant_act_bytes(w, 1)) act_split_ld_ = std::max(act_split_ld_, (size_t)(terms * T * w.cols));
+    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (kt_.quant_act_bytes(w, m, cfg_.act_type) + 63) / 64 * 64);
   };
   for (const LayerWeights& L : layers_)
     for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) fit(*w);
   fit(lm_head_);
   qact_ = qact_ld_ ? aligned_buffer(nth * qact_ld_) : nullptr;
-  act_split_.assign(nth * act_split_ld_, 0.f);
   scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
   tok_seq_.assign(T, 0);
@@ -537,32 +539,18 @@ struct NormedInput {
 
 // A task's matmul y = x @ W^T. With quantized weights, x is quantized once per region and buffer
 // index (prepare) into the index's own buffer, and every chunk its thread computes reads that.
-// With two activation terms (ModelConfig::act_terms), x's m rows become 2m rows, hi then lo
-// (quant::split_activations), quantized as one input; each output is the sum of its two rows'.
 struct TaskMatmul {
   const KernelTable* k;
   const PackedMatrix* w;
   uint8_t* qa;  // [buffers][ld_qa]; null: float weights, matmul reads x
   size_t ld_qa;
-  float* split;  // [buffers][ld_split]: [2][m][w->cols] hi and lo rows; null: one term
-  size_t ld_split;
+  ActType act;
   void prepare(int buf, const float* x, int64_t m, int64_t ldx) const {
-    if (!qa) return;
-    if (!split) return k->quantize_act(x, m, ldx, *w, qa + buf * ld_qa);
-    const int64_t K = w->cols;
-    float* hi = split + buf * ld_split;
-    for (int64_t t = 0; t < m; t++) quant::split_activations(x + t * ldx, K, hi + t * K, hi + (m + t) * K);
-    k->quantize_act(hi, 2 * m, K, *w, qa + buf * ld_qa);
+    if (qa) k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
   }
   void run(int buf, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (!qa) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
-    if (!split) return k->matmul_quant(qa + buf * ld_qa, m, *w, y, ldy, n0, n1);
-    thread_local std::vector<float> out;  // [2][m][n1 - n0], grows to the largest chunk once
-    const int64_t n = n1 - n0;
-    if (out.size() < (size_t)(2 * m * n)) out.resize(2 * m * n);
-    k->matmul_quant(qa + buf * ld_qa, 2 * m, *w, out.data() - n0, n, n0, n1);
-    for (int64_t t = 0; t < m; t++)
-      for (int64_t i = 0; i < n; i++) y[t * ldy + n0 + i] = out[t * n + i] + out[(m + t) * n + i];
+    k->matmul_quant(qa + buf * ld_qa, m, act, *w, y, ldy, n0, n1);
   }
 };
 
@@ -679,9 +667,8 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto task_matmul = [&](const PackedMatrix& w) {
-    const bool quantized = k.quant_act_bytes(w, 1) != 0, two = quantized && cfg_.act_terms == 2;
-    return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_,
-                      two ? act_split_.data() : nullptr, act_split_ld_};
+    const bool quantized = k.quant_act_bytes(w, 1, cfg_.act_type) != 0;
+    return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
   };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
     pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, x, d, true}, chunking(w, d, kRowGrain, T, 1));

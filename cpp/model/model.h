@@ -32,9 +32,8 @@ struct ModelConfig {
   int64_t max_seq_len = 2048;      // KV cache capacity in tokens
   std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
   WeightType weight_type = WeightType::F32;
-  // Terms each quantized matmul's input is split into: 1, int8 per block of 32 (the kernels' own);
-  // 2, x = hi + lo, both int8 per block, lo the rounding residual of hi (about 15 bits, twice the work).
-  int act_terms = 1;
+  // How quantized matmuls take their input (kernels.h): int8 per block of 32, or int16 (near fp32).
+  ActType act_type = ActType::I8;
   int n_threads = 1;
   KVType kv_type = KVType::F32;
   int64_t kv_block_size = 16;      // tokens per KV block
@@ -125,6 +124,9 @@ class Model {
   int n_threads() const { return pool_.size(); }
   const ThreadPool& pool() const { return pool_; }
   void set_schedule(Schedule s) { pool_.set_schedule(s), cfg_.schedule = s; }
+  // How quantized matmuls take their input from the next forward on (the loader picks it once it
+  // knows how the weights are stored); the activation buffers are sized again.
+  void set_act_type(ActType a);
   const std::vector<int>& thread_cpus() const { return pool_.thread_cpus(); }
   // The node whose rows each thread works on first (ThreadPool::set_thread_nodes): the NUMA plan's
   // under a policy; tests set fake ones to run the split by node on a one-node machine.
@@ -196,8 +198,6 @@ class Model {
   std::vector<float> act_;      // [T][ffn_dim]
   std::shared_ptr<void> qact_;  // [n_threads][qact_ld_] each thread's quantized matmul input (quantized weights)
   size_t qact_ld_ = 0;
-  std::vector<float> act_split_;  // [n_threads][act_split_ld_] hi and lo rows of a thread's matmul input (act_terms 2)
-  size_t act_split_ld_ = 0;
   std::vector<float> scores_;   // [n_threads][query heads per kv head][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position
   std::vector<float> out_rows_;  // [rows][dim] normalized rows whose logits are wanted

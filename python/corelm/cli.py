@@ -56,9 +56,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--activations", choices=["int8", "int8x2"], default="int8",
-                   help="input of matmuls with q8/q4 weights: int8 per block of 32 (fast), or int8x2, two int8 "
-                        "terms (about 15 bits: closer to fp32, slower) (default: %(default)s)")
+    p.add_argument("--activations", choices=["auto", "int8", "int16"], default="auto",
+                   help="input of matmuls with q8/q4 weights, per block of 32: int8 (fastest), int16 "
+                        "(about 15 bits: close to fp32, slower prefill), or auto: int16 for q8 weights, "
+                        "int8 for q4 (default: %(default)s)")
     p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
                    help="how kernels split work across threads: by measured thread speed, stealing "
                         "leftovers (dynamic), or in equal parts (static) (default: $CORELM_SCHEDULE or dynamic)")
@@ -195,7 +196,7 @@ def llm_from_args(args: argparse.Namespace):
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     extra = {"schedule": args.schedule} if getattr(args, "schedule", None) else {}
-    if getattr(args, "activations", "int8") != "int8":
+    if getattr(args, "activations", "auto") != "auto":
         extra["activations"] = args.activations
     return _make_llm(model=args.model, threads=args.threads, dtype=args.dtype,
                      max_seq_len=args.ctx_size or None, numa=args.numa, **extra)

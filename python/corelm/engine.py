@@ -130,8 +130,14 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
 
 _RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
 KV_DTYPES = ("fp32", "bf16", "int8")
-ACTIVATIONS = ("int8", "int8x2")
+ACTIVATIONS = ("auto", "int8", "int16")
 KV_BLOCK_SIZE = 16
+
+
+def auto_activations(stored_matrices: "collections.Counter") -> str:
+    """activations="auto": int16 when most matrices are stored as q8, else int8 (see build_core_model)."""
+    top = stored_matrices.most_common(1)
+    return "int16" if top and top[0][0] == "q8" else "int8"
 
 
 def check_activations(activations: str) -> str:
@@ -161,15 +167,17 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
-                     numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "int8"):
+                     numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
     (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went.
     schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md.
-    activations: how matmuls with quantized weights take their input, "int8" (per block of 32) or
-    "int8x2" (two int8 terms, hi and its rounding residual: about 15 bits, closer to fp32, twice the
-    integer work); see docs/quality.md."""
+    activations: how matmuls with quantized weights take their input, per block of 32: "int8" (the
+    fastest), "int16" (about 15 bits, close to fp32; on AVX2 decode costs a few percent, prefill about
+    a quarter), or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
+    being close to fp32, and int8 activations would double their error), int8 otherwise (4-bit
+    weights' error dwarfs the activations'); see docs/quality.md."""
     from . import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -186,7 +194,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
-    config.update(kv_type=kv_cache_dtype, activations=activations, kv_block_size=KV_BLOCK_SIZE,
+    config.update(kv_type=kv_cache_dtype, activations="int8" if activations == "auto" else activations,
+                  kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
     names = list(loaded.weight_names())
@@ -207,6 +216,9 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
             stored[model.weight_type] += is_matrix
         loaded.release_weight(name)
     model.finalize()
+    if activations == "auto":
+        activations = auto_activations(stored)
+    model.activations = activations
     if numa is not None:
         log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)

@@ -67,7 +67,7 @@ class LLM:
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
                  kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
-                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "int8"):
+                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         if weights is not None:   # "f32" | "bf16" | "q8" | "q4": convert once into the cache, then load that

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/avx2/avx2_util.h"
@@ -29,25 +30,37 @@ namespace {
 
 constexpr int kPrefetchBlocks = 8;  // decode prefetches this many block rows ahead along its stream
 
-// Per row and block: the 32 int8 quants, dx, dxs = dx * sum(xq) (times Q4M's minimum) and corr, the
-// int32 added to each row's block sum for the stored offset (Q4: -8 * sum(xq); else 0).
-struct QuantAct {
-  int8_t* q;  // [m][nb][32]
+// Decode's software prefetch: the block row kPrefetchBlocks ahead of the one at qs (qstride bytes each).
+inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
+  for (int64_t o = 0; o < qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * qstride + o, _MM_HINT_T0);
+}
+
+// Per row and block: the 32 quants (int8 or int16 by ActType), dx, dxs = dx * sum(xq) (times Q4M's
+// minimum) and corr, the int32 added to each row's block sum for the stored offset (I8: Q4 -8 * sum(xq),
+// else 0; I16, which reads the stored bytes unsigned: Q8 -128 * sum(xq), Q4 -8 * sum(xq), Q4M 0).
+template <class E>
+struct QuantActT {
+  E* q;  // [m][nb][32]
   float *dx, *dxs;
   int32_t* corr;  // dx, dxs, corr: [m][nb]
 };
+using QuantAct = QuantActT<int8_t>;
+using QuantAct16 = QuantActT<int16_t>;
 
-inline size_t act_bytes(int64_t m, int64_t nb) { return ((size_t)(32 + 12) * m * nb + 63) / 64 * 64; }
+inline size_t act_bytes(int64_t m, int64_t nb, size_t elem) { return ((32 * elem + 12) * m * nb + 63) / 64 * 64; }
 
-inline QuantAct act_view(void* buf, int64_t m, int64_t nb) {
-  int8_t* q = static_cast<int8_t*>(buf);
+template <class E>
+inline QuantActT<E> act_view(void* buf, int64_t m, int64_t nb) {
+  E* q = static_cast<E*>(buf);
   float* dx = reinterpret_cast<float*>(q + 32 * m * nb);
   return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
 }
 
 // One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
-// as quant::quantize_activations into out[32]; returns the scale, *s the sum of the quants.
-inline float quantize_act_block(const float* x, int64_t left, int8_t* out, int32_t* s) {
+// as quant::quantize_activations<E> into out[32]; returns the scale, *s the sum of the quants.
+template <class E>
+inline float quantize_act_block(const float* x, int64_t left, E* out, int32_t* s) {
+  constexpr float kMax = sizeof(E) == 1 ? 127.f : 32767.f;
   __m256 v[4];
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps();
@@ -57,18 +70,27 @@ inline float quantize_act_block(const float* x, int64_t left, int8_t* out, int32
                                : _mm256_setzero_ps();
     amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
   }
-  const float d = hmax(amax) / 127.f;
+  const float d = hmax(amax) / kMax;
   const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
   __m256i q[4];
   for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // MXCSR: nearest even
   *s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-  // int32 -> int8 (|q| <= 127: no saturation); the packs interleave 128-bit lanes, the permute undoes it
-  const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  // int32 -> int16 (-> int8): |q| <= kMax, no saturation; the packs interleave 128-bit lanes, the permutes undo it
+  const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+  if constexpr (sizeof(E) == 2) {
+    _mm256_storeu_si256((__m256i*)out, _mm256_permute4x64_epi64(w01, 0xd8));
+    _mm256_storeu_si256((__m256i*)(out + 16), _mm256_permute4x64_epi64(w23, 0xd8));
+  } else {
+    const __m256i w8 = _mm256_packs_epi16(w01, w23);
+    _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
   return d;
 }
 
-void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantAct& qa) {
+template <class E>
+void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantActT<E>& qa) {
+  // the stored offset each block sum carries (see QuantActT)
+  const int32_t offset = type == WeightType::Q4 ? 8 : sizeof(E) == 2 && type == WeightType::Q8 ? 128 : 0;
   for (int64_t i = 0; i < m; i++)
     for (int64_t b = 0; b < nb; b++) {
       int32_t s;
@@ -76,7 +98,7 @@ void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb,
       const float d = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, qa.q + ib * kBlock, &s);
       qa.dx[ib] = d;
       qa.dxs[ib] = d * (float)s;
-      qa.corr[ib] = type == WeightType::Q4 ? -8 * s : 0;
+      qa.corr[ib] = -offset * s;
     }
 }
 
@@ -117,7 +139,7 @@ inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m2
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* qs = v.qs + b * v.qstride;
     const uint16_t* dp = v.d + b * v.dstride;
-    for (int64_t o = 0; o < v.qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * v.qstride + o, _MM_HINT_T0);
+    prefetch_ahead(qs, v.qstride);
     // Two groups side by side, then the next two: from DRAM, one Zen 3 core read q4 at 0.90 of a plain
     // read this way against 0.83 with all four side by side (0.80 one after another), q8 at 0.82
     // against 0.74 (tools/bench_quant.py --stream); each broadcast still serves two groups.
@@ -192,19 +214,26 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, 
 }
 
 // Rows [n0, n1) for MR activation rows: whole super-groups at once, the groups of a partly covered
-// one one by one.
-template <WeightType T, int MR>
-void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+// one one by one. (gemv16_groups, for int16 activations, is declared further down.)
+template <WeightType T, int NG, int MR>
+inline void gemv16_groups(const QuantActT<int16_t>& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]);
+
+template <WeightType T, int MR, class E>
+void gemv(const QuantActT<E>& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  auto groups_of = [&](auto ng, const GroupView& v, __m256* r) {
+    if constexpr (sizeof(E) == 2) gemv16_groups<T, decltype(ng)::value, MR>(qx, v, nb, r);
+    else gemv_groups<T, decltype(ng)::value, MR>(qx, v, nb, r);
+  };
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const GroupView v = group_view(w.data(), T, nb, groups, g);
     __m256 r[kSuper * MR];
     int ng = 1;
     if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
-      gemv_groups<T, kSuper, MR>(qx, v, nb, r);
+      groups_of(std::integral_constant<int, kSuper>(), v, r);
       ng = kSuper;
     } else {
-      gemv_groups<T, 1, MR>(qx, v, nb, r);
+      groups_of(std::integral_constant<int, 1>(), v, r);
     }
     for (int j = 0; j < ng; j++, g++)
       for (int i = 0; i < MR; i++) store_rows(y + i * ldy + g * kGroup, g * kGroup, n0, n1, r[j * MR + i], true);
@@ -272,20 +301,138 @@ void tile(const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, c
   for (int i = 0; i < MR; i++) store_rows(y + (i0 + i) * ldy + r0, r0, n0, n1, facc[i], first);
 }
 
-template <WeightType T>
-void tile_rows(int mr, const QuantAct& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v,
-               int64_t r0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
-  static_assert(kMR == 4, "one case per strip height");
-  switch (mr) {
-    case 4: return tile<T, 4>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
-    case 3: return tile<T, 3>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
-    case 2: return tile<T, 2>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
-    default: return tile<T, 1>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+// ---------------------------------------------------------------------------------------------
+// int16 activations (ActType::I16). A weight piece's stored bytes are widened unsigned to int16 by
+// unpacking against zero, 16 bytes per register in each 128-bit lane's order: lo holds rows 0,1 (lane
+// 0) and 4,5 (lane 1), hi rows 2,3 and 6,7, each row's four columns side by side. VPMADDWD against the
+// piece's four activations (one 8-byte broadcast) adds two columns per int32 lane, and one VPHADDD at
+// the block's end gives rows 0..7 in order. The unsigned read adds the stored offset (Q8 128, Q4 8)
+// times the block's activation sum, which corr takes off. A lane sums 16 products of at most
+// 255 * 32767 per block, so int32 holds a block exactly. On Zen 3 VPMADDWD issues about twice as
+// often as VPMADDUBSW, so a Q8 piece costs about what the int8 path's sign trick does.
+inline __m256i bcast8(const int16_t* p) {  // 4 activations to every 64-bit lane
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+
+// acc0/acc1 (rows 0,1,4,5 / 2,3,6,7) += one piece (stored bytes, 8 rows x 4 columns) times x.
+inline void dot16(__m256i& acc0, __m256i& acc1, __m256i lo, __m256i hi, __m256i x) {
+  acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(lo, x));
+  acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(hi, x));
+  pin(acc0), pin(acc1);
+}
+
+// Calls piece(p, lo, hi) for the 8 pieces of a group's block at qs, widened to int16 (Q4: nibbles).
+template <WeightType T, class Piece>
+inline void for_pieces16(const uint8_t* qs, Piece piece) {
+  const __m256i zero = _mm256_setzero_si256();
+  if constexpr (T == WeightType::Q8) {
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+      const __m256i w = _mm256_load_si256((const __m256i*)(qs + 32 * p));
+      piece(p, _mm256_unpacklo_epi8(w, zero), _mm256_unpackhi_epi8(w, zero));
+    }
+  } else {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int uh = 0; uh < 4; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
+      const int u = uh >> 1, h = uh & 1;
+      const __m256i w = _mm256_load_si256((const __m256i*)(qs + 32 * uh));
+      const __m256i lo4 = _mm256_and_si256(w, m4), hi4 = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+      piece(4 * u + h, _mm256_unpacklo_epi8(lo4, zero), _mm256_unpackhi_epi8(lo4, zero));
+      piece(4 * u + 2 + h, _mm256_unpacklo_epi8(hi4, zero), _mm256_unpackhi_epi8(hi4, zero));
+    }
   }
 }
 
-template <WeightType T>
-void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+// A block's 8 row sums (in order) with the stored offset taken off, as floats times the two scales.
+inline __m256 block_sum16(__m256i acc0, __m256i acc1, int32_t corr, __m256 ws, float dx, __m256 f) {
+  const __m256i r = _mm256_add_epi32(_mm256_hadd_epi32(acc0, acc1), _mm256_set1_epi32(corr));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_mul_ps(ws, _mm256_set1_ps(dx)), f);
+}
+
+// Decode with int16 activations: as gemv_groups (two groups side by side, one sequential stream),
+// for MR <= kMaxStream16 rows (two accumulators per group and row).
+constexpr int kMaxStream16 = 2;
+
+template <WeightType T, int NG, int MR>
+inline void gemv16_groups(const QuantAct16& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  constexpr int kPair = NG < 2 ? NG : 2;
+  __m256 facc[NG * MR];
+  for (int j = 0; j < NG * MR; j++) facc[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const uint16_t* dp = v.d + b * v.dstride;
+    prefetch_ahead(qs, v.qstride);
+    for (int g0 = 0; g0 < NG; g0 += 2) {
+      __m256i acc0[kPair][MR], acc1[kPair][MR];
+      for (int g = 0; g < kPair; g++)
+        for (int i = 0; i < MR; i++) acc0[g][i] = acc1[g][i] = _mm256_setzero_si256();
+      for (int g = 0; g < kPair; g++)
+        for_pieces16<T>(qs + (g0 + g) * QSB, [&](int p, __m256i lo, __m256i hi) {
+          for (int i = 0; i < MR; i++) dot16(acc0[g][i], acc1[g][i], lo, hi, bcast8(qx.q + (i * nb + b) * kBlock + 4 * p));
+        });
+      for (int g = 0; g < kPair; g++) {
+        const __m256 ws = scales8(dp + 8 * (g0 + g));
+        for (int i = 0; i < MR; i++) {
+          const int64_t ib = i * nb + b;
+          __m256& f = facc[(g0 + g) * MR + i];
+          f = block_sum16(acc0[g][i], acc1[g][i], qx.corr[ib], ws, qx.dx[ib], f);
+          if constexpr (T == WeightType::Q4M)
+            f = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * (g0 + g)), _mm256_set1_ps(qx.dxs[ib]), f);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NG * MR; j++) out[j] = facc[j];
+}
+
+// Prefill with int16 activations: the tile of `tile` with two accumulators per row, kMR16 rows.
+constexpr int kMR16 = 4;
+
+template <WeightType T, int MR>
+void tile16(const QuantAct16& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v, int64_t r0,
+            float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  __m256 facc[MR];
+  for (int i = 0; i < MR; i++) facc[i] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b0 + nbk; b++) {
+    __m256i acc0[MR], acc1[MR];
+    for (int i = 0; i < MR; i++) acc0[i] = acc1[i] = _mm256_setzero_si256();
+    for_pieces16<T>(v.qs + b * v.qstride, [&](int p, __m256i lo, __m256i hi) {
+      for (int i = 0; i < MR; i++) dot16(acc0[i], acc1[i], lo, hi, bcast8(qr.q + ((i0 + i) * nb + b) * kBlock + 4 * p));
+    });
+    const __m256 ws = scales8(v.d + b * v.dstride);
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + b;
+      facc[i] = block_sum16(acc0[i], acc1[i], qr.corr[ib], ws, qr.dx[ib], facc[i]);
+      if constexpr (T == WeightType::Q4M)
+        facc[i] = _mm256_fmadd_ps(scales8(v.m + b * v.dstride), _mm256_set1_ps(qr.dxs[ib]), facc[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++) store_rows(y + (i0 + i) * ldy + r0, r0, n0, n1, facc[i], first);
+}
+
+template <WeightType T, class E>
+void tile_rows(int mr, const QuantActT<E>& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v,
+               int64_t r0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  static_assert(kMR == 4 && kMR16 == 4, "one case per strip height");
+  switch (mr) {
+#define CORELM_TILE(R)                                                                   \
+  case R:                                                                                \
+    if constexpr (sizeof(E) == 2) return tile16<T, R>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first); \
+    else return tile<T, R>(qr, nb, i0, b0, nbk, v, r0, y, ldy, n0, n1, first);
+    CORELM_TILE(4)
+    CORELM_TILE(3)
+    CORELM_TILE(2)
+    default: CORELM_TILE(1)
+#undef CORELM_TILE
+  }
+}
+
+template <WeightType T, class E>
+void gemm(const QuantActT<E>& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   const int64_t nc = std::max<int64_t>(1, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
   for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
@@ -303,25 +450,41 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
 }
 
 // Activation rows [i0, i0 + rows) of qa as an input of their own.
-inline QuantAct act_rows(const QuantAct& qa, int64_t nb, int64_t i0) {
+template <class E>
+inline QuantActT<E> act_rows(const QuantActT<E>& qa, int64_t nb, int64_t i0) {
   return {qa.q + i0 * nb * kBlock, qa.dx + i0 * nb, qa.dxs + i0 * nb, qa.corr + i0 * nb};
 }
 
-template <WeightType T>
-void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+template <WeightType T, class E>
+void matmul_t(const QuantActT<E>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (m > kStreamRows) return gemm<T>(qa, m, w, y, ldy, n0, n1);
-  static_assert(kMaxStream == 4, "one case per streamed row count");
+  constexpr int strip = sizeof(E) == 2 ? kMaxStream16 : kMaxStream;
+  static_assert(kMaxStream == 4 && kMaxStream16 == 2, "one case per streamed row count");
   const int64_t nb = nblocks(w);
-  for (int64_t i0 = 0; i0 < m; i0 += kMaxStream) {  // strips of up to kMaxStream rows, one stream each
-    const QuantAct a = act_rows(qa, nb, i0);
+  for (int64_t i0 = 0; i0 < m; i0 += strip) {  // strips of up to `strip` rows, one stream each
+    const QuantActT<E> a = act_rows(qa, nb, i0);
     float* yi = y + i0 * ldy;
-    switch (std::min<int64_t>(kMaxStream, m - i0)) {
-      case 1: gemv<T, 1>(a, w, yi, ldy, n0, n1); break;
-      case 2: gemv<T, 2>(a, w, yi, ldy, n0, n1); break;
-      case 3: gemv<T, 3>(a, w, yi, ldy, n0, n1); break;
-      default: gemv<T, 4>(a, w, yi, ldy, n0, n1); break;
+    const int64_t rows = std::min<int64_t>(strip, m - i0);
+    if constexpr (sizeof(E) == 2) {
+      if (rows == 1) gemv<T, 1>(a, w, yi, ldy, n0, n1);
+      else gemv<T, 2>(a, w, yi, ldy, n0, n1);
+    } else {
+      switch (rows) {
+        case 1: gemv<T, 1>(a, w, yi, ldy, n0, n1); break;
+        case 2: gemv<T, 2>(a, w, yi, ldy, n0, n1); break;
+        case 3: gemv<T, 3>(a, w, yi, ldy, n0, n1); break;
+        default: gemv<T, 4>(a, w, yi, ldy, n0, n1); break;
+      }
     }
   }
+}
+
+template <class E>
+void matmul_any(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const QuantActT<E> a = act_view<E>(const_cast<void*>(qa), m, nblocks(w));
+  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
+  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
+  return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
 }
 
 }  // namespace
@@ -334,29 +497,30 @@ PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, in
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
 }
 
-size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m) {
-  return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
+size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w), act_elem_bytes(act)) : 0;
 }
 
-void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
-  quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
+void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  const int64_t nb = nblocks(w);
+  if (act == ActType::I16) return quantize_act(x, m, ldx, w.cols, nb, w.type, act_view<int16_t>(qa, m, nb));
+  quantize_act(x, m, ldx, w.cols, nb, w.type, act_view<int8_t>(qa, m, nb));
 }
 
-void avx2_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void avx2_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                       int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
-  if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
-  if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
-  return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
+  if (act == ActType::I16) return matmul_any<int16_t>(qa, m, w, y, ldy, n0, n1);
+  matmul_any<int8_t>(qa, m, w, y, ldy, n0, n1);
 }
 
 void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                  int64_t n1) {
   thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> qa;
-  qa.resize(avx2_quant_act_bytes(w, m));
-  avx2_quantize_act(x, m, ldx, w, qa.data());
-  avx2_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
+  qa.resize(avx2_quant_act_bytes(w, m, ActType::I8));
+  avx2_quantize_act(x, m, ldx, w, ActType::I8, qa.data());
+  avx2_matmul_quant(qa.data(), m, ActType::I8, w, y, ldy, n0, n1);
 }
 
 }  // namespace quant

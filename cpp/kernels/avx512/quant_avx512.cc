@@ -359,16 +359,21 @@ PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
-size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m) {
+// int16 activations: the AVX2 kernels, which read this table's layout too (every AVX-512 CPU has AVX2).
+// An AVX-512 version (VPDPWSSD) is left until it can be measured on such a CPU.
+size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
 }
 
-void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
+void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
   quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
 }
 
-void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-                         int64_t n1) {
+void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                         int64_t n0, int64_t n1) {
+  if (act == ActType::I16) return avx2_matmul_quant(qa, m, act, w, y, ldy, n0, n1);
   const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
   if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
   if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
@@ -378,9 +383,9 @@ void avx512_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float
 void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1) {
   thread_local std::vector<uint8_t, avx512::AlignedAlloc<uint8_t>> qa;
-  qa.resize(avx512_quant_act_bytes(w, m));
-  avx512_quantize_act(x, m, ldx, w, qa.data());
-  avx512_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
+  qa.resize(avx512_quant_act_bytes(w, m, ActType::I8));
+  avx512_quantize_act(x, m, ldx, w, ActType::I8, qa.data());
+  avx512_matmul_quant(qa.data(), m, ActType::I8, w, y, ldy, n0, n1);
 }
 
 }  // namespace quant

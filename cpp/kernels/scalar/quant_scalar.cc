@@ -70,38 +70,35 @@ void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   }
 }
 
-// Quantized activations: xq int8 [m][ld], then dx float [m][nb] and sxq int32 [m][nb].
-size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m) {
-  return is_quant(w.type) && m >= 1 ? (size_t)m * (w.ld + 8 * (w.ld / kBlock)) : 0;
+// Quantized activations: xq [m][ld] (int8 or int16 by act), then dx float [m][nb] and sxq int32 [m][nb].
+size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  return is_quant(w.type) && m >= 1 ? (size_t)m * (w.ld * act_elem_bytes(act) + 8 * (w.ld / kBlock)) : 0;
 }
 
 namespace {
 struct ActRows {
-  int8_t* xq;
+  void* xq;
   float* dx;
   int32_t* sxq;
 };
-ActRows act_rows(void* qa, int64_t m, const PackedMatrix& w) {
-  int8_t* xq = static_cast<int8_t*>(qa);
-  float* dx = reinterpret_cast<float*>(xq + m * w.ld);
-  return {xq, dx, reinterpret_cast<int32_t*>(dx + m * (w.ld / kBlock))};
-}
-}  // namespace
-
-void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, void* qa) {
-  const ActRows a = act_rows(qa, m, w);
-  const int64_t nb = w.ld / kBlock;
-  for (int64_t i = 0; i < m; i++) quantize_activations(x + i * ldx, w.cols, a.xq + i * w.ld, a.dx + i * nb, a.sxq + i * nb);
+ActRows act_rows(void* qa, int64_t m, ActType act, const PackedMatrix& w) {
+  float* dx = reinterpret_cast<float*>(static_cast<uint8_t*>(qa) + m * w.ld * act_elem_bytes(act));
+  return {qa, dx, reinterpret_cast<int32_t*>(dx + m * (w.ld / kBlock))};
 }
 
-void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-                         int64_t n1) {
+template <class Q>
+void quantize_rows(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const ActRows& a) {
   const int64_t nb = w.ld / kBlock;
-  const ActRows a = act_rows(const_cast<void*>(qa), m, w);
-  if (n1 > w.rows) n1 = w.rows;
+  for (int64_t i = 0; i < m; i++)
+    quantize_activations(x + i * ldx, w.cols, static_cast<Q*>(a.xq) + i * w.ld, a.dx + i * nb, a.sxq + i * nb);
+}
+
+template <class Q>
+void matmul_rows(const ActRows& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = w.ld / kBlock;
   int8_t q[32];
   for (int64_t i = 0; i < m; i++) {
-    const int8_t* xq = a.xq + i * w.ld;
+    const Q* xq = static_cast<const Q*>(a.xq) + i * w.ld;
     const float* dx = a.dx + i * nb;
     const int32_t* sxq = a.sxq + i * nb;
     for (int64_t n = n0; n < n1; n++) {
@@ -118,12 +115,27 @@ void scalar_matmul_quant(const void* qa, int64_t m, const PackedMatrix& w, float
     }
   }
 }
+}  // namespace
+
+void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  const ActRows a = act_rows(qa, m, act, w);
+  if (act == ActType::I16) return quantize_rows<int16_t>(x, m, ldx, w, a);
+  quantize_rows<int8_t>(x, m, ldx, w, a);
+}
+
+void scalar_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                         int64_t n0, int64_t n1) {
+  const ActRows a = act_rows(const_cast<void*>(qa), m, act, w);
+  if (n1 > w.rows) n1 = w.rows;
+  if (act == ActType::I16) return matmul_rows<int16_t>(a, m, w, y, ldy, n0, n1);
+  matmul_rows<int8_t>(a, m, w, y, ldy, n0, n1);
+}
 
 void scalar_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
                    int64_t n0, int64_t n1) {
-  std::vector<uint8_t> qa(scalar_quant_act_bytes(w, m));
-  scalar_quantize_act(x, m, ldx, w, qa.data());
-  scalar_matmul_quant(qa.data(), m, w, y, ldy, n0, n1);
+  std::vector<uint8_t> qa(scalar_quant_act_bytes(w, m, ActType::I8));
+  scalar_quantize_act(x, m, ldx, w, ActType::I8, qa.data());
+  scalar_matmul_quant(qa.data(), m, ActType::I8, w, y, ldy, n0, n1);
 }
 
 }  // namespace quant

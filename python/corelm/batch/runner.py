@@ -197,7 +197,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
-              schedule: Optional[str] = None, activations: str = "int8") -> Dict[str, Any]:
+              schedule: Optional[str] = None, activations: str = "auto") -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule and activations are corelm.LLM's, for every worker.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
