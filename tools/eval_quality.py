@@ -41,7 +41,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def build(path: str, dtype: str, threads: int, ctx: int, activations: str = "int8"):
+def build(path: str, dtype: str, threads: int, ctx: int, activations: str = "auto"):
     from corelm.engine import build_core_model
     from corelm.loader import load_model
     loaded = load_model(path)
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                     help="kinds to convert MODEL to and evaluate (default: %(default)s)")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PATH[@DTYPE]",
                     help="another model to evaluate, e.g. gguf-Q4_1=model.Q4_1.gguf@q4 (repeatable)")
-    ap.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "int16"],
+    ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "int8", "int16"],
                     help="input precision of quantized matmuls; each --weights/--extra model is evaluated "
                          "with each (default: %(default)s)")
     ap.add_argument("--text", default=DEFAULT_TEXT)
@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     variants = {}
     def add(label, path, dtype):
         for act in args.activations:
-            suffix = "" if act == "int8" else f", {act} activations"
-            variants[label + suffix] = build(path, dtype, args.threads, args.ctx, act)[1]
+            model = build(path, dtype, args.threads, args.ctx, act)[1]
+            variants[f"{label}, {model.activations} activations"] = model
     for kind in args.weights:
         add(f"corelm {kind}", cached_conversion(args.model, kind, progress=args.progress), "auto")
     for spec in args.extra:

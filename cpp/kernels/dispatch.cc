@@ -68,6 +68,7 @@ std::shared_ptr<void> aligned_buffer(size_t bytes) {
 #endif
   void* p = nullptr;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
   return std::shared_ptr<void>(p, free);
 }
 

@@ -45,6 +45,8 @@ struct PackedMatrix {
   size_t bytes() const { return nbytes; }
 };
 
+// Zeroed, 64-byte aligned memory. Large buffers are fresh mappings, zero without being touched, so a
+// packer that writes them in parallel also faults their pages in in parallel (no memset first).
 std::shared_ptr<void> aligned_buffer(size_t bytes);
 // Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
 // pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.

@@ -44,8 +44,7 @@ inline PackedMatrix new_matrix(WeightType type, int64_t rows, int64_t cols, cons
   m.ld = (cols + kBlock - 1) / kBlock * kBlock;
   m.nbytes = bytes_for(m.ld);
   m.packed_by = by;
-  m.storage = aligned_buffer(m.nbytes);
-  std::memset(m.storage.get(), 0, m.nbytes);
+  m.storage = aligned_buffer(m.nbytes);  // zeroed
   return m;
 }
 

@@ -64,8 +64,7 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   const bool bf16 = type == WeightType::BF16;
   m.nbytes = (size_t)round_up(rows, kPanel) * cols * (bf16 ? 2 : 4);
   m.packed_by = &kAvx2Kernels;
-  m.storage = aligned_buffer(m.nbytes);
-  std::memset(m.storage.get(), 0, m.nbytes);
+  m.storage = aligned_buffer(m.nbytes);  // zeroed
   for (int64_t r0 = 0; r0 < rows; r0 += kPanel) {
     const int64_t nr = std::min(kPanel, rows - r0);
     const size_t panel = (size_t)r0 * cols;  // the panel's first element

@@ -45,8 +45,7 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   const size_t esz = type == WeightType::BF16 ? 2 : 4;
   m.nbytes = (size_t)prow * m.ld * esz;
   m.packed_by = &kAvx512Kernels;
-  m.storage = aligned_buffer(m.nbytes);
-  std::memset(m.storage.get(), 0, m.nbytes);
+  m.storage = aligned_buffer(m.nbytes);  // zeroed
   const int64_t nchunks = m.ld / kChunk;
   for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < cols; c++) {
