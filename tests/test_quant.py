@@ -499,6 +499,14 @@ def test_gemv_stream_benchmark_runs():
     for sync in (True, False):   # threads split each matrix's rows (40 rows: shares of 32 and 8, and 0 of 8)
         d3 = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 3, sync)
         assert d3["bytes"] == d["bytes"] and d3["gemv_GBps"] > 0 and d3["read_GBps"] > 0
+    d16 = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 2, True, "int16")
+    assert d16["bytes"] == d["bytes"] and d16["gemv_GBps"] > 0
+    assert _core.bench_gemm(f"{isa}_q8", 3, 40, 64, 0.01, 1, "int16")["gflops"] > 0
+    for bad_act in ("int4", ""):
+        with pytest.raises(ValueError, match="activations"):
+            _core.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, 1, True, bad_act)
+        with pytest.raises(ValueError, match="activations"):
+            _core.bench_gemm(f"{isa}_q8", 1, 8, 32, 0.01, 1, bad_act)
     for threads in (0, 257):
         with pytest.raises(ValueError):
             _core.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, threads)

@@ -1,8 +1,8 @@
 """Decode speed of quantized weights (q8, q4) against bf16 on a Qwen2.5-0.5B-shaped random model.
 
     python tools/bench_quant.py [--rounds 3] [--tokens 32] [--dtypes bf16,q8,q4] [--threads 1,2]
-    python tools/bench_quant.py --gemm [--rounds 5] [--dtypes q8,q4,q4m] [--threads 1,2] [--m 128]
-    python tools/bench_quant.py --stream [--rounds 3] [--dtypes q8,q4,q4m,bf16]
+    python tools/bench_quant.py --gemm [--rounds 5] [--dtypes q8,q4,q4m] [--threads 1,2] [--m 128] [--activations int8,int16]
+    python tools/bench_quant.py --stream [--rounds 3] [--dtypes q8,q4,q4m,bf16] [--activations int8,int16]
 
 Every (dtype, threads) model is built once from the same random weights, then the decode
 measurements alternate between them round by round, so a noisy neighbour hurts all of them alike.
@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="the matmul kernel alone, GOP/s")
     ap.add_argument("--m", type=int, default=128, help="activation rows for --gemm")
     ap.add_argument("--stream", action="store_true", help="decode's weight stream alone vs a plain read, GB/s")
+    ap.add_argument("--activations", default="int8",
+                    help="--gemm/--stream: comma-separated input formats of the quantized kernels (int8,int16)")
     a = ap.parse_args()
     if a.gemm:
         return bench_gemm(a)
@@ -83,13 +85,15 @@ def bench_gemm(a):
     table = best_quant_table()
     dtypes = (a.dtypes or "q8,q4,q4m").split(",")
     shapes = [(896, 4864), (4864, 896), (896, 896)]   # W [N, K]: FFN down, FFN up/gate, attention output
-    keys = [(d, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes]
+    keys = [(d, act, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes
+            for act in a.activations.split(",")]
     gops = {key: [] for key in keys}
     for r in range(a.rounds):
-        for d, n, k, t in keys:
-            gops[(d, n, k, t)].append(_core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t)["gflops"])
-    for (d, n, k, t), v in gops.items():
-        print(f"{table}_{d:4s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s  "
+        for key in keys:
+            d, act, n, k, t = key
+            gops[key].append(_core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)["gflops"])
+    for (d, act, n, k, t), v in gops.items():
+        print(f"{table}_{d:4s} {act:5s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in v)})")
 
 
@@ -103,19 +107,21 @@ def bench_stream(a):
     h, f = SPEC.hidden_size, SPEC.intermediate_size
     kv = SPEC.num_kv_heads * SPEC.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]     # W [N, K] in the order a layer reads them
-    kinds = [f"{table}_{d}" for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")]
-    runs_of = [(k, t, sync) for t in map(int, a.threads.split(",")) for k in kinds
+    kinds = [(f"{table}_{d}", act) for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")
+             for act in (a.activations.split(",") if d != "bf16" else ["int8"])]
+    runs_of = [(k, act, t, sync) for t in map(int, a.threads.split(",")) for k, act in kinds
                for sync in ((True,) if t == 1 else (True, False))]
     got = {r: [] for r in runs_of}
     for r in range(a.rounds):
-        for k, t, sync in runs_of if r % 2 == 0 else runs_of[::-1]:
-            got[(k, t, sync)].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync))
-    for (k, t, sync), runs in got.items():
+        for run in runs_of if r % 2 == 0 else runs_of[::-1]:
+            k, act, t, sync = run
+            got[run].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync, act))
+    for (k, act, t, sync), runs in got.items():
         g = [d["gemv_GBps"] for d in runs]
         p = [d["read_GBps"] for d in runs]
         ratio = [x / y for x, y in zip(g, p)]
         mode = "" if t == 1 else (" sync" if sync else " free")
-        print(f"{k:12s} {t}t{mode:5s} {runs[0]['bytes'] / 1e6:6.0f} MB  kernel {np.median(g):5.1f} GB/s  plain read "
+        print(f"{k:12s} {act:5s} {t}t{mode:5s} {runs[0]['bytes'] / 1e6:6.0f} MB  kernel {np.median(g):5.1f} GB/s  plain read "
               f"{np.median(p):5.1f} GB/s  kernel/read {np.median(ratio):.2f}  (rounds: {', '.join(f'{x:.2f}' for x in ratio)})")
 
 

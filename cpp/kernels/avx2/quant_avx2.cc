@@ -323,25 +323,38 @@ inline void dot16(__m256i& acc0, __m256i& acc1, __m256i lo, __m256i hi, __m256i 
   pin(acc0), pin(acc1);
 }
 
-// Calls piece(p, lo, hi) for the 8 pieces of a group's block at qs, widened to int16 (Q4: nibbles).
-template <WeightType T, class Piece>
-inline void for_pieces16(const uint8_t* qs, Piece piece) {
+// Calls piece(p, lo, hi) for the 8 pieces of the blocks of G groups (group g at qs + g * gstride),
+// lo[g] and hi[g] the piece of group g widened to int16 (Q4: its nibbles), so one activation broadcast
+// serves all G groups.
+template <WeightType T, int G, class Piece>
+inline void for_pieces16(const uint8_t* qs, int64_t gstride, Piece piece) {
   const __m256i zero = _mm256_setzero_si256();
+  __m256i lo[G], hi[G];
   if constexpr (T == WeightType::Q8) {
 #pragma GCC unroll 8
     for (int p = 0; p < 8; p++) {
-      const __m256i w = _mm256_load_si256((const __m256i*)(qs + 32 * p));
-      piece(p, _mm256_unpacklo_epi8(w, zero), _mm256_unpackhi_epi8(w, zero));
+      for (int g = 0; g < G; g++) {
+        __m256i w = _mm256_load_si256((const __m256i*)(qs + g * gstride + 32 * p));
+        pin(w);  // one load for both halves (GCC otherwise loads the piece twice)
+        lo[g] = _mm256_unpacklo_epi8(w, zero), hi[g] = _mm256_unpackhi_epi8(w, zero);
+      }
+      piece(p, lo, hi);
     }
   } else {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
 #pragma GCC unroll 4
     for (int uh = 0; uh < 4; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
       const int u = uh >> 1, h = uh & 1;
-      const __m256i w = _mm256_load_si256((const __m256i*)(qs + 32 * uh));
-      const __m256i lo4 = _mm256_and_si256(w, m4), hi4 = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-      piece(4 * u + h, _mm256_unpacklo_epi8(lo4, zero), _mm256_unpackhi_epi8(lo4, zero));
-      piece(4 * u + 2 + h, _mm256_unpacklo_epi8(hi4, zero), _mm256_unpackhi_epi8(hi4, zero));
+      __m256i hi4[G];
+      for (int g = 0; g < G; g++) {
+        const __m256i w = _mm256_load_si256((const __m256i*)(qs + g * gstride + 32 * uh));
+        const __m256i lo4 = _mm256_and_si256(w, m4);
+        hi4[g] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        lo[g] = _mm256_unpacklo_epi8(lo4, zero), hi[g] = _mm256_unpackhi_epi8(lo4, zero);
+      }
+      piece(4 * u + h, lo, hi);
+      for (int g = 0; g < G; g++) lo[g] = _mm256_unpacklo_epi8(hi4[g], zero), hi[g] = _mm256_unpackhi_epi8(hi4[g], zero);
+      piece(4 * u + 2 + h, lo, hi);
     }
   }
 }
@@ -370,10 +383,12 @@ inline void gemv16_groups(const QuantAct16& qx, const GroupView& v, int64_t nb, 
       __m256i acc0[kPair][MR], acc1[kPair][MR];
       for (int g = 0; g < kPair; g++)
         for (int i = 0; i < MR; i++) acc0[g][i] = acc1[g][i] = _mm256_setzero_si256();
-      for (int g = 0; g < kPair; g++)
-        for_pieces16<T>(qs + (g0 + g) * QSB, [&](int p, __m256i lo, __m256i hi) {
-          for (int i = 0; i < MR; i++) dot16(acc0[g][i], acc1[g][i], lo, hi, bcast8(qx.q + (i * nb + b) * kBlock + 4 * p));
-        });
+      for_pieces16<T, kPair>(qs + g0 * QSB, QSB, [&](int p, const __m256i* lo, const __m256i* hi) {
+        for (int i = 0; i < MR; i++) {
+          const __m256i x = bcast8(qx.q + (i * nb + b) * kBlock + 4 * p);
+          for (int g = 0; g < kPair; g++) dot16(acc0[g][i], acc1[g][i], lo[g], hi[g], x);
+        }
+      });
       for (int g = 0; g < kPair; g++) {
         const __m256 ws = scales8(dp + 8 * (g0 + g));
         for (int i = 0; i < MR; i++) {
@@ -400,8 +415,8 @@ void tile16(const QuantAct16& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nb
   for (int64_t b = b0; b < b0 + nbk; b++) {
     __m256i acc0[MR], acc1[MR];
     for (int i = 0; i < MR; i++) acc0[i] = acc1[i] = _mm256_setzero_si256();
-    for_pieces16<T>(v.qs + b * v.qstride, [&](int p, __m256i lo, __m256i hi) {
-      for (int i = 0; i < MR; i++) dot16(acc0[i], acc1[i], lo, hi, bcast8(qr.q + ((i0 + i) * nb + b) * kBlock + 4 * p));
+    for_pieces16<T, 1>(v.qs + b * v.qstride, 0, [&](int p, const __m256i* lo, const __m256i* hi) {
+      for (int i = 0; i < MR; i++) dot16(acc0[i], acc1[i], lo[0], hi[0], bcast8(qr.q + ((i0 + i) * nb + b) * kBlock + 4 * p));
     });
     const __m256 ws = scales8(v.d + b * v.dstride);
     for (int i = 0; i < MR; i++) {
