@@ -624,8 +624,8 @@ def test_auto_activations_follow_the_stored_weights():
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("act", ACTS)
 def test_avx2_streamed_rows_keep_the_single_row_bits(wtype, act):
-    """avx2 serves up to 8 activation rows (a few sequences' decode) with the decode stream, in strips
-    of up to 4 rows (int16: 2): each row's result is the same to the bit as that row alone, also past 1024
+    """avx2 serves up to 8 activation rows (a few sequences' decode; int16: 2) with the decode stream, in
+    strips of up to 4 rows (int16: 2): each row's result is the same to the bit as that row alone, also past 1024
     columns (where the prefill tiles would sum K in chunks), and the super-group edges and row ranges
     behave as for one row."""
     if "avx2" not in TABLES:
@@ -634,11 +634,12 @@ def test_avx2_streamed_rows_keep_the_single_row_bits(wtype, act):
     w = weights(rows, k, seed=3)
     x = np.random.default_rng(3).standard_normal((9, k)).astype(np.float32)
     single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype, activations=act)[0] for i in range(9)])
-    for m in (2, 3, 4, 5, 8):
+    for m in (2, 3, 4, 5, 8) if act == "int8" else (2,):
         np.testing.assert_array_equal(_core.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m])
         for n0, n1 in [(3, 61), (96, 157), (130, 131)]:
             y = _core.kernel_matmul("avx2", x[:m], w, wtype, n0, n1, activations=act)
             np.testing.assert_array_equal(y[:, n0:n1], single[:m, n0:n1])
             assert not y[:, :n0].any() and not y[:, n1:].any()
-    # nine rows take the prefill tiles: equal up to float summation order
-    assert np.allclose(_core.kernel_matmul("avx2", x, w, wtype, activations=act), single, rtol=1e-4, atol=1e-3)
+    # more rows take the prefill tiles: equal up to float summation order
+    for m in (9,) if act == "int8" else (3, 9):
+        assert np.allclose(_core.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m], rtol=1e-4, atol=1e-3)

@@ -367,7 +367,11 @@ inline __m256 block_sum16(__m256i acc0, __m256i acc1, int32_t corr, __m256 ws, f
 
 // Decode with int16 activations: as gemv_groups (two groups side by side, one sequential stream),
 // for MR <= kMaxStream16 rows (two accumulators per group and row).
+// Up to kStreamRows16 rows stream (one strip); more go to the prefill tiles: with strips of two rows, 3-8
+// sequences decoding together would read the weights 2-4 times, and the tiles' arithmetic costs less
+// than that (batched q8 decode of 3-8 sequences, 1 thread: 1.05-1.67x with the tiles, noisy runs).
 constexpr int kMaxStream16 = 2;
+constexpr int64_t kStreamRows16 = 2;
 
 template <WeightType T, int NG, int MR>
 inline void gemv16_groups(const QuantAct16& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
@@ -472,7 +476,7 @@ inline QuantActT<E> act_rows(const QuantActT<E>& qa, int64_t nb, int64_t i0) {
 
 template <WeightType T, class E>
 void matmul_t(const QuantActT<E>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if (m > kStreamRows) return gemm<T>(qa, m, w, y, ldy, n0, n1);
+  if (m > (sizeof(E) == 2 ? kStreamRows16 : kStreamRows)) return gemm<T>(qa, m, w, y, ldy, n0, n1);
   constexpr int strip = sizeof(E) == 2 ? kMaxStream16 : kMaxStream;
   static_assert(kMaxStream == 4 && kMaxStream16 == 2, "one case per streamed row count");
   const int64_t nb = nblocks(w);
