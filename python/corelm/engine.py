@@ -174,8 +174,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went.
     schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md.
     activations: how matmuls with quantized weights take their input, per block of 32: "int8" (the
-    fastest), "int16" (about 15 bits, close to fp32; on AVX2 decode costs a few percent, prefill about
-    a quarter), or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
+    fastest), "int16" (about 15 bits, close to fp32; on AVX2 decode costs up to ~7%, prefill 10-30%),
+    or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
     being close to fp32, and int8 activations would double their error), int8 otherwise (4-bit
     weights' error dwarfs the activations'); see docs/quality.md."""
     from . import _core
