@@ -116,13 +116,6 @@ inline void pin(V& v) { __asm__("" : "+x"(v)); }
 
 inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
-// Q8: each lane += the four products of a piece (stored q + 128) with the broadcast activations.
-inline __m256i dot_q8(__m256i acc, __m256i stored, __m256i x4) {
-  const __m256i q = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
-  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x4, q));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-
 // ---------------------------------------------------------------------------------------------
 // Decode (m <= kStreamRows rows, in strips of kMaxStream): NG groups of one super-group against MR activation rows, block by
 // block in the order they are stored, so the weights are one sequential stream whatever MR is; each
