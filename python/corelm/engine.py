@@ -176,8 +176,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     activations: how matmuls with quantized weights take their input, per block of 32: "int8" (the
     fastest), "int16" (about 15 bits, close to fp32; on AVX2 decode costs up to ~7%, prefill 10-30%),
     or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
-    being close to fp32, and int8 activations would double their error), int8 otherwise (4-bit
-    weights' error dwarfs the activations'); see docs/quality.md."""
+    being close to fp32, and int8 activations more than tripled their KLD on SmolLM2), int8 otherwise
+    (4-bit weights' error dwarfs the activations'); see docs/quality.md."""
     from . import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -194,8 +194,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
-    config.update(kv_type=kv_cache_dtype, activations="int8" if activations == "auto" else activations,
-                  kv_block_size=KV_BLOCK_SIZE,
+    config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
     names = list(loaded.weight_names())
@@ -216,9 +215,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
             stored[model.weight_type] += is_matrix
         loaded.release_weight(name)
     model.finalize()
-    if activations == "auto":
-        activations = auto_activations(stored)
-    model.activations = activations
+    # set once the weights are in: "auto" follows how they were stored
+    model.activations = auto_activations(stored) if activations == "auto" else activations
     if numa is not None:
         log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)

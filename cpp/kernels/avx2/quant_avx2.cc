@@ -124,20 +124,29 @@ inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si12
 constexpr int kMaxStream = 4;     // activation rows one pass over the weights serves
 constexpr int64_t kStreamRows = 8;  // up to this many rows, strips of kMaxStream stream; more: the prefill tiles
 
-template <WeightType T, int NG, int MR>
-inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
-  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+// Decode's walk over the NG groups of a super-group, block row by block row in the order they are
+// stored: pair(b, qs, dp, g0, facc) adds block b of groups g0 and g0 + 1 (the one group when NG == 1)
+// for MR activation rows to facc[g * MR + i]. Two groups side by side, then the next two: from DRAM,
+// one Zen 3 core read q4 at 0.90 of a plain read this way against 0.83 with all four side by side
+// (0.80 one after another), q8 at 0.82 against 0.74 (tools/bench_quant.py --stream).
+template <int NG, int MR, class Pair>
+inline void stream_blocks(const GroupView& v, int64_t nb, __m256 out[NG * MR], Pair pair) {
   __m256 facc[NG * MR];
   for (int j = 0; j < NG * MR; j++) facc[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* qs = v.qs + b * v.qstride;
-    const uint16_t* dp = v.d + b * v.dstride;
     prefetch_ahead(qs, v.qstride);
-    // Two groups side by side, then the next two: from DRAM, one Zen 3 core read q4 at 0.90 of a plain
-    // read this way against 0.83 with all four side by side (0.80 one after another), q8 at 0.82
-    // against 0.74 (tools/bench_quant.py --stream); each broadcast still serves two groups.
-    for (int g0 = 0; g0 < NG; g0 += 2) {
-      constexpr int kPair = NG < 2 ? NG : 2;
+    for (int g0 = 0; g0 < NG; g0 += 2) pair(b, qs, v.d + b * v.dstride, g0, facc);
+  }
+  for (int j = 0; j < NG * MR; j++) out[j] = facc[j];
+}
+
+template <WeightType T, int NG, int MR>
+inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  constexpr int kPair = NG < 2 ? NG : 2;
+  // each activation broadcast serves both groups of the pair
+  stream_blocks<NG, MR>(v, nb, out, [&](int64_t b, const uint8_t* qs, const uint16_t* dp, int g0, __m256* facc) {
       __m256i acc[kPair][MR];  // Q4: int16 sums until the block ends
       for (int g = 0; g < kPair; g++)
         for (int i = 0; i < MR; i++) acc[g][i] = _mm256_setzero_si256();
@@ -189,9 +198,7 @@ inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m2
             f = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * (g0 + g)), _mm256_set1_ps(qx.dxs[ib]), f);
         }
       }
-    }
-  }
-  for (int j = 0; j < NG * MR; j++) out[j] = facc[j];
+  });
 }
 
 // Stores the rows of a group (first row r0) that fall in [n0, n1); adds to y unless `first`.
@@ -370,13 +377,7 @@ template <WeightType T, int NG, int MR>
 inline void gemv16_groups(const QuantAct16& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   constexpr int kPair = NG < 2 ? NG : 2;
-  __m256 facc[NG * MR];
-  for (int j = 0; j < NG * MR; j++) facc[j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* qs = v.qs + b * v.qstride;
-    const uint16_t* dp = v.d + b * v.dstride;
-    prefetch_ahead(qs, v.qstride);
-    for (int g0 = 0; g0 < NG; g0 += 2) {
+  stream_blocks<NG, MR>(v, nb, out, [&](int64_t b, const uint8_t* qs, const uint16_t* dp, int g0, __m256* facc) {
       __m256i acc0[kPair][MR], acc1[kPair][MR];
       for (int g = 0; g < kPair; g++)
         for (int i = 0; i < MR; i++) acc0[g][i] = acc1[g][i] = _mm256_setzero_si256();
@@ -396,9 +397,7 @@ inline void gemv16_groups(const QuantAct16& qx, const GroupView& v, int64_t nb, 
             f = _mm256_fmadd_ps(scales8(v.m + b * v.dstride + 8 * (g0 + g)), _mm256_set1_ps(qx.dxs[ib]), f);
         }
       }
-    }
-  }
-  for (int j = 0; j < NG * MR; j++) out[j] = facc[j];
+  });
 }
 
 // Prefill with int16 activations: the tile of `tile` with two accumulators per row, kMR16 rows.
