@@ -88,12 +88,19 @@ def bench_gemm(a):
     keys = [(d, act, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes
             for act in a.activations.split(",")]
     gops = {key: [] for key in keys}
+    wbytes = {}
     for r in range(a.rounds):
         for key in keys:
             d, act, n, k, t = key
-            gops[key].append(_core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)["gflops"])
-    for (d, act, n, k, t), v in gops.items():
-        print(f"{table}_{d:4s} {act:5s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s  "
+            got = _core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
+            gops[key].append(got["gflops"])
+            wbytes[key] = got["weight_bytes"]
+    for key, v in gops.items():
+        d, act, n, k, t = key
+        # the weights' read rate from cache: beside --stream's plain DRAM read, it says whether one
+        # core's decode is bound by arithmetic or by memory
+        rate = f"  weights {np.median(v) / (2 * a.m * n * k) * wbytes[key]:5.1f} GB/s from cache" if a.m == 1 else ""
+        print(f"{table}_{d:4s} {act:5s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s{rate}  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in v)})")
 
 

@@ -296,6 +296,7 @@ void corelm::register_amx_bench(py::module_& m) {
     d["gflops"] = 2.0 * M * N * K * iters / elapsed / 1e9;
     d["iters"] = iters;
     d["threads"] = threads;
+    d["weight_bytes"] = kt ? pk.bytes() : 0;  // the packed matrix one call reads (0: AMX kinds)
     return d;
   }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1,
      py::arg("activations") = "int8");
