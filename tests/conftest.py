@@ -16,6 +16,17 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
+def run_with_isa(isa, code, *args, timeout=600):
+    """Runs `python -c code args...` with CORELM_ISA=isa (the kernel table is chosen at import, so a
+    test of another table needs a process of its own), on this checkout's corelm."""
+    import subprocess
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["corelm"].__file__)))
+    env = dict(os.environ, CORELM_ISA=isa,
+               PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def data_dir():
     return DATA

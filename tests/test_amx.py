@@ -315,3 +315,93 @@ def test_cli_info_has_an_amx_line(capsys):
     line = [ln for ln in out.splitlines() if ln.startswith("AMX:")]
     assert len(line) == 1
     assert ("available" in line[0]) == HAVE_AMX and ("absent" in line[0]) == (not HAVE_AMX)
+
+
+# -------------------------------------------------------------------------------------------------
+# The kernel table that hands bf16 weights to the AMX-BF16 GEMM in the forward pass ("amx" where the
+# hardware allows, chosen by CORELM_ISA=amx; "amx_emulated", the same table on the emulation, anywhere).
+
+AMX_TABLES = ["amx_emulated"] + (["amx"] if HAVE_AMX else [])
+
+
+def test_amx_tables_are_listed_only_where_they_run():
+    tables = _core.kernel_tables()
+    assert ("amx" in tables) == HAVE_AMX
+    assert "amx_emulated" not in tables             # by name only: it is a test vehicle
+    assert not tables[0].startswith("amx")          # never the default
+    if not HAVE_AMX:
+        with pytest.raises(Exception):
+            _core.kernel_matmul("amx", normal((1, 32)), normal((16, 32)), "bf16")
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+@pytest.mark.parametrize("k", [2, 62, 100])
+@pytest.mark.parametrize("n", [1, 31, 64])
+@pytest.mark.parametrize("m", [1, 17, 33])
+def test_amx_table_bf16_matmul_is_the_gemm(isa, m, n, k):
+    """The table's bf16 matmul is the AMX GEMM on the same tiles, for decode's single row and prefill's many."""
+    x, w = normal((m, k)), normal((n, k))
+    y = _core.kernel_matmul(isa, x, w, "bf16")
+    np.testing.assert_array_equal(y, _core.kernel_amx_bf16_gemm(x, w, isa == "amx_emulated"))
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+@pytest.mark.parametrize("n0,n1", [(0, 70), (5, 9), (5, 16), (5, 40), (15, 17), (16, 33), (69, 70), (3, 3)])
+def test_amx_table_any_row_range(isa, n0, n1):
+    """The model splits rows in multiples of 16, but the table takes any range (a scratch panel covers
+    a start inside a panel) and writes nothing outside it."""
+    x, w = normal((19, 70)), normal((70, 70))
+    full = _core.kernel_matmul(isa, x, w, "bf16")
+    y = _core.kernel_matmul(isa, x, w, "bf16", n0, n1)
+    np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
+    assert not y[:, :n0].any() and not y[:, n1:].any()
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+@pytest.mark.parametrize("n,k", [(1, 2), (17, 33), (40, 100)])
+def test_amx_table_reads_rows_back(isa, n, k):
+    """Embedding lookups read rows out of the tiles: bf16(W[row]) exactly, past the N and K padding."""
+    w = normal((n, k))
+    for row in sorted({0, n // 2, 15 % n, n - 1}):
+        np.testing.assert_array_equal(_core.kernel_row_to_f32(isa, w, "bf16", row), bf16_round(w[row]))
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+@pytest.mark.parametrize("wtype", ["fp32", "q8", "q4"])
+def test_amx_table_leaves_other_formats_to_the_base_table(isa, wtype):
+    base = _core.cpu_info()["kernels"]["matmul_q8"]  # the best non-AMX table here
+    x, w = normal((5, 96)), normal((40, 96))
+    np.testing.assert_array_equal(_core.kernel_matmul(isa, x, w, wtype), _core.kernel_matmul(base, x, w, wtype))
+    assert _core.kernel_packed_bytes(isa, w, wtype) == _core.kernel_packed_bytes(base, w, wtype)
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+def test_amx_table_runs_the_forward_pass(isa):
+    """A bf16 model on the AMX table (a subprocess: the table is chosen at import) gives transformers'
+    greedy tokens and logits as the bf16 check in test_models does, prefill and decode alike."""
+    from conftest import FIXTURES, MODELS, run_with_isa
+    code = (
+        "import json, os, sys, numpy as np, corelm\n"
+        "from corelm import cli, _core\n"
+        "fixtures, models, isa = sys.argv[1:4]\n"
+        "assert _core.cpu_info()['kernels']['matmul_bf16'] == isa\n"
+        "for name in ('stories260K', 'tiny-qwen2'):\n"
+        "    fx = json.load(open(os.path.join(fixtures, name + '.json')))\n"
+        "    llm = corelm.LLM(os.path.join(models, name), dtype='bf16', threads=2)\n"
+        "    assert llm._core.kernel_table == isa\n"
+        "    for c in fx['cases']:\n"
+        "        ref = np.load(os.path.join(fixtures, c['last_logits']))\n"
+        "        llm.reset()\n"
+        "        y = llm._core.forward(np.asarray(c['prompt_ids'], np.int32), 0, False)\n"
+        "        nmse = float(np.mean((y - ref) ** 2) / np.mean(ref ** 2))\n"
+        "        assert nmse < 1e-3, (name, nmse)\n"
+        "        llm.reset()\n"
+        "        p = corelm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)\n"
+        "        got = llm.generate([c['prompt_ids']], p)[0].outputs[0].token_ids\n"
+        "        margins = c.get('margins') or [1.0] * 16\n"
+        "        first_tie = next((i for i, m in enumerate(margins[:16]) if m < 0.2), 16)\n"
+        "        assert got[:first_tie] == c['generated_ids'][:first_tie], (name, got, c['generated_ids'][:16])\n"
+        "print('ok')\n"
+    )
+    r = run_with_isa(isa, code, FIXTURES, MODELS, isa)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -5,7 +5,7 @@ import pytest
 
 from corelm import _core  # a broken build must fail the tests, not skip them
 
-TABLES = _core.kernel_tables()
+TABLES = _core.kernel_tables() + ["amx_emulated"]  # the AMX table on the tile emulation
 RNG = np.random.default_rng(1234)
 
 
@@ -22,8 +22,9 @@ def nmse(y, ref):
 
 
 def rounds_activations(isa, wtype, m):
-    """The AVX512_BF16 table multiplies bf16 weights by bf16-rounded activations (VDPBF16PS) when m >= 2."""
-    return isa == "avx512_bf16" and wtype == "bf16" and m >= 2
+    """The AVX512_BF16 table multiplies bf16 weights by bf16-rounded activations (VDPBF16PS) when m >= 2,
+    the AMX tables (TDPBF16PS) always."""
+    return wtype == "bf16" and (isa.startswith("amx") or (isa == "avx512_bf16" and m >= 2))
 
 
 def test_scalar_table_always_present():

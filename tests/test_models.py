@@ -5,13 +5,11 @@ NMSE < 1e-5, logits after 8 decoded tokens likewise, greedy continuations identi
 tokens in fp32 and for the first 32 in bf16."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, FIXTURES, MODELS, ROOT
+from conftest import DEFAULT_GGUF, FIXTURES, MODELS, run_with_isa
 
 import corelm
 from corelm import SamplingParams
@@ -153,10 +151,6 @@ def test_other_kernel_tables_generate_the_same(isa):
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"
         "assert out[0].outputs[0].token_ids == c['generated_ids'], 'mismatch'\n"
     )
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
-    env = dict(os.environ, CORELM_ISA=isa,
-               PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
     for name in ("tiny-qwen2", "stories260K"):
-        r = subprocess.run([sys.executable, "-c", code, os.path.join(FIXTURES, f"{name}.json"),
-                            os.path.join(MODELS, name), isa], env=env, capture_output=True, text=True, cwd=ROOT)
+        r = run_with_isa(isa, code, os.path.join(FIXTURES, f"{name}.json"), os.path.join(MODELS, name), isa)
         assert r.returncode == 0, r.stderr[-2000:]

@@ -53,12 +53,15 @@ py::dict corelm::amx_info() {
   d["permission"] = s.permission;
   d["compiled"] = s.compiled;
   d["reason"] = s.reason;
-  // Which kernel serves each weight format in the forward pass. AMX is a tested GEMM, not yet wired
-  // into the model (bf16 activations in prefill are a separate decision).
+  // What the AMX kernels serve in the forward pass: bf16 weights through the "amx" kernel table (chosen
+  // by CORELM_ISA=amx), never int8 (q8's blocks of 32 have a scale each, TDPBSSD sums 64 at a time).
+  const bool in_use = std::string(kernels().name) == "amx";
   py::dict serves;
-  serves["bf16_gemm"] = amx::available() ? "amx (kernel entry point only)" : "emulated only";
-  serves["int8_gemm"] = amx::available() ? "amx (kernel entry point only)" : "emulated only";
+  serves["bf16_gemm"] = in_use ? "bf16 weights (kernel table amx)"
+                        : amx::available() ? "bf16 weights with CORELM_ISA=amx" : "emulated only";
+  serves["int8_gemm"] = amx::available() ? "kernel entry point only" : "emulated only";
   d["kernels"] = serves;
+  d["in_use"] = in_use;
   return d;
 }
 

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "kernels/kernels.h"
+#include "kernels/amx/amx.h"
 #include "kernels/quant_formats.h"
 #include "kernels/quantize.h"
 #include "model/model.h"
@@ -109,11 +110,14 @@ PYBIND11_MODULE(_core, m) {
     d["features"] = f.names();
     d["kernel_tables"] = available_kernel_tables();
     const char* chosen = kernels().name;
+    // the amx tables serve bf16 weights and leave the rest to the best other table
+    const bool amx_table = std::string(chosen).rfind("amx", 0) == 0;
     py::dict k;
     for (const char* op : {"matmul_fp32", "matmul_bf16", "matmul_q8", "matmul_q4", "attention", "rmsnorm", "silu_mul"})
-      k[op] = chosen;
+      k[op] = amx_table && std::string(op) != "matmul_bf16" ? amx::kernel_table_base() : chosen;
     // int16 activations (activations="int16", auto for q8): the avx512 tables hand them to the AVX2 kernels
-    k["matmul_q8_q4_int16_act"] = std::string(chosen).rfind("avx512", 0) == 0 ? "avx2" : chosen;
+    const std::string quant_table = k["matmul_q8"].cast<std::string>();
+    k["matmul_q8_q4_int16_act"] = quant_table.rfind("avx512", 0) == 0 ? "avx2" : quant_table;
     d["kernels"] = k;
     d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
     d["amx"] = amx_info();

@@ -1,6 +1,7 @@
 // CPU feature detection and the choice of kernel table. Runs once; the wheel is built for the
 // baseline ISA and only the files in kernels/<isa>/ use wider instructions.
 #include "kernels/kernels.h"
+#include "kernels/amx/amx.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -191,6 +192,10 @@ static bool can_run_avx512(const CpuFeatures& f) {
 
 const KernelTable* kernels_by_name(const std::string& name) {
   if (name == "scalar") return &kScalarKernels;
+  // AMX-BF16 for bf16 weights: never the default (see available_kernel_tables); "amx_emulated" is the
+  // same table on the tile emulation, for tests.
+  if (name == "amx") return amx::kernel_table(true);
+  if (name == "amx_emulated") return amx::kernel_table(false);
 #if defined(CORELM_HAVE_X86)
   if (name == "avx512") return can_run_avx512(cpu_features()) ? &kAvx512Kernels : nullptr;
   if (name == "avx512_bf16")
@@ -205,7 +210,9 @@ const KernelTable* kernels_by_name(const std::string& name) {
 
 std::vector<std::string> available_kernel_tables() {
   std::vector<std::string> out;
-  for (const char* n : {"avx512_bf16", "avx512", "avx2", "scalar"})
+  // The first one is the default. "amx" comes last: it is chosen only by name (CORELM_ISA=amx) until
+  // its decode speed has been measured against avx512_bf16 on an AMX machine.
+  for (const char* n : {"avx512_bf16", "avx512", "avx2", "scalar", "amx"})
     if (kernels_by_name(n)) out.push_back(n);
   return out;
 }

@@ -117,7 +117,8 @@ struct CpuFeatures {
 };
 
 const CpuFeatures& cpu_features();
-// The table chosen once from CPUID; CORELM_ISA=scalar|avx2|avx512|avx512_bf16 in the environment overrides it.
+// The table chosen once from CPUID; CORELM_ISA=scalar|avx2|avx512|avx512_bf16|amx|amx_emulated in the
+// environment overrides it.
 const KernelTable& kernels();
 // A specific table by name, or nullptr if this CPU can't run it (tests compare every table).
 const KernelTable* kernels_by_name(const std::string& name);

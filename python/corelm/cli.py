@@ -728,8 +728,13 @@ def format_info(info: Dict[str, Any]) -> str:
         lines.append(f"Kernels:   {info.get('core_error', '-')}")
     amx = (info.get("core") or {}).get("amx")
     if amx is not None:
-        lines.append("AMX:       " + ("available (AMX-BF16/INT8 GEMM kernels, not yet used by the forward pass)"
-                                      if amx.get("available") else f"absent ({amx.get('reason') or '?'})"))
+        if not amx.get("available"):
+            state = f"absent ({amx.get('reason') or '?'})"
+        elif amx.get("in_use"):
+            state = "available, AMX-BF16 serves bf16 weights (kernel table amx)"
+        else:
+            state = "available (CORELM_ISA=amx lets AMX-BF16 serve bf16 weights)"
+        lines.append("AMX:       " + state)
     if info.get("topology"):
         lines += format_topology(info["topology"], info["thread_plan"], info["pin_threads"])
     model = info.get("model")

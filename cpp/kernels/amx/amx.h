@@ -27,6 +27,8 @@
 #include <memory>
 #include <string>
 
+#include "kernels/kernels.h"
+
 namespace corelm {
 namespace amx {
 
@@ -44,7 +46,8 @@ struct AmxMatrix {
   size_t bytes() const;
 };
 
-AmxMatrix pack_bf16(const float* w, int64_t n, int64_t k);
+// par (may be null): threads lent to packing, split by panels of 16 rows.
+AmxMatrix pack_bf16(const float* w, int64_t n, int64_t k, const ParallelFor* par = nullptr);
 // wq: int8 [n][k] row-major; scales: float [n][k/group] (group == k or 0: one per row).
 AmxMatrix pack_int8(const int8_t* wq, const float* scales, int64_t n, int64_t k, int64_t group);
 
@@ -75,6 +78,13 @@ inline bool available() { const Status& s = status(); return s.cpu && s.os && s.
                  const uint8_t* b, int rb, int cbb);
 
 namespace emulated { CORELM_AMX_DECLARE_KERNELS }
+
+// The kernel table that multiplies bf16 weights (stored as AMX-BF16 tiles) with these kernels, for any
+// number of activation rows, and leaves every other format and op to the best non-AMX table (whose
+// name kernel_table_base gives). native: the real tiles, only when available(); otherwise the
+// emulation (slow: for tests, by the name "amx_emulated").
+const KernelTable* kernel_table(bool native);
+const char* kernel_table_base();
 namespace native { CORELM_AMX_DECLARE_KERNELS }  // defined only when CORELM_HAVE_AMX_BUILD
 
 }  // namespace amx

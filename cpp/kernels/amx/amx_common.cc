@@ -30,8 +30,9 @@ size_t AmxMatrix::bytes() const {
 // Tiles [n_pad/16][k_pad/kstep] of 16 rows x 64 bytes; row r of tile (nt, kb) holds, for each of
 // the 16 columns c, the v = 4 / sizeof(T) consecutive K values 4 r / sizeof(T) .. of W row 16 nt + c:
 //     tile(nt, kb)[r][c][i] = W[16 nt + c][kstep kb + v r + i],  kstep = 64 / sizeof(T)
+// Panels of 16 rows are independent, so par (may be null) splits them over threads.
 template <class T, class S, class Convert>
-static void pack_tiles(AmxMatrix& p, const S* w, int64_t n, int64_t k, Convert convert) {
+static void pack_tiles(AmxMatrix& p, const S* w, int64_t n, int64_t k, const ParallelFor* par, Convert convert) {
   constexpr int64_t v = 4 / sizeof(T), kstep = 64 / sizeof(T);
   if (n <= 0 || k <= 0) throw std::invalid_argument("AMX pack: empty matrix");
   p.n = n;
@@ -40,22 +41,23 @@ static void pack_tiles(AmxMatrix& p, const S* w, int64_t n, int64_t k, Convert c
   p.k_pad = round_up(k, kstep);
   const int64_t kblocks = p.k_pad / kstep;
   const size_t bytes = (size_t)(p.n_pad / 16) * kblocks * 1024;
-  p.tiles = aligned_buffer(bytes);
+  p.tiles = aligned_buffer(bytes);  // zeroed: the N and K padding
   T* t = static_cast<T*>(p.tiles.get());
-  std::memset(t, 0, bytes);
-  for (int64_t row = 0; row < n; row++) {
-    const int64_t nt = row / 16, c = row % 16;
-    for (int64_t kk = 0; kk < k; kk++) {
-      const int64_t kb = kk / kstep, r = (kk % kstep) / v, i = kk % v;
-      t[((nt * kblocks + kb) * 16 + r) * 16 * v + c * v + i] = convert(w[row * k + kk]);
+  auto panels = [&](int64_t nt0, int64_t nt1) {
+    for (int64_t row = nt0 * 16; row < std::min(n, nt1 * 16); row++) {
+      T* panel = t + (row / 16) * kblocks * 16 * 16 * v + (row % 16) * v;
+      for (int64_t kk = 0; kk < k; kk++)
+        panel[((kk / kstep) * 16 + (kk % kstep) / v) * 16 * v + kk % v] = convert(w[row * k + kk]);
     }
-  }
+  };
+  if (par) (*par)(p.n_pad / 16, panels);
+  else panels(0, p.n_pad / 16);
 }
 
-AmxMatrix pack_bf16(const float* w, int64_t n, int64_t k) {
+AmxMatrix pack_bf16(const float* w, int64_t n, int64_t k, const ParallelFor* par) {
   AmxMatrix p;
   p.format = Format::BF16;
-  pack_tiles<uint16_t>(p, w, n, k, [](float f) { return f32_to_bf16(f); });
+  pack_tiles<uint16_t>(p, w, n, k, par, [](float f) { return f32_to_bf16(f); });
   return p;
 }
 
@@ -65,7 +67,7 @@ AmxMatrix pack_int8(const int8_t* wq, const float* scales, int64_t n, int64_t k,
     throw std::invalid_argument("AMX int8: the scale group must be K, or a multiple of 64 that divides K");
   AmxMatrix p;
   p.format = Format::INT8;
-  pack_tiles<int8_t>(p, wq, n, k, [](int8_t q) { return q; });
+  pack_tiles<int8_t>(p, wq, n, k, nullptr, [](int8_t q) { return q; });
   p.group = group;
   p.n_groups = k / group;
   const size_t sbytes = (size_t)p.n_pad * p.n_groups * sizeof(float);
