@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The checks that need a CPU this project's development machine lacks (AVX-512 VNNI, AMX, many cores),
+# as one script for a borrowed machine: build in place, run the kernel tests (the real AMX ones run only
+# where CPUID and the OS grant AMX), then the kernel benchmarks that decide the open questions:
+#   - decode's weight stream against a plain read, per table and thread count (the 90% roofline);
+#   - the quantized GEMV/GEMM with int8 and int16 activations (should "auto" still pick int16 for q8
+#     where the int16 kernels are AVX2 code inside an AVX-512 table?);
+#   - bf16 prefill and decode on the default table against CORELM_ISA=amx (may amx become the default?);
+#   - the AMX GEMMs against the kernel table's.
+# Needs python3 with numpy, pybind11 and pytest, cmake and ninja; no network, no model files (the
+# benchmarks use random weights in qwen2.5-0.5B's shapes). Builds in build/hw and links python/corelm/_core*.so
+# to it. Logs go to $OUT (default ./hw_check_out).
+#     bash tools/hw_check.sh [threads, default: all CPUs]
+# It took 3 minutes on 2 cores. Every step has a time limit (together under 10 minutes) and the summary is
+# written as it goes, so a run stopped early still leaves what it measured.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/hw_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+NT=${1:-$(nproc)}
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+log "build ($(date -u +%FT%TZ))"
+timeout 60 cmake -S . -B build/hw -G Ninja -DCMAKE_BUILD_TYPE=Release -Dpybind11_DIR="$($PY -m pybind11 --cmakedir)" \
+  > "$OUT/build.log" 2>&1 && timeout 120 ninja -C build/hw >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+so=$(ls build/hw/_core*.so)
+ln -sf "../../$so" python/corelm/
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+log "machine"
+{ lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)|Thread|Socket|NUMA node\(s\)|L2|L3"
+  $PY -c "from corelm import _core; import json; i = _core.cpu_info(); print(json.dumps({k: i[k] for k in ('features', 'kernel_tables', 'kernels')}, indent=1)); print('AMX:', _core.amx_info())"
+} 2>&1 | tee -a "$OUT/summary.txt"
+best=$($PY -c "from corelm import _core; print(_core.kernel_tables()[0])")
+
+log "kernel tests"
+(cd python && timeout 90 $PY -m pytest ../tests/test_amx.py ../tests/test_kernels.py ../tests/test_bf16_kernels.py \
+  ../tests/test_quant.py -q -p no:cacheprovider -x > "$OUT/tests.log" 2>&1)
+tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+
+threads="1,$NT"
+log "decode's weight stream vs a plain read (kernel/read), threads $threads"
+timeout 120 $PY tools/bench_quant.py --stream --dtypes q4,q8 --activations int8,int16 --threads "$threads" \
+  --rounds 3 2>&1 | tee -a "$OUT/summary.txt"
+
+log "quantized kernels alone, 1 thread, int8 vs int16 activations (m=1: GB/s of weights from cache)"
+for m in 1 128; do
+  timeout 35 $PY tools/bench_quant.py --gemm --m $m --dtypes q8,q4 --activations int8,int16 --threads 1 \
+    --rounds 3 2>&1 | tee -a "$OUT/summary.txt"
+done
+
+log "bf16 model (random weights, qwen2.5-0.5B shapes): $best vs amx"
+for isa in "$best" amx; do
+  if [ "$isa" = amx ] && ! $PY -c "from corelm import _core; exit(0 if _core.amx_available() else 1)"; then
+    echo "amx: not available here" | tee -a "$OUT/summary.txt"; continue
+  fi
+  CORELM_ISA=$isa timeout 40 $PY tools/bench_quant.py --dtypes bf16 --threads "1,$NT" --rounds 3 --tokens 16 2>&1 |
+    sed "s/^/$isa: /" | tee -a "$OUT/summary.txt"
+done
+
+if $PY -c "from corelm import _core; exit(0 if _core.amx_available() else 1)"; then
+  log "AMX GEMMs vs the kernel table"
+  timeout 40 $PY tools/bench_amx.py --ms 1 16 128 --threads 1 "$NT" --rounds 3 2>&1 | tee -a "$OUT/summary.txt"
+fi
+log "done ($(date -u +%FT%TZ)); logs in $OUT"
