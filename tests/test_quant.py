@@ -304,7 +304,8 @@ def test_int16_activations_quantized_exactly(isa, wtype):
 
 @pytest.mark.skipif("avx512" not in TABLES, reason="no AVX-512")
 def test_avx512_without_vnni_matches():
-    """The VPMADDUBSW fallback for AVX-512 CPUs without VNNI gives the same results (decode and prefill)."""
+    """The VPMADDUBSW/VPMADDWD fallbacks for AVX-512 CPUs without VNNI give the same results (decode and
+    prefill, int8 and int16 activations)."""
     code = (
         "import numpy as np, sys\n"
         "from corelm import _core\n"
@@ -312,10 +313,11 @@ def test_avx512_without_vnni_matches():
         "for wt in ('q8', 'q4', 'q4m'):\n"
         "    for K in (32, 172, 4864):\n"
         "        w = rng.standard_normal((13, K)).astype(np.float32); w[0] *= 50\n"
-        "        for m in (1, 9):\n"
+        "        for m, act in ((1, 'int8'), (9, 'int8'), (1, 'int16'), (9, 'int16')):\n"
         "            x = rng.standard_normal((m, K)).astype(np.float32)\n"
-        "            a, s = _core.kernel_matmul('avx512', x, w, wt), _core.kernel_matmul('scalar', x, w, wt)\n"
-        "            assert np.abs(a - s).max() <= 2e-5 * np.abs(s).max(), (wt, K, m)\n"
+        "            a = _core.kernel_matmul('avx512', x, w, wt, activations=act)\n"
+        "            s = _core.kernel_matmul('scalar', x, w, wt, activations=act)\n"
+        "            assert np.abs(a - s).max() <= 2e-5 * np.abs(s).max(), (wt, K, m, act)\n"
     )
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
     env = dict(os.environ, CORELM_NO_VNNI="1",

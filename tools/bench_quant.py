@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="the matmul kernel alone, GOP/s")
     ap.add_argument("--m", type=int, default=128, help="activation rows for --gemm")
     ap.add_argument("--stream", action="store_true", help="decode's weight stream alone vs a plain read, GB/s")
+    ap.add_argument("--tables", default=None,
+                    help="--gemm/--stream: comma-separated kernel tables to compare (default: the best one), e.g. avx512,avx2")
     ap.add_argument("--activations", default="int8",
                     help="--gemm/--stream: comma-separated input formats of the quantized kernels (int8,int16)")
     a = ap.parse_args()
@@ -82,25 +84,24 @@ def main():
 
 
 def bench_gemm(a):
-    table = best_quant_table()
     dtypes = (a.dtypes or "q8,q4,q4m").split(",")
     shapes = [(896, 4864), (4864, 896), (896, 896)]   # W [N, K]: FFN down, FFN up/gate, attention output
-    keys = [(d, act, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes
-            for act in a.activations.split(",")]
+    keys = [(table, d, act, n, k, int(t)) for t in a.threads.split(",") for d in dtypes for n, k in shapes
+            for act in a.activations.split(",") for table in tables_of(a)]
     gops = {key: [] for key in keys}
     wbytes = {}
     for r in range(a.rounds):
-        for key in keys:
-            d, act, n, k, t = key
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            table, d, act, n, k, t = key
             got = _core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
             gops[key].append(got["gflops"])
             wbytes[key] = got["weight_bytes"]
     for key, v in gops.items():
-        d, act, n, k, t = key
+        table, d, act, n, k, t = key
         # the weights' read rate from cache: beside --stream's plain DRAM read, it says whether one
         # core's decode is bound by arithmetic or by memory
         rate = f"  weights {np.median(v) / (2 * a.m * n * k) * wbytes[key]:5.1f} GB/s from cache" if a.m == 1 else ""
-        print(f"{table}_{d:4s} {act:5s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s{rate}  "
+        print(f"{table + '_' + d:11s} {act:5s} m={a.m} W {n}x{k} threads={t}  {np.median(v):7.1f} GOP/s{rate}  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in v)})")
 
 
@@ -109,12 +110,15 @@ def best_quant_table():
     return next(t for t in _core.kernel_tables() if t != "avx512_bf16")
 
 
+def tables_of(a):
+    return a.tables.split(",") if a.tables else [best_quant_table()]
+
+
 def bench_stream(a):
-    table = best_quant_table()
     h, f = SPEC.hidden_size, SPEC.intermediate_size
     kv = SPEC.num_kv_heads * SPEC.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]     # W [N, K] in the order a layer reads them
-    kinds = [(f"{table}_{d}", act) for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")
+    kinds = [(f"{table}_{d}", act) for table in tables_of(a) for d in (a.dtypes or "q8,q4,q4m,bf16").split(",")
              for act in (a.activations.split(",") if d != "bf16" else ["int8"])]
     runs_of = [(k, act, t, sync) for t in map(int, a.threads.split(",")) for k, act in kinds
                for sync in ((True,) if t == 1 else (True, False))]

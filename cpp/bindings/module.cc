@@ -115,9 +115,6 @@ PYBIND11_MODULE(_core, m) {
     py::dict k;
     for (const char* op : {"matmul_fp32", "matmul_bf16", "matmul_q8", "matmul_q4", "attention", "rmsnorm", "silu_mul"})
       k[op] = amx_table && std::string(op) != "matmul_bf16" ? amx::kernel_table_base() : chosen;
-    // int16 activations (activations="int16", auto for q8): the avx512 tables hand them to the AVX2 kernels
-    const std::string quant_table = k["matmul_q8"].cast<std::string>();
-    k["matmul_q8_q4_int16_act"] = quant_table.rfind("avx512", 0) == 0 ? "avx2" : quant_table;
     d["kernels"] = k;
     d["bf16_native"] = f.os_avx512 && f.avx512_bf16;  // default dtype is bf16 where the CPU has AVX512_BF16
     d["amx"] = amx_info();

@@ -61,6 +61,27 @@ inline GroupView group_view(const void* base, WeightType t, int64_t nb, int64_t 
   return {rec + i * qs_bytes(t), d + 8 * i, d + ns * 8 + 8 * i, rb, rb / 2, ns, first};
 }
 
+// The quantized activations as the AVX2 kernels (int8 and int16) and the AVX-512 int16 kernels take
+// them (avx2_quantize_act writes it): per row and block the 32 quants, dx, dxs = dx * sum(xq) (times
+// Q4M's minimum) and corr, the int32 added to each row's block sum for the stored offset (I8: Q4
+// -8 * sum(xq), else 0; I16, which reads the stored bytes unsigned: Q8 -128 * sum(xq), Q4 -8 * sum(xq),
+// Q4M 0). Rows are whole blocks, so a block's quants are 32-byte (int8) or 64-byte (int16) aligned.
+template <class E>
+struct PlainAct {
+  E* q;  // [m][nb][32]
+  float *dx, *dxs;
+  int32_t* corr;  // dx, dxs, corr: [m][nb]
+};
+
+inline size_t plain_act_bytes(int64_t m, int64_t nb, size_t elem) { return ((32 * elem + 12) * m * nb + 63) / 64 * 64; }
+
+template <class E>
+inline PlainAct<E> plain_act_view(void* buf, int64_t m, int64_t nb) {
+  E* q = static_cast<E*>(buf);
+  float* dx = reinterpret_cast<float*>(q + 32 * m * nb);
+  return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
+}
+
 }  // namespace
 
 // The grouped layout's packers and row reader; `by` is the table the matrix is handed to.

@@ -35,26 +35,8 @@ inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
   for (int64_t o = 0; o < qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * qstride + o, _MM_HINT_T0);
 }
 
-// Per row and block: the 32 quants (int8 or int16 by ActType), dx, dxs = dx * sum(xq) (times Q4M's
-// minimum) and corr, the int32 added to each row's block sum for the stored offset (I8: Q4 -8 * sum(xq),
-// else 0; I16, which reads the stored bytes unsigned: Q8 -128 * sum(xq), Q4 -8 * sum(xq), Q4M 0).
-template <class E>
-struct QuantActT {
-  E* q;  // [m][nb][32]
-  float *dx, *dxs;
-  int32_t* corr;  // dx, dxs, corr: [m][nb]
-};
-using QuantAct = QuantActT<int8_t>;
-using QuantAct16 = QuantActT<int16_t>;
-
-inline size_t act_bytes(int64_t m, int64_t nb, size_t elem) { return ((32 * elem + 12) * m * nb + 63) / 64 * 64; }
-
-template <class E>
-inline QuantActT<E> act_view(void* buf, int64_t m, int64_t nb) {
-  E* q = static_cast<E*>(buf);
-  float* dx = reinterpret_cast<float*>(q + 32 * m * nb);
-  return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
-}
+using QuantAct = PlainAct<int8_t>;  // the activation buffer: quant_layout.h
+using QuantAct16 = PlainAct<int16_t>;
 
 // One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
 // as quant::quantize_activations<E> into out[32]; returns the scale, *s the sum of the quants.
@@ -88,7 +70,7 @@ inline float quantize_act_block(const float* x, int64_t left, E* out, int32_t* s
 }
 
 template <class E>
-void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantActT<E>& qa) {
+void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const PlainAct<E>& qa) {
   // the stored offset each block sum carries (see QuantActT)
   const int32_t offset = type == WeightType::Q4 ? 8 : sizeof(E) == 2 && type == WeightType::Q8 ? 128 : 0;
   for (int64_t i = 0; i < m; i++)
@@ -216,10 +198,10 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, 
 // Rows [n0, n1) for MR activation rows: whole super-groups at once, the groups of a partly covered
 // one one by one. (gemv16_groups, for int16 activations, is declared further down.)
 template <WeightType T, int NG, int MR>
-inline void gemv16_groups(const QuantActT<int16_t>& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]);
+inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64_t nb, __m256 out[NG * MR]);
 
 template <WeightType T, int MR, class E>
-void gemv(const QuantActT<E>& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void gemv(const PlainAct<E>& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   auto groups_of = [&](auto ng, const GroupView& v, __m256* r) {
     if constexpr (sizeof(E) == 2) gemv16_groups<T, decltype(ng)::value, MR>(qx, v, nb, r);
@@ -426,7 +408,7 @@ void tile16(const QuantAct16& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nb
 }
 
 template <WeightType T, class E>
-void tile_rows(int mr, const QuantActT<E>& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v,
+void tile_rows(int mr, const PlainAct<E>& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const GroupView& v,
                int64_t r0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
   static_assert(kMR == 4 && kMR16 == 4, "one case per strip height");
   switch (mr) {
@@ -443,7 +425,7 @@ void tile_rows(int mr, const QuantActT<E>& qr, int64_t nb, int64_t i0, int64_t b
 }
 
 template <WeightType T, class E>
-void gemm(const QuantActT<E>& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void gemm(const PlainAct<E>& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   const int64_t nc = std::max<int64_t>(1, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
   for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
@@ -462,18 +444,18 @@ void gemm(const QuantActT<E>& qr, int64_t m, const PackedMatrix& w, float* y, in
 
 // Activation rows [i0, i0 + rows) of qa as an input of their own.
 template <class E>
-inline QuantActT<E> act_rows(const QuantActT<E>& qa, int64_t nb, int64_t i0) {
+inline PlainAct<E> act_rows(const PlainAct<E>& qa, int64_t nb, int64_t i0) {
   return {qa.q + i0 * nb * kBlock, qa.dx + i0 * nb, qa.dxs + i0 * nb, qa.corr + i0 * nb};
 }
 
 template <WeightType T, class E>
-void matmul_t(const QuantActT<E>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void matmul_t(const PlainAct<E>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (m > (sizeof(E) == 2 ? kStreamRows16 : kStreamRows)) return gemm<T>(qa, m, w, y, ldy, n0, n1);
   constexpr int strip = sizeof(E) == 2 ? kMaxStream16 : kMaxStream;
   static_assert(kMaxStream == 4 && kMaxStream16 == 2, "one case per streamed row count");
   const int64_t nb = nblocks(w);
   for (int64_t i0 = 0; i0 < m; i0 += strip) {  // strips of up to `strip` rows, one stream each
-    const QuantActT<E> a = act_rows(qa, nb, i0);
+    const PlainAct<E> a = act_rows(qa, nb, i0);
     float* yi = y + i0 * ldy;
     const int64_t rows = std::min<int64_t>(strip, m - i0);
     if constexpr (sizeof(E) == 2) {
@@ -492,7 +474,7 @@ void matmul_t(const QuantActT<E>& qa, int64_t m, const PackedMatrix& w, float* y
 
 template <class E>
 void matmul_any(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const QuantActT<E> a = act_view<E>(const_cast<void*>(qa), m, nblocks(w));
+  const PlainAct<E> a = plain_act_view<E>(const_cast<void*>(qa), m, nblocks(w));
   if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
   if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
   return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
@@ -509,13 +491,13 @@ PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, in
 }
 
 size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
-  return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w), act_elem_bytes(act)) : 0;
+  return is_quant(w.type) && m >= 1 ? plain_act_bytes(m, nblocks(w), act_elem_bytes(act)) : 0;
 }
 
 void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
   const int64_t nb = nblocks(w);
-  if (act == ActType::I16) return quantize_act(x, m, ldx, w.cols, nb, w.type, act_view<int16_t>(qa, m, nb));
-  quantize_act(x, m, ldx, w.cols, nb, w.type, act_view<int8_t>(qa, m, nb));
+  if (act == ActType::I16) return quantize_act(x, m, ldx, w.cols, nb, w.type, plain_act_view<int16_t>(qa, m, nb));
+  quantize_act(x, m, ldx, w.cols, nb, w.type, plain_act_view<int8_t>(qa, m, nb));
 }
 
 void avx2_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/quant_layout.h"
@@ -185,32 +186,38 @@ inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m2
   }
 }
 
-// Rows [n0, n1): whole super-groups at once, the groups of a partly covered one one by one.
-template <WeightType T, bool VNNI>
-void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+// Stores the rows of a group (first row r0) that fall in [n0, n1); adds to y unless `first`.
+inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, bool first) {
+  __mmask8 keep = 0;
+  for (int j = 0; j < kGroup; j++) keep |= (__mmask8)((r0 + j >= n0 && r0 + j < n1) << j);
+  if (!first) r = _mm256_add_ps(r, _mm256_maskz_loadu_ps(keep, yp));
+  _mm256_mask_storeu_ps(yp, keep, r);
+}
+
+// Decode's walk over rows [n0, n1): whole super-groups at once, the groups of a partly covered one
+// one by one; groups_of(std::integral_constant<int, NG>, view, out) computes NG groups' 8 rows each.
+template <WeightType T, class GroupsOf>
+void gemv_rows(const PackedMatrix& w, float* y, int64_t n0, int64_t n1, GroupsOf groups_of) {
   const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const GroupView v = group_view(w.data(), T, nb, groups, g);
     __m256 r[kSuper];
     int ng = 1;
     if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
-      gemv_groups<T, VNNI, kSuper>(qx, v, nb, r);
+      groups_of(std::integral_constant<int, kSuper>(), v, r);
       ng = kSuper;
     } else {
-      gemv_groups<T, VNNI, 1>(qx, v, nb, r);
+      groups_of(std::integral_constant<int, 1>(), v, r);
     }
-    for (int i = 0; i < ng; i++, g++) {
-      const int64_t r0 = g * kGroup;
-      if (r0 >= n0 && r0 + kGroup <= n1) {
-        _mm256_storeu_ps(y + r0, r[i]);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, r[i]);
-        for (int j = 0; j < kGroup; j++)
-          if (r0 + j >= n0 && r0 + j < n1) y[r0 + j] = tmp[j];
-      }
-    }
+    for (int i = 0; i < ng; i++, g++) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
   }
+}
+
+template <WeightType T, bool VNNI>
+void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  gemv_rows<T>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
+    gemv_groups<T, VNNI, decltype(ng)::value>(qx, v, nblocks(w), r);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,17 +288,10 @@ void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t
       }
     }
   }
-  for (int g = 0; g < NG; g++) {
-    const int64_t r0 = (g0 + g) * kGroup;
-    __mmask8 keep = 0;
-    for (int j = 0; j < kGroup; j++) keep |= (__mmask8)((r0 + j >= n0 && r0 + j < n1) << j);
-    for (int i = 0; i < MR; i++) {
-      float* yp = y + (i0 + i) * ldy + r0;
-      __m256 r = _mm256_add_ps(_mm512_castps512_ps256(acc[i][g]), _mm512_extractf32x8_ps(acc[i][g], 1));
-      if (!first) r = _mm256_add_ps(r, _mm256_maskz_loadu_ps(keep, yp));
-      _mm256_mask_storeu_ps(yp, keep, r);
-    }
-  }
+  for (int g = 0; g < NG; g++)
+    for (int i = 0; i < MR; i++)
+      store_rows(y + (i0 + i) * ldy + (g0 + g) * kGroup, (g0 + g) * kGroup, n0, n1,
+                 _mm256_add_ps(_mm512_castps512_ps256(acc[i][g]), _mm512_extractf32x8_ps(acc[i][g], 1)), first);
 }
 
 template <WeightType T, bool VNNI, int NG>
@@ -340,6 +340,198 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// int16 activations (ActType::I16; the buffer is quant_layout.h's PlainAct, quantized by the AVX2
+// code). A 32-byte piece of a group's block (8 rows x 4 columns, row j in bytes 4j..4j+3) widened
+// unsigned to int16 is one vector whose 32-bit lanes 2j, 2j+1 hold row j's four columns, so one
+// VPDPWSSD against the piece's four activations (an 8-byte broadcast, no spreading) adds them to row
+// j's two lanes. Q4 widens the packed byte once and takes the nibbles with an AND and a shift. The
+// stored offset (Q8 128, Q4 8) times sum(xq) is corr, half of it put in each lane of a row; a lane
+// sums 16 products of at most 255 * 32767 per block, exact in int32. The scales are spread the same
+// way (each row's twice) after each block's pairs of lanes are summed in int32 (both lanes get the
+// row's sum, so every table rounds the same block products the same way).
+constexpr int kMR16 = 6;  // activation rows per prefill tile (x 2 groups: 12 int32 + 12 fp32 accumulators)
+
+inline __m512i bcast8(const int16_t* p) { return _mm512_set1_epi64(*reinterpret_cast<const long long*>(p)); }
+inline __m512 scales_pairs(const uint16_t* p) {  // 8 fp16 -> each twice, lanes 2j, 2j+1 = row j
+  const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))));
+}
+inline __m512i pair_sums(__m512i a) {  // lanes 2j and 2j+1 -> both their sum, row j's
+  return _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
+}
+inline __m256 even_lanes(__m512 f) {  // one copy of each row: lanes 0, 2, .., 14
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(even, f));
+}
+
+template <bool VNNI>
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (VNNI) {
+    __asm__("vpdpwssd %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  }
+}
+
+// Calls piece(p, w) for the 8 pieces of block row qs of G groups (group g at qs + g * QSB), w[g] the
+// piece of group g widened to int16, so that one activation broadcast serves all G groups.
+template <WeightType T, int G, class Piece>
+inline void for_pieces16(const uint8_t* qs, Piece piece) {
+  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  __m512i w[G];
+  if constexpr (T == WeightType::Q8) {
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+      for (int g = 0; g < G; g++) w[g] = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)(qs + g * QSB + 32 * p)));
+      piece(p, w);
+    }
+  } else {
+    const __m512i m4 = _mm512_set1_epi16(0x0f);
+    __m512i hi[G];
+#pragma GCC unroll 4
+    for (int uh = 0; uh < 4; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
+      const int u = uh >> 1, h = uh & 1;
+      for (int g = 0; g < G; g++) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)(qs + g * QSB + 32 * uh)));
+        w[g] = _mm512_and_si512(b, m4), hi[g] = _mm512_srli_epi16(b, 4);
+      }
+      piece(4 * u + h, w);
+      piece(4 * u + 2 + h, hi);
+    }
+  }
+}
+
+// Decode: the NG groups of a super-group against one activation row, block row by block row as
+// stored (one stream); two int32 accumulators per group (even and odd pieces) keep 2 * NG chains.
+template <WeightType T, bool VNNI, int NG>
+inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
+  __m512 facc[NG];
+  __m256 macc[NG];
+  for (int g = 0; g < NG; g++) facc[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const uint16_t* dp = v.d + b * v.dstride;
+    for (int64_t o = 0; o < v.qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * v.qstride + o, _MM_HINT_T0);
+    const int16_t* xb = qx.q + b * kBlock;
+    __m512i acc[2][NG];
+    for (int g = 0; g < NG; g++) acc[0][g] = _mm512_set1_epi32(qx.corr[b] / 2), acc[1][g] = _mm512_setzero_si512();
+    for_pieces16<T, NG>(qs, [&](int p, const __m512i* w) {
+      const __m512i x = bcast8(xb + 4 * p);
+      for (int g = 0; g < NG; g++) acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[g], x);
+    });
+    const __m512 d = _mm512_set1_ps(qx.dx[b]);
+    for (int g = 0; g < NG; g++) {
+      const __m512i a = pair_sums(_mm512_add_epi32(acc[0][g], acc[1][g]));
+      facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scales_pairs(dp + 8 * g), d), facc[g]);
+      if constexpr (T == WeightType::Q4M)
+        macc[g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g))),
+                                  _mm256_set1_ps(qx.dxs[b]), macc[g]);
+    }
+  }
+  for (int g = 0; g < NG; g++) out[g] = _mm256_add_ps(even_lanes(facc[g]), macc[g]);
+}
+
+template <WeightType T, bool VNNI>
+void gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  gemv_rows<T>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
+    gemv16_groups<T, VNNI, decltype(ng)::value>(qx, v, nblocks(w), r);
+  });
+}
+
+// Prefill: rows i0..i0+MR-1 x groups g0..g0+NG-1 over blocks [b0, b0 + nbk); each widened piece
+// serves the MR rows, each activation broadcast the NG groups.
+template <WeightType T, bool VNNI, int MR, int NG>
+void tile16(const PlainAct<int16_t>& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk, const void* base,
+            int64_t groups, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  const GroupView v = group_view(base, T, nb, groups, g0);  // NG == 2 only where g0 + 1 is in the same super-group
+  __m512 facc[MR][NG];
+  __m256 macc[MR][NG];
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) facc[i][g] = _mm512_setzero_ps(), macc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b0 + nbk; b++) {
+    __m512i acc[MR][NG];
+    for (int i = 0; i < MR; i++)
+      for (int g = 0; g < NG; g++) acc[i][g] = _mm512_set1_epi32(qr.corr[(i0 + i) * nb + b] / 2);
+    for_pieces16<T, NG>(v.qs + b * v.qstride, [&](int p, const __m512i* w) {
+      for (int i = 0; i < MR; i++) {
+        const __m512i x = bcast8(qr.q + ((i0 + i) * nb + b) * kBlock + 4 * p);
+        for (int g = 0; g < NG; g++) acc[i][g] = dpwssd<VNNI>(acc[i][g], w[g], x);
+      }
+    });
+    __m512 ws[NG];
+    for (int g = 0; g < NG; g++) ws[g] = scales_pairs(v.d + b * v.dstride + 8 * g);
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + b;
+      const __m512 dx = _mm512_set1_ps(qr.dx[ib]);
+      for (int g = 0; g < NG; g++) {
+        facc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(acc[i][g])), _mm512_mul_ps(ws[g], dx), facc[i][g]);
+        if constexpr (T == WeightType::Q4M)
+          macc[i][g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g))),
+                                       _mm256_set1_ps(qr.dxs[ib]), macc[i][g]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; g++)
+    for (int i = 0; i < MR; i++)
+      store_rows(y + (i0 + i) * ldy + (g0 + g) * kGroup, (g0 + g) * kGroup, n0, n1,
+                 _mm256_add_ps(even_lanes(facc[i][g]), macc[i][g]), first);
+}
+
+template <WeightType T, bool VNNI, int NG>
+void tile16_rows(int mr, const PlainAct<int16_t>& qr, int64_t nb, int64_t i0, int64_t b0, int64_t nbk,
+                 const void* base, int64_t groups, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first) {
+  static_assert(kMR16 == 6, "one case per strip height");
+  switch (mr) {
+#define CORELM_TILE16(R) \
+  case R: return tile16<T, VNNI, R, NG>(qr, nb, i0, b0, nbk, base, groups, g0, y, ldy, n0, n1, first);
+    CORELM_TILE16(6)
+    CORELM_TILE16(5)
+    CORELM_TILE16(4)
+    CORELM_TILE16(3)
+    CORELM_TILE16(2)
+    default: CORELM_TILE16(1)
+#undef CORELM_TILE16
+  }
+}
+
+// As gemm: K chunks of kKC blocks, groups in L2-sized chunks, strips of kMR16 rows; two groups per
+// tile where they share a super-group (their block rows are then adjacent in memory).
+template <WeightType T, bool VNNI>
+void gemm16(const PlainAct<int16_t>& qr, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  const void* base = w.data();
+  const int64_t nc = std::max<int64_t>(2, kChunkBytes / (kKC * qs_bytes(T)));  // groups per chunk
+  for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
+    const int64_t nbk = std::min(kKC, nb - b0);
+    for (int64_t c0 = n0 / kGroup; c0 < g_end; c0 += nc) {
+      const int64_t c1 = std::min(c0 + nc, g_end);
+      for (int64_t i0 = 0; i0 < m; i0 += kMR16) {
+        const int mr = (int)std::min<int64_t>(kMR16, m - i0);
+        for (int64_t g = c0; g < c1;) {
+          if (g + 2 <= c1 && (g + 1) / kSuper == g / kSuper) {
+            tile16_rows<T, VNNI, 2>(mr, qr, nb, i0, b0, nbk, base, groups, g, y, ldy, n0, n1, b0 == 0);
+            g += 2;
+          } else {
+            tile16_rows<T, VNNI, 1>(mr, qr, nb, i0, b0, nbk, base, groups, g, y, ldy, n0, n1, b0 == 0);
+            g += 1;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <WeightType T>
+void matmul16_t(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (m > 1) return use_vnni() ? gemm16<T, true>(qa, m, w, y, ldy, n0, n1) : gemm16<T, false>(qa, m, w, y, ldy, n0, n1);
+  if (use_vnni())
+    gemv16<T, true>(qa, w, y, n0, n1);
+  else
+    gemv16<T, false>(qa, w, y, n0, n1);
+}
+
 template <WeightType T>
 void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (m > 1) return use_vnni() ? gemm<T, true>(qa, m, w, y, ldy, n0, n1) : gemm<T, false>(qa, m, w, y, ldy, n0, n1);
@@ -359,8 +551,6 @@ PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
-// int16 activations: the AVX2 kernels, which read this table's layout too (every AVX-512 CPU has AVX2).
-// An AVX-512 version (VPDPWSSD) is left until it can be measured on such a CPU.
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
@@ -373,7 +563,12 @@ void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMat
 
 void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
-  if (act == ActType::I16) return avx2_matmul_quant(qa, m, act, w, y, ldy, n0, n1);
+  if (act == ActType::I16) {
+    const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
+    if (w.type == WeightType::Q8) return matmul16_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
+    if (w.type == WeightType::Q4) return matmul16_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
+    return matmul16_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
+  }
   const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
   if (w.type == WeightType::Q8) return matmul_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);
   if (w.type == WeightType::Q4) return matmul_t<WeightType::Q4>(a, m, w, y, ldy, n0, n1);
