@@ -2,16 +2,17 @@
 # The checks that need a CPU this project's development machine lacks (AVX-512 VNNI, AMX, many cores),
 # as one script for a borrowed machine: build in place, run the kernel tests (the real AMX ones run only
 # where CPUID and the OS grant AMX), then the kernel benchmarks that decide the open questions:
-#   - decode's weight stream against a plain read, per table and thread count (the 90% roofline);
-#   - the quantized GEMV/GEMM with int8 and int16 activations (should "auto" still pick int16 for q8
-#     where the int16 kernels are AVX2 code inside an AVX-512 table?);
+#   - decode's weight stream against a plain read, per table and thread count (the 90% roofline), with
+#     decode's software prefetch as the table sets it and switched the other way (CORELM_DECODE_PREFETCH:
+#     Zen 3 needs it, Zen 4 runs faster without it; which does this core want?);
+#   - the quantized GEMV/GEMM with int8 and int16 activations (what "auto"'s int16 for q8 costs);
 #   - bf16 prefill and decode on the default table against CORELM_ISA=amx (may amx become the default?);
 #   - the AMX GEMMs against the kernel table's.
 # Needs python3 with numpy, pybind11 and pytest, cmake and ninja; no network, no model files (the
 # benchmarks use random weights in qwen2.5-0.5B's shapes). Builds in build/hw and links python/corelm/_core*.so
 # to it. Logs go to $OUT (default ./hw_check_out).
 #     bash tools/hw_check.sh [threads, default: all CPUs]
-# It took 3 minutes on 2 cores. Every step has a time limit (together under 10 minutes) and the summary is
+# It took 3 minutes on 2 cores. Every step has a time limit (together about 10 minutes) and the summary is
 # written as it goes, so a run stopped early still leaves what it measured.
 set -u
 cd "$(dirname "$0")/.."
@@ -40,9 +41,11 @@ log "kernel tests"
 tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 
 threads="1,$NT"
-log "decode's weight stream vs a plain read (kernel/read), threads $threads"
-timeout 120 $PY tools/bench_quant.py --stream --dtypes q4,q8 --activations int8,int16 --threads "$threads" \
-  --rounds 3 2>&1 | tee -a "$OUT/summary.txt"
+for pf in 0 1; do
+  log "decode's weight stream vs a plain read (kernel/read), threads $threads, CORELM_DECODE_PREFETCH=$pf"
+  CORELM_DECODE_PREFETCH=$pf timeout 75 $PY tools/bench_quant.py --stream --dtypes q4,q8,bf16 --activations int8,int16 \
+    --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
+done
 
 log "quantized kernels alone, 1 thread, int8 vs int16 activations (m=1: GB/s of weights from cache)"
 for m in 1 128; do

@@ -28,16 +28,14 @@ struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads (thre
   bool operator!=(const AlignedAlloc&) const { return false; }
 };
 
-// Decode's software prefetch along its weight stream: how many block rows ahead, 0 = none. Whether it
-// pays depends on the core, not the ISA: one Zen 3 core streams q4 at 0.58 of a plain read without it
-// and ~0.8 with it (AVX2 table), while on Zen 4 the same T0 prefetch cost the AVX-512 decode 1.1-1.4x
-// (docs/benchmarks.md, tenth session). Each table passes its default; CORELM_PREFETCH_ROWS=N overrides
-// it for both (tools/bench_quant.py --stream measures the choice on a new machine).
-inline int decode_prefetch_rows(int table_default) {
-  const char* e = std::getenv("CORELM_PREFETCH_ROWS");
-  if (!e || !*e) return table_default;
-  const long v = std::strtol(e, nullptr, 10);
-  return v < 0 ? 0 : v > 256 ? 256 : (int)v;
+// Whether decode's weight streams use software prefetch (each kernel keeps its own distance). It
+// depends on the core, not the ISA: one Zen 3 core streams q4 at 0.58 of a plain read without it and
+// ~0.8 with it (AVX2 quantized GEMV), while on Zen 4 the AVX-512 GEMVs ran faster without it (bf16
+// decode 1.5x at 1 thread, q4 1.36x: docs/benchmarks.md, tenth session). Each table passes its
+// default; CORELM_DECODE_PREFETCH=0|1 overrides it (tools/hw_check.sh measures both on a new machine).
+inline bool decode_prefetch(bool table_default) {
+  const char* e = std::getenv("CORELM_DECODE_PREFETCH");
+  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : table_default;
 }
 
 // Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a

@@ -28,11 +28,12 @@ namespace corelm {
 namespace quant {
 namespace {
 
-const int kPrefetchBlocks = decode_prefetch_rows(8);  // block rows decode prefetches ahead (kernel_util.h)
+constexpr int kPrefetchBlocks = 8;  // decode prefetches this many block rows ahead along its stream
+const bool kPrefetch = decode_prefetch(true);  // kernel_util.h: Zen 3 needs it
 
 // Decode's software prefetch: the block row kPrefetchBlocks ahead of the one at qs (qstride bytes each).
 inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
-  if (kPrefetchBlocks == 0) return;
+  if (!kPrefetch) return;
   for (int64_t o = 0; o < qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * qstride + o, _MM_HINT_T0);
 }
 

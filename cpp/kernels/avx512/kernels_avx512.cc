@@ -26,7 +26,8 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
 // ---------------------------------------------------------------------------------------------
 // Weight layout: [rows/8][K/32][8][32], see kernels_avx512_bf16.h.
-constexpr int kPrefetchBytes = 1024;
+constexpr int kPrefetchBytes = 1024;  // decode's software prefetch distance, when on:
+const bool kPrefetch = decode_prefetch(false);  // off by default (kernel_util.h)
 constexpr int64_t kSmallBatch = 32;  // up to this many rows of x, stream weights like GEMV (measured: faster than panels through 32 rows)
 #ifndef CORELM_PREFILL_GROUPS
 #define CORELM_PREFILL_GROUPS 2
@@ -99,7 +100,8 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
       // The tail chunk masks x: padded weights are zero, but x beyond K is not ours to read.
       __m512 x0 = c < full ? _mm512_loadu_ps(x + c * kChunk) : _mm512_maskz_loadu_ps(m_lo, x + c * kChunk);
       __m512 x1 = c < full ? _mm512_loadu_ps(x + c * kChunk + 16) : _mm512_maskz_loadu_ps(m_hi, x + c * kChunk + 16);
-      for (int b = 0; b < kGroup * kChunk * (int)esz; b += 64) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
+      if (kPrefetch)
+        for (int b = 0; b < kGroup * kChunk * (int)esz; b += 64) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
       if constexpr (BF16) {
         const __m512 xe = _mm512_permutex2var_ps(x0, even, x1), xo = _mm512_permutex2var_ps(x0, odd, x1);
         for (int j = 0; j < kGroup; j++, p += kChunk * esz) {

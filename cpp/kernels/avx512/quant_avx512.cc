@@ -26,13 +26,14 @@ namespace corelm {
 namespace quant {
 namespace {
 
-// Decode's software prefetch (kernel_util.h): none by default, as the hardware prefetchers of the
-// one AVX-512 core measured with and without it (Zen 4) kept up better alone.
-const int kPrefetchBlocks = decode_prefetch_rows(0);
+// Decode's software prefetch (kernel_util.h): off by default, as on the one AVX-512 core measured
+// both ways (Zen 4) the hardware prefetchers kept up better alone.
+constexpr int kPrefetchBlocks = 8;
+const bool kPrefetch = decode_prefetch(false);
 
 // The block row kPrefetchBlocks ahead of the one at qs (qstride bytes each), when prefetching.
 inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
-  if (kPrefetchBlocks == 0) return;
+  if (!kPrefetch) return;
   for (int64_t o = 0; o < qstride; o += 64) _mm_prefetch((const char*)qs + kPrefetchBlocks * qstride + o, _MM_HINT_T0);
 }
 
