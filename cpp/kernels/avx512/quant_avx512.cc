@@ -75,14 +75,15 @@ inline __m512i quantize_act_block(const float* x, int64_t left, float* d, int32_
   return _mm512_castsi256_si512(_mm256_setr_m128i(_mm512_cvtepi32_epi8(q0), _mm512_cvtepi32_epi8(q1)));
 }
 
-// A block's 32 int8 activations (low 256 bits of `bytes`) in W_t lane order: out[16t..16t+15]
-// lanes 0..7 = columns 8t..8t+3, lanes 8..15 = 8t+4..8t+7.
-inline void spread_block(__m512i bytes, int32_t* out) {
-  for (int t = 0; t < 4; t++) {
-    const __m512i idx = _mm512_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
-                                          2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1);
-    _mm512_store_si512((void*)(out + 16 * t), _mm512_permutexvar_epi32(idx, bytes));
-  }
+// A block's 32 int8 activations (low 256 bits of `bytes`) in W_t lane order for t = 0..3: lanes
+// 0..7 = columns 8t..8t+3, lanes 8..15 = 8t+4..8t+7.
+inline __m512i spread(__m512i bytes, int t) {
+  const __m512i idx = _mm512_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                        2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1);
+  return _mm512_permutexvar_epi32(idx, bytes);
+}
+inline void spread_block(__m512i bytes, int32_t* out) {  // all four, to out[16t..16t+15]
+  for (int t = 0; t < 4; t++) _mm512_store_si512((void*)(out + 16 * t), spread(bytes, t));
 }
 
 // What each half of a row's sum gets per block for the stored weight offset: the weights are the
@@ -92,27 +93,26 @@ inline int32_t half_correction(WeightType type, int32_t s) {
   return (type == WeightType::Q8 ? -64 : type == WeightType::Q4 ? -4 : 0) * s;
 }
 
-// Activations quantized once per matmul (avx512_quantize_act), shared by every [n0, n1) call on it.
-// Decode (m == 1) keeps each block spread in W_t lane order (spread_block), as the GEMV reads it once
-// per pair of groups; prefill keeps the plain int8 rows (the GEMM spreads a strip at a time into L1).
+// Activations quantized once per matmul (avx512_quantize_act), shared by every [n0, n1) call on it:
+// plain int8 rows, which decode spreads into W_t lane order in registers (four VPERMD per block for
+// the whole super-group) and the GEMM a strip at a time into L1. (Decode used to keep every block
+// spread, 256 bytes per block: at K = 4864 that is 38 KiB, more than L1, and re-reading it from L2
+// for every super-group cost the int8 GEMV 1.2x of its speed from DRAM on Zen 4.)
 // Per row and block: dx, dxs = dx * sum(xq) (multiplies Q4M's minimum) and corr, added to both
 // halves of each row's sum.
 struct QuantAct {
-  int32_t* xv;  // m == 1: [nb][4][16]
-  int8_t* q;    // m > 1: [m][nb][32]
+  int8_t* q;  // [m][nb][32]
   float *dx, *dxs;
   int32_t* corr;  // dx, dxs, corr: [m][nb]
 };
 
-inline size_t quants_bytes(int64_t m, int64_t nb) { return (size_t)(m == 1 ? 256 : 32 * m) * nb; }
-inline size_t act_bytes(int64_t m, int64_t nb) { return (quants_bytes(m, nb) + 12 * m * nb + 63) / 64 * 64; }
+inline size_t act_bytes(int64_t m, int64_t nb) { return (size_t)(44 * m * nb + 63) / 64 * 64; }
 
 // The view of a 64-byte aligned buffer of act_bytes(m, nb).
 inline QuantAct act_view(void* buf, int64_t m, int64_t nb) {
-  uint8_t* p = static_cast<uint8_t*>(buf);
-  float* dx = reinterpret_cast<float*>(p + quants_bytes(m, nb));
-  return {reinterpret_cast<int32_t*>(p), reinterpret_cast<int8_t*>(p), dx, dx + m * nb,
-          reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
+  int8_t* q = static_cast<int8_t*>(buf);
+  float* dx = reinterpret_cast<float*>(q + 32 * m * nb);
+  return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
 }
 
 void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb, WeightType type, const QuantAct& qa) {
@@ -121,10 +121,7 @@ void quantize_act(const float* x, int64_t m, int64_t ldx, int64_t K, int64_t nb,
       float d;
       int32_t s;
       const __m512i bytes = quantize_act_block(x + i * ldx + b * kBlock, K - b * kBlock, &d, &s);
-      if (m == 1)
-        spread_block(bytes, qa.xv + 64 * b);
-      else
-        _mm256_store_si256((__m256i*)(qa.q + (i * nb + b) * kBlock), _mm512_castsi512_si256(bytes));
+      _mm256_store_si256((__m256i*)(qa.q + (i * nb + b) * kBlock), _mm512_castsi512_si256(bytes));
       qa.dx[i * nb + b] = d;
       qa.dxs[i * nb + b] = d * (float)s;
       qa.corr[i * nb + b] = half_correction(type, s);
@@ -156,7 +153,8 @@ template <WeightType T, bool VNNI, int NG>
 inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512 facc[NG], __m256 macc[NG]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512i xq[4];
-  for (int t = 0; t < 4; t++) xq[t] = _mm512_load_si512((const void*)(qx.xv + 16 * (4 * b + t)));
+  const __m512i xb = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qx.q + b * kBlock)));
+  for (int t = 0; t < 4; t++) xq[t] = spread(xb, t);
   const __m512i c = _mm512_set1_epi32(qx.corr[b]);
   const __m512 d = _mm512_set1_ps(qx.dx[b]);
   const uint8_t* qs = v.qs + b * v.qstride;
