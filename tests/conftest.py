@@ -9,6 +9,46 @@ MODELS = os.path.join(DATA, "models")
 FIXTURES = os.path.join(DATA, "fixtures")
 DEFAULT_GGUF = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
+# Optional real models: the files ../shared/models/get_models.sh writes into its DEST folder. Tests that
+# need one call real_model(name); nothing else in tests/ names a path outside the repository.
+# CORELM_TEST_MODELS=DEST names that folder; unset, ../shared/models (next to the repository) is used if it
+# exists. Set explicitly, a file missing from it fails the test instead of skipping it.
+MODELS_ENV = "CORELM_TEST_MODELS"
+DEFAULT_REAL_MODELS = os.path.join(os.path.dirname(ROOT), "shared", "models")
+REAL_MODELS = {  # get_models.sh file name -> what it is (named in skip reasons)
+    "SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M-Instruct GGUF (Q4_1)",
+    "qwen2.5-coder-0.5b-instruct.gguf": "Qwen2.5-Coder-0.5B-Instruct GGUF",
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": "Qwen2.5-Coder-1.5B-Instruct GGUF (Q4_K_M)",
+}
+EMBEDDED_MODELS = os.path.join(ROOT, "models")  # the committed default model (models/README.md)
+
+
+def real_models_dir():
+    """(folder, explicit): $CORELM_TEST_MODELS, else ../shared/models if it exists, else (None, False)."""
+    env = os.environ.get(MODELS_ENV)
+    if env:
+        return os.path.abspath(env), True
+    return (DEFAULT_REAL_MODELS if os.path.isdir(DEFAULT_REAL_MODELS) else None), False
+
+
+def real_model(name):
+    """Path of the real model `name` (a file name get_models.sh writes, a key of REAL_MODELS), looked up in
+    real_models_dir() and then in the committed models/ folder. Skips the calling test when it is absent
+    and CORELM_TEST_MODELS is unset; fails it when CORELM_TEST_MODELS is set (the run asked for real models)."""
+    if name not in REAL_MODELS:
+        raise ValueError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}")
+    folder, explicit = real_models_dir()
+    if explicit and not os.path.isdir(folder):
+        pytest.fail(f"{MODELS_ENV}={folder} is not a folder")
+    for d in filter(None, (folder, EMBEDDED_MODELS)):
+        if os.path.isfile(os.path.join(d, name)):
+            return os.path.join(d, name)
+    how = (f"needs {REAL_MODELS[name]}: run `bash ../shared/models/get_models.sh DIR` from the repository "
+           f"root and set {MODELS_ENV}=DIR (the folder it fills with {name})")
+    if explicit:
+        pytest.fail(f"{how} ({MODELS_ENV}={folder} has no {name})")
+    pytest.skip(how)
+
 # Tests run against the installed package; a source checkout with an in-place build also works.
 try:
     import corelm  # noqa: F401

@@ -8,13 +8,12 @@ from corelm.loader.gguf import read_gguf
 from corelm.tokenizer import CHATML_TEMPLATE, ChatTemplateError, ChatTemplateSecurityError, Tokenizer
 from corelm.tokenizer.chat_template import MAX_TEMPLATE_BYTES
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
-SMOLLM2_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-QWEN2_GGUFS = (os.path.join(REPO, "models", "qwen2.5-coder-0.5b-instruct.gguf"),
-               "/work/cache/models/qwen2.5-coder-0.5b-instruct.gguf")
-FIXTURES = os.path.join(HERE, "data", "fixtures")
+from conftest import FIXTURES, MODELS, real_model
+
+STORIES_DIR = os.path.join(MODELS, "stories260K")
+SMOLLM2_HF_DIR = os.path.join(MODELS, "smollm2-hf-meta")     # committed tokenizer files of SmolLM2
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"             # real models: names for conftest.real_model
+QWEN2_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
 
 USER = [{"role": "user", "content": "Hi there"}]
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -29,9 +28,7 @@ def stories():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not os.path.exists(SMOLLM2_GGUF):
-        pytest.skip("models/SmolLM2-135M-Instruct.Q4_1.gguf is not present")
-    return Tokenizer.from_gguf_metadata(read_gguf(SMOLLM2_GGUF).metadata)
+    return Tokenizer.from_gguf_metadata(read_gguf(real_model(SMOLLM2_GGUF)).metadata)
 
 
 def render(tok, template, messages=USER, **kwargs):
@@ -51,18 +48,41 @@ def test_smollm2_template(smollm2):
     assert text.endswith("<|im_start|>user\nThanks ünïcode 😀<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("name, gguf", [
-    ("smollm2", SMOLLM2_GGUF),
-    ("qwen2.5-coder", next((p for p in QWEN2_GGUFS if os.path.exists(p)), None)),
-])
-def test_matches_transformers_fixture(name, gguf):
+def _fixture(name):
+    with open(os.path.join(FIXTURES, f"tokenizer_{name}.json"), encoding="utf-8") as f:  # committed: never skip
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder"])
+def test_fixture_template_renders_like_transformers(name):
+    """The fixture's own template, rendered by our engine, gives transformers' text: needs no model files
+    (neither template uses bos_token or eos_token, so the stories260K tokenizer can carry it)."""
+    doc = _fixture(name)
+    assert doc["chat"], "the fixture has no chat cases"
+    assert "bos_token" not in doc["chat_template"] and "eos_token" not in doc["chat_template"]
+    tok = Tokenizer.from_hf_folder(STORIES_DIR)
+    for case in doc["chat"]:
+        text = tok.apply_chat_template(case["messages"], chat_template=doc["chat_template"],
+                                       add_generation_prompt=case["add_generation_prompt"])
+        assert text == case["text"], case["messages"]
+
+
+# The tokenizers whose template and ids are checked against tokenizer_<name>.json: the committed SmolLM2
+# HF files always; the GGUFs through conftest.real_model.
+FIXTURE_SOURCES = {
+    "smollm2-hf": ("smollm2", lambda: Tokenizer.from_hf_folder(SMOLLM2_HF_DIR)),
+    "smollm2-gguf": ("smollm2", lambda: Tokenizer.from_gguf_metadata(read_gguf(real_model(SMOLLM2_GGUF)).metadata)),
+    "qwen2.5-coder-gguf": ("qwen2.5-coder",
+                           lambda: Tokenizer.from_gguf_metadata(read_gguf(real_model(QWEN2_GGUF)).metadata)),
+}
+
+
+@pytest.mark.parametrize("source", list(FIXTURE_SOURCES))
+def test_matches_transformers_fixture(source):
     """Prompts rendered by transformers' apply_chat_template (tools/make_fixtures.py), byte for byte."""
-    path = os.path.join(FIXTURES, f"tokenizer_{name}.json")
-    if not os.path.exists(path) or gguf is None or not os.path.exists(gguf):
-        pytest.skip(f"fixture tokenizer_{name}.json or the {name} GGUF is not present")
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    tok = Tokenizer.from_gguf_metadata(read_gguf(gguf).metadata)
+    name, build = FIXTURE_SOURCES[source]
+    doc = _fixture(name)
+    tok = build()
     assert tok.chat_template == doc["chat_template"]
     assert doc["chat"], "the fixture has no chat cases"
     for case in doc["chat"]:

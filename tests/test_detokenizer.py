@@ -8,10 +8,9 @@ import pytest
 from corelm.loader.gguf import read_gguf
 from corelm.tokenizer import Tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
-SMOLLM2_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+from conftest import MODELS, real_model
+
+STORIES_DIR = os.path.join(MODELS, "stories260K")
 
 TEXTS = [
     "Hello world", "  two  spaces  ", "line one\nline two\n\n", "Café déjà vu, naïve résumé, Ångström",
@@ -30,9 +29,7 @@ def _stories_gguf():
 
 
 def _smollm2():
-    if not os.path.exists(SMOLLM2_GGUF):
-        pytest.skip("models/SmolLM2-135M-Instruct.Q4_1.gguf is not present")
-    return Tokenizer.from_gguf_metadata(read_gguf(SMOLLM2_GGUF).metadata)
+    return Tokenizer.from_gguf_metadata(read_gguf(real_model("SmolLM2-135M-Instruct.Q4_1.gguf")).metadata)
 
 
 _CACHE = {}

@@ -13,7 +13,6 @@ from corelm.loader.spec import weight_shapes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "tests", "data", "corrupt")
 MODELS = os.path.join(REPO, "tests", "data", "models")
-SMOLLM = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _stories_dir():
@@ -23,7 +22,7 @@ def _stories_dir():
     return os.path.join(MODELS, "stories260K")
 
 
-from conftest import corpus_tool  # noqa: E402
+from conftest import corpus_tool, real_model  # noqa: E402
 
 tool = corpus_tool()
 
@@ -370,9 +369,8 @@ def test_bad_hyper_parameters(tmp_path, meta, match):
 # ---------------------------------------------------------------------------------------------------
 # The embedded real model.
 
-@pytest.mark.skipif(not os.path.isfile(SMOLLM), reason="embedded SmolLM2 GGUF not present")
 def test_smollm2_q4_1():
-    m = load_model(SMOLLM)
+    m = load_model(real_model("SmolLM2-135M-Instruct.Q4_1.gguf"))
     s = m.spec
     assert (s.arch, s.vocab_size, s.hidden_size, s.intermediate_size, s.num_layers, s.num_heads,
             s.num_kv_heads, s.head_dim) == ("llama", 49152, 576, 1536, 30, 9, 3, 64)
@@ -386,12 +384,12 @@ def test_smollm2_q4_1():
     assert m.get_weight("tok_embeddings").shape == (49152, 576)
 
 
-@pytest.mark.skipif(not os.path.isfile(SMOLLM), reason="embedded SmolLM2 GGUF not present")
 def test_smollm2_dequant_matches_gguf_package():
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
-    ours = read_gguf(SMOLLM)
-    ref = {t.name: t for t in gguf.GGUFReader(SMOLLM).tensors}
+    path = real_model("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ours = read_gguf(path)
+    ref = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "blk.0.attn_norm.weight"):
         t = ref[name]
         want = dequantize(t.data, t.tensor_type).reshape(ours.tensors[name].shape)

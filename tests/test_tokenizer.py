@@ -11,19 +11,12 @@ from corelm.loader.gguf import read_gguf
 from corelm.loader.spec import ModelLoadError
 from corelm.tokenizer import Tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from conftest import FIXTURES, MODELS, real_model
 
-
-def _first_existing(*paths):
-    return next((p for p in paths if os.path.exists(p)), None)
-
-
-STORIES_DIR = os.path.join(HERE, "data", "models", "stories260K")
-SMOLLM2_GGUF = _first_existing(os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
-QWEN2_GGUF = _first_existing(os.path.join(REPO, "models", "qwen2.5-coder-0.5b-instruct.gguf"),
-                             "/work/cache/models/qwen2.5-coder-0.5b-instruct.gguf")
-FIXTURES = os.path.join(HERE, "data", "fixtures")
+STORIES_DIR = os.path.join(MODELS, "stories260K")
+SMOLLM2_HF_DIR = os.path.join(MODELS, "smollm2-hf-meta")     # committed tokenizer files of SmolLM2
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"             # real models: names for conftest.real_model
+QWEN2_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
 
 # Strings that stress pre-tokenization, byte fallback and special-token matching.
 TRICKY = [
@@ -53,9 +46,7 @@ def stories_gguf():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if SMOLLM2_GGUF is None:
-        pytest.skip("models/SmolLM2-135M-Instruct.Q4_1.gguf is not present")
-    return gguf_tokenizer(SMOLLM2_GGUF)
+    return gguf_tokenizer(real_model(SMOLLM2_GGUF))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,9 +115,7 @@ def test_smollm2_roundtrip(smollm2, text):
 
 
 def test_qwen2_gguf():
-    if QWEN2_GGUF is None:
-        pytest.skip("no Qwen2 GGUF available")
-    tok = gguf_tokenizer(QWEN2_GGUF)
+    tok = gguf_tokenizer(real_model(QWEN2_GGUF))
     assert tok.add_bos_token is False
     assert tok.eos_token_ids[:2] == [151645, 151643]        # <|im_end|>, <|endoftext|>
     assert tok.encode("Hello") == [9707]
@@ -368,35 +357,40 @@ def test_gguf_numpy_arrays_accepted(stories_meta, stories_gguf):
 # ---------------------------------------------------------------------------------------------
 # transformers reference fixtures (tools/make_fixtures.py): tokenizer_<name>.json
 
-def _fixture_tokenizers(name):
-    """(label, Tokenizer) pairs to check against tokenizer_<name>.json."""
-    if name == "stories260K":
-        return [("hf", Tokenizer.from_hf_folder(STORIES_DIR)),
-                ("gguf", gguf_tokenizer(os.path.join(STORIES_DIR, "stories260K.gguf")))]
-    path = {"smollm2": SMOLLM2_GGUF, "qwen2.5-coder": QWEN2_GGUF}[name]
-    if path is None:
-        pytest.skip(f"no GGUF for {name}")
-    return [("gguf", gguf_tokenizer(path))]
+# Each tokenizer that can be built for a fixture: the committed ones always run (stories260K from its HF
+# folder and GGUF, SmolLM2 from its committed HF tokenizer files); the GGUF sources come from real_model.
+FIXTURE_SOURCES = {
+    "stories260K-hf": ("stories260K", lambda: Tokenizer.from_hf_folder(STORIES_DIR)),
+    "stories260K-gguf": ("stories260K", lambda: gguf_tokenizer(os.path.join(STORIES_DIR, "stories260K.gguf"))),
+    "smollm2-hf": ("smollm2", lambda: Tokenizer.from_hf_folder(SMOLLM2_HF_DIR)),
+    "smollm2-gguf": ("smollm2", lambda: gguf_tokenizer(real_model(SMOLLM2_GGUF))),
+    "qwen2.5-coder-gguf": ("qwen2.5-coder", lambda: gguf_tokenizer(real_model(QWEN2_GGUF))),
+}
 
 
 def _load_fixture(name):
-    path = os.path.join(FIXTURES, f"tokenizer_{name}.json")
-    if not os.path.exists(path):
-        pytest.skip(f"fixture tokenizer_{name}.json is not present")
-    with open(path, encoding="utf-8") as f:
+    with open(os.path.join(FIXTURES, f"tokenizer_{name}.json"), encoding="utf-8") as f:  # committed: never skip
         return json.load(f)
 
 
-@pytest.mark.parametrize("name", ["stories260K", "smollm2", "qwen2.5-coder"])
-def test_matches_transformers_fixture(name):
+@pytest.mark.parametrize("source", list(FIXTURE_SOURCES))
+def test_matches_transformers_fixture(source):
+    name, build = FIXTURE_SOURCES[source]
     doc = _load_fixture(name)
     assert len(doc["cases"]) >= 40
-    for label, tok in _fixture_tokenizers(name):
-        assert (tok.bos_token_id, tok.eos_token_id) == (doc["bos_token_id"], doc["eos_token_id"]), label
-        for case in doc["cases"]:
-            text, where = case["text"], f"{label}: {case['text']!r}"
-            assert tok.encode(text) == case["ids_with_special"], where
-            assert tok.encode(text, add_special_tokens=False) == case["ids"], where
-            assert tok.decode(case["ids_with_special"], skip_special_tokens=False) == case["decoded_with_special"], where
-            assert tok.decode(case["ids"], skip_special_tokens=False) == case["decoded"], where
-            assert tok.decode(case["ids_with_special"]) == case["decoded_skip_special"], where
+    tok = build()
+    assert (tok.bos_token_id, tok.eos_token_id) == (doc["bos_token_id"], doc["eos_token_id"])
+    for case in doc["cases"]:
+        text, where = case["text"], repr(case["text"])
+        assert tok.encode(text) == case["ids_with_special"], where
+        assert tok.encode(text, add_special_tokens=False) == case["ids"], where
+        assert tok.decode(case["ids_with_special"], skip_special_tokens=False) == case["decoded_with_special"], where
+        assert tok.decode(case["ids"], skip_special_tokens=False) == case["decoded"], where
+        assert tok.decode(case["ids_with_special"]) == case["decoded_skip_special"], where
+
+
+def test_every_tokenizer_fixture_is_checked():
+    """A committed tokenizer_<name>.json that no source above names would never be compared with anything."""
+    names = {f[len("tokenizer_"):-len(".json")] for f in os.listdir(FIXTURES)
+             if f.startswith("tokenizer_") and f.endswith(".json")}
+    assert names == {name for name, _ in FIXTURE_SOURCES.values()}
