@@ -117,7 +117,7 @@ def test_small_kv_budget_preempts_and_still_finishes(caplog):
     assert small.engine.num_preemptions > 0 and "preempted" in caplog.text
     assert got == [o.outputs[0].token_ids for o in big.generate(prompts, params)]
     assert not small.engine.has_unfinished_requests()
-    assert small.engine.blocks.num_free == 24  # everything handed back (some of it as prefix cache)
+    assert small.engine.scheduler.blocks.num_free == 24  # everything handed back (some of it as prefix cache)
 
 
 def test_prompt_larger_than_the_whole_cache_is_refused():

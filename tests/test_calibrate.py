@@ -8,7 +8,7 @@ import pytest
 from conftest import MODELS
 
 from corelm.calibrate import activation_importance, calibration_ids, hidden_states
-from corelm.engine import build_core_model
+from corelm.engine.model_builder import build_core_model
 from corelm.loader import load_model
 
 

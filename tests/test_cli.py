@@ -11,7 +11,7 @@ import pytest
 
 from corelm import cli
 from corelm.loader.spec import LoadedModel, ModelLoadError, ModelSpec
-from corelm.sampling import SamplingParams
+from corelm.engine.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(ROOT, "tests", "data", "models", "stories260K")

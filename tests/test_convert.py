@@ -19,7 +19,7 @@ from corelm.calibrate import activation_importance, calibration_ids
 from corelm.cli import main as cli_main
 from corelm.convert import (cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q4_1_search,
                             quantize_q8_0, to_bf16)
-from corelm.engine import build_core_model
+from corelm.engine.model_builder import build_core_model
 from corelm.loader import ModelLoadError, load_model
 from corelm.loader.corelm_format import ALIGNMENT, MAGIC, PREFIX, WEIGHTS_FILE, CorelmWeights
 from corelm.loader.gguf import _DECODERS, read_gguf
@@ -94,11 +94,12 @@ def test_bf16_round_to_nearest_even():
 # ---------------------------------------------------------------------------------------------------
 # converted folders compute what the engine builds in memory
 
-def q4m_reference(src):
-    """src with every whole-block matrix handed to the engine as quantize_q4_1_search blocks weighted by the
-    calibration statistics, except the embedding and lm_head, which q4 keeps as Q8_0 blocks."""
+def four_bit_reference(src, weights):
+    """src with every whole-block matrix handed to the engine as the 4-bit blocks convert writes (q4_1:
+    quantize_q4_1_search weighted by the calibration statistics; q4_0: quantize_q4_0), except the
+    embedding and lm_head, which both keep as Q8_0 blocks."""
     m = load_model(src)
-    importance = activation_importance(m, calibration_ids(m))
+    importance = activation_importance(m, calibration_ids(m)) if weights == "q4_1" else None
 
     def raw(name):
         w = m.get_weight(name)
@@ -106,22 +107,25 @@ def q4m_reference(src):
             return None
         if name in ("tok_embeddings", "lm_head"):
             return "Q8_0", quantize_q8_0(w), w.shape
+        if weights == "q4_0":
+            return "Q4_0", quantize_q4_0(w), w.shape
         return "Q4_1", quantize_q4_1_search(w, importance[name]), w.shape
     m.get_raw_weight = raw
     return m
 
 
-@pytest.mark.parametrize("weights,dtype", [("f32", "fp32"), ("bf16", "bf16"), ("q8", "q8"), ("q4", "q4")])
+@pytest.mark.parametrize("weights,dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"),
+                                           ("q4_1", "q4_1")])
 @pytest.mark.parametrize("src", [STORIES, TINY_QWEN2])
 def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype):
-    """f32/bf16/q8 folders compute exactly what the engine builds from the source with that dtype; a q4
-    folder (Q4_1 blocks from quantize_q4_1_search) what it builds from those blocks."""
+    """fp32/bf16/q8_0 folders compute exactly what the engine builds from the source with that dtype; a
+    4-bit folder (Q8_0 embeddings; q4_1: blocks from quantize_q4_1_search) what it builds from those blocks."""
     out = convert(src, str(tmp_path / "m"), weights=weights)
     m = load_model(out)
     assert m.source_format == "corelm" and m.spec == load_model(src).spec
     b = logits(out, dtype)
-    if weights == "q4":
-        a = build_core_model(q4m_reference(src), dtype="q4", threads=1).forward(IDS, 0, True)
+    if weights in ("q4_0", "q4_1"):
+        a = build_core_model(four_bit_reference(src, weights), dtype=dtype, threads=1).forward(IDS, 0, True)
         assert np.array_equal(a, b)
     else:
         assert np.array_equal(logits(src, dtype), b)
@@ -131,6 +135,17 @@ def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype)
     assert m.chat_template == load_model(src).chat_template
 
 
+def test_weight_names_are_one_vocabulary(tmp_path):
+    """convert and LLM take the same names and aliases (corelm.options): an alias gives the same folder."""
+    a = convert(STORIES, str(tmp_path / "a"), weights="q8")
+    b = convert(STORIES, str(tmp_path / "b"), weights="q8_0")
+    assert open(os.path.join(a, WEIGHTS_FILE), "rb").read() == open(os.path.join(b, WEIGHTS_FILE), "rb").read()
+    assert json.load(open(os.path.join(a, "config.json")))["weights"] == "q8_0"
+    c = convert(STORIES, str(tmp_path / "c"), weights="f32")
+    assert json.load(open(os.path.join(c, "config.json")))["weights"] == "fp32"
+    assert np.array_equal(logits(c, "fp32"), logits(STORIES, "float32"))
+
+
 def test_layout_is_aligned_and_sized(tmp_path):
     out = convert(STORIES, str(tmp_path / "m"), weights="q8")
     w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
@@ -138,12 +153,12 @@ def test_layout_is_aligned_and_sized(tmp_path):
     assert w.tensors["layers.0.wq"].type == "q8" and w.tensors["layers.0.attn_norm"].type == "f32"
     assert w.tensors["layers.0.w_down"].type == "f32"       # 172 columns: not whole blocks, left to the engine
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["format"] == "corelm" and cfg["format_version"] == 1 and cfg["weights"] == "q8"
+    assert cfg["format"] == "corelm" and cfg["format_version"] == 1 and cfg["weights"] == "q8_0"
 
 
 @pytest.mark.skipif(not os.path.isfile(DEFAULT_GGUF), reason="embedded SmolLM2 GGUF missing")
 def test_gguf_blocks_are_copied_not_requantized(tmp_path):
-    out = convert(DEFAULT_GGUF, str(tmp_path / "smol-q4"), weights="q4")
+    out = convert(DEFAULT_GGUF, str(tmp_path / "smol-q4"), weights="q4_1")
     w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
     g = read_gguf(DEFAULT_GGUF)
     # qwen-style naming is irrelevant here: SmolLM2 is llama, so wq/wk rows are un-permuted whole rows
@@ -155,7 +170,7 @@ def test_gguf_blocks_are_copied_not_requantized(tmp_path):
     assert w.tensors["tok_embeddings"].type == "q8"  # the Q8_0 embedding is copied as it is
     assert np.array_equal(w.raw("tok_embeddings"), g.raw("token_embd.weight"))
     ids = np.array(load_model(DEFAULT_GGUF).tokenizer.encode("The capital of France is"), np.int32)
-    a, b = logits(DEFAULT_GGUF, "auto", ids), logits(out, "q4", ids)   # the same blocks: the same logits
+    a, b = logits(DEFAULT_GGUF, "auto", ids), logits(out, "q4_1", ids)   # the same blocks: the same logits
     assert np.array_equal(a, b)
     assert a[-1].argmax() == b[-1].argmax()
     a, b = load_model(DEFAULT_GGUF), load_model(out)
@@ -257,7 +272,7 @@ def test_bad_config(good, tmp_path):
 def test_llm_weights_converts_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELM_CACHE", str(tmp_path / "cache"))
     llm = corelm.LLM(STORIES, threads=1, weights="q8")
-    assert llm.dtype == "q8" and llm.loaded.source_format == "corelm"
+    assert llm.dtype == "q8_0" and llm.loaded.source_format == "corelm"
     folder = llm.model_path
     assert folder.startswith(str(tmp_path / "cache"))
     stamp = os.stat(os.path.join(folder, WEIGHTS_FILE)).st_mtime_ns
@@ -268,7 +283,8 @@ def test_llm_weights_converts_once_and_caches(tmp_path, monkeypatch):
     ref = corelm.LLM(STORIES, threads=1, dtype="q8")
     assert out1 == out2 == ref.generate("Once upon a time",
                                         corelm.SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
-    assert cached_conversion(STORIES, "q4", progress=False) != folder
+    assert cached_conversion(STORIES, "q4_1", progress=False) != folder
+    assert cached_conversion(STORIES, "q8_0", progress=False) == folder     # an alias: the same folder
     with pytest.raises(ValueError, match="weights must be"):
         corelm.LLM(STORIES, threads=1, weights="q3")
     with pytest.raises(ValueError, match="disagree"):   # would silently repack the q8 folder as bf16
@@ -277,9 +293,9 @@ def test_llm_weights_converts_once_and_caches(tmp_path, monkeypatch):
 
 def test_cli_convert(tmp_path, capsys):
     out = str(tmp_path / "m")
-    assert cli_main(["convert", STORIES, "-o", out, "--weights", "q4", "--no-progress"]) == 0
+    assert cli_main(["convert", STORIES, "-o", out, "--weights", "q4_1", "--no-progress"]) == 0
     assert "wrote" in capsys.readouterr().out
-    assert load_model(out).description.startswith("corelm v1 q4")
+    assert load_model(out).description.startswith("corelm v1 q4_1")
     assert cli_main(["convert", STORIES, "-o", out, "--weights", "q4", "--no-progress"]) == 1
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["convert", STORIES, "-o", out, "--weights", "bf16", "--no-progress", "--force"]) == 0

@@ -17,7 +17,7 @@ from conftest import DEFAULT_GGUF, FIXTURES, MODELS
 
 import corelm
 from corelm import SamplingParams, _core
-from corelm.engine import KV_BLOCK_SIZE, core_config, kv_blocks_for
+from corelm.engine.model_builder import KV_BLOCK_SIZE, core_config, kv_blocks_for
 from corelm.loader.spec import ModelSpec, weight_shapes
 
 STORIES = os.path.join(MODELS, "stories260K")

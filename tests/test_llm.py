@@ -121,10 +121,12 @@ def test_prefix_reuse_gives_the_same_tokens(llm):
 def test_logprobs(llm):
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=5, logprobs=3, **GREEDY))[0].outputs[0]
     assert len(out.logprobs) == 5
-    for entry in out.logprobs:
-        assert entry["logprob"] <= 0 and len(entry["top"]) == 3
-        assert entry["top"][0][0] == entry["token_id"]  # greedy picks the most likely token
-    assert out.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in out.logprobs))
+    for token_id, entry in zip(out.token_ids, out.logprobs):   # vLLM's shape: {token id: Logprob}
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert entry[token_id].rank == 1          # greedy picks the most likely token
+        assert entry[token_id].decoded_token == llm.tokenizer.decode([token_id], skip_special_tokens=False)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
 def test_prompt_too_long_is_a_clear_error_and_harmless(llm):

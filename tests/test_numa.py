@@ -9,8 +9,9 @@ import pytest
 
 from conftest import DATA
 
-from corelm import _core, cli, engine
-from corelm.engine import core_config
+from corelm import _core, cli
+from corelm.engine import model_builder
+from corelm.engine.model_builder import core_config
 from corelm.loader.spec import ModelSpec, weight_shapes
 
 TREES = os.path.join(DATA, "topology")
@@ -67,8 +68,8 @@ def test_bad_policy_names_are_refused():
     with pytest.raises(ValueError):
         _core.plan_threads(numa="interleave")
     with pytest.raises(ValueError):
-        engine.check_numa("numactl")
-    assert engine.check_numa(None) is None and engine.check_numa("isolate") == "isolate"
+        model_builder.check_numa("numactl")
+    assert model_builder.check_numa(None) is None and model_builder.check_numa("isolate") == "isolate"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,10 +309,10 @@ def test_default_threads_per_policy():
     topo = _core.topology()
     allowed = set(topo["allowed_cpus"])
     cores_allowed = [c for c in topo["cores"] if allowed & set(c["cpus"])]
-    assert engine.default_threads("distribute") == len(cores_allowed)
-    assert engine.default_threads("isolate") <= len(cores_allowed)
+    assert model_builder.default_threads("distribute") == len(cores_allowed)
+    assert model_builder.default_threads("isolate") <= len(cores_allowed)
     with pytest.raises(ValueError):
-        engine.default_threads("spread")
+        model_builder.default_threads("spread")
 
 
 def test_cli_passes_numa_to_the_engine(monkeypatch):

@@ -12,7 +12,7 @@ from test_models import fixture, matching_prefix, nmse
 
 import corelm
 from corelm import SamplingParams, _core
-from corelm.engine import resolve_dtype
+from corelm.engine.model_builder import resolve_dtype
 from corelm.loader.gguf import _DECODERS, read_gguf
 
 TABLES = _core.kernel_tables()
@@ -439,7 +439,7 @@ def test_default_gguf_keeps_q4_1_blocks():
 def _tiny_raw_model(mix):
     """A random llama-shaped model given as raw Q4_1 blocks (mix=False), or with wk and w_up as fp32
     (mix=True), or entirely as the dequantized fp32 values (mix=None)."""
-    from corelm.engine import core_config
+    from corelm.engine.model_builder import core_config
     from corelm.loader.spec import ModelSpec, weight_shapes
     spec = ModelSpec(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)
@@ -471,7 +471,7 @@ def test_set_weight_raw_fuses_mixed_partners():
 
 
 def test_set_weight_raw_rejects_bad_input():
-    from corelm.engine import core_config
+    from corelm.engine.model_builder import core_config
     from corelm.loader.spec import ModelSpec
     spec = ModelSpec(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)
@@ -499,7 +499,7 @@ def test_float_weights_quantized_on_the_pool_match_one_thread(dtype):
     """fp32 weights are quantized and packed on the model's thread pool at load (by whole row groups):
     the result must not depend on how many threads shared the work. With 3 threads, tiny-qwen2's 64-row
     matrices (8 groups of 8 rows) split unequally."""
-    from corelm.engine import build_core_model
+    from corelm.engine.model_builder import build_core_model
     from corelm.loader import load_model
     loaded = load_model(os.path.join(ROOT, "tests", "data", "models", "tiny-qwen2"))
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
@@ -510,7 +510,7 @@ def test_float_weights_quantized_on_the_pool_match_one_thread(dtype):
 def test_raw_blocks_packed_on_the_pool_match_one_thread():
     """GGUF blocks are repacked on the model's thread pool at load: the packed weights (and so the logits)
     must not depend on how many threads shared the work."""
-    from corelm.engine import build_core_model
+    from corelm.engine.model_builder import build_core_model
     from corelm.llm import default_model_path
     from corelm.loader import load_model
     loaded = load_model(default_model_path())
@@ -611,7 +611,7 @@ def test_int16_prefill_and_decode_agree(dtype):
 
 
 def test_activations_option_checked():
-    from corelm.engine import core_config
+    from corelm.engine.model_builder import core_config
     from corelm.loader.spec import ModelSpec
     spec = ModelSpec(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                              num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)

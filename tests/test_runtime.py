@@ -11,7 +11,8 @@ import pytest
 
 from conftest import DATA, MODELS, ROOT
 
-from corelm import _core, cli, engine
+from corelm import _core, cli
+from corelm.engine import model_builder
 from corelm.loader import load_model
 
 TREES = os.path.join(DATA, "topology")
@@ -254,7 +255,7 @@ def test_this_machine():
     assert 1 <= len(plan) <= len(t["cores"]) and set(plan) <= set(t["allowed_cpus"])
     assert len({cpu(t, p)["core"] for p in plan}) == len(plan)              # one thread per core
     assert len({cpu(t, p)["node"] for p in plan}) == 1                      # one node
-    assert engine.default_threads() == len(plan)
+    assert model_builder.default_threads() == len(plan)
     big = _core.plan_threads(len(t["allowed_cpus"]) + 1)
     assert sorted(big[:-1]) == sorted(t["allowed_cpus"]) and big[-1] == -1
     assert_plan_shape(t, big)
@@ -264,9 +265,9 @@ def test_this_machine():
 
 def test_pin_threads_env_switch(monkeypatch):
     monkeypatch.delenv("CORELM_PIN_THREADS", raising=False)
-    assert engine.default_pin_threads()
+    assert model_builder.default_pin_threads()
     monkeypatch.setenv("CORELM_PIN_THREADS", "0")
-    assert not engine.default_pin_threads()
+    assert not model_builder.default_pin_threads()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,8 +303,8 @@ def stories():
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_pinned_model_matches_unpinned(stories, threads):
-    pinned = engine.build_core_model(stories, dtype="fp32", threads=threads, pin_threads=True)
-    loose = engine.build_core_model(stories, dtype="fp32", threads=threads, pin_threads=False)
+    pinned = model_builder.build_core_model(stories, dtype="fp32", threads=threads, pin_threads=True)
+    loose = model_builder.build_core_model(stories, dtype="fp32", threads=threads, pin_threads=False)
     assert loose.thread_cpus == [-1] * threads
     plan = _core.plan_threads(threads)
     assert pinned.thread_cpus[0] == -1 and pinned.thread_cpus[1:] == plan[1:]   # the caller is never pinned

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import MODELS
 
-from corelm import _core, cli, engine
+from corelm import _core, cli
+from corelm.engine import model_builder
 from corelm.loader import load_model
 
 
@@ -77,7 +78,7 @@ def test_static_and_dynamic_give_the_same_bits(models, name, dtype):
     prompt = ((np.arange(40) * 37 + 1) % 250).astype(np.int32)   # past 32 rows: the GEMM kernels too
     ref = None
     for threads in (1, 2, 3):
-        model = engine.build_core_model(models[name], dtype=dtype, threads=threads, pin_threads=False,
+        model = model_builder.build_core_model(models[name], dtype=dtype, threads=threads, pin_threads=False,
                                         schedule="static")
         for schedule in ("static", "dynamic", "static"):   # switched on the same model, too
             model.schedule = schedule
@@ -90,17 +91,17 @@ def test_static_and_dynamic_give_the_same_bits(models, name, dtype):
 
 def test_schedule_option_env_and_cli(monkeypatch, models):
     monkeypatch.delenv("CORELM_SCHEDULE", raising=False)
-    assert engine.default_schedule() == "dynamic"
+    assert model_builder.default_schedule() == "dynamic"
     monkeypatch.setenv("CORELM_SCHEDULE", "static")
-    assert engine.default_schedule() == "static"
-    assert engine.build_core_model(models["stories260K"], dtype="fp32", threads=2).schedule == "static"
-    assert engine.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="dynamic").schedule == "dynamic"
+    assert model_builder.default_schedule() == "static"
+    assert model_builder.build_core_model(models["stories260K"], dtype="fp32", threads=2).schedule == "static"
+    assert model_builder.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="dynamic").schedule == "dynamic"
     monkeypatch.setenv("CORELM_SCHEDULE", "fastest")
     with pytest.raises(ValueError, match="schedule"):
-        engine.default_schedule()
+        model_builder.default_schedule()
     with pytest.raises(ValueError, match="schedule"):
-        engine.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="round-robin")
-    model = engine.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="dynamic")
+        model_builder.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="round-robin")
+    model = model_builder.build_core_model(models["stories260K"], dtype="fp32", threads=2, schedule="dynamic")
     with pytest.raises(ValueError, match="schedule"):
         model.schedule = "other"
     seen = {}
@@ -218,11 +219,11 @@ def test_split_by_node_gives_the_same_bits(models, name, dtype, monkeypatch):
     """Fake nodes on this machine's pool: every region cut by node (odd chunk edges, stealing across
     nodes) must give the logits of the unsplit pool; with CORELM_NUMA_FORCE=1 and a policy, too."""
     prompt = ((np.arange(40) * 37 + 1) % 250).astype(np.int32)
-    ref = run_all(engine.build_core_model(models[name], dtype=dtype, threads=1, pin_threads=False), prompt)
+    ref = run_all(model_builder.build_core_model(models[name], dtype=dtype, threads=1, pin_threads=False), prompt)
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
     for numa in (None, "distribute"):
         for nodes in ([0, 1], [1, 0, 1], [0, 1, 2], [-1, 0, 1]):
-            model = engine.build_core_model(models[name], dtype=dtype, threads=len(nodes),
+            model = model_builder.build_core_model(models[name], dtype=dtype, threads=len(nodes),
                                             pin_threads=numa is not None, numa=numa)
             model.set_thread_nodes(nodes)
             for schedule in ("dynamic", "static"):

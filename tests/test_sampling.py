@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from corelm.sampling import (Sampler, SamplingParams, apply_penalties, compute_logprobs)
+from corelm.engine.sampling import (Sampler, SamplingParams, apply_penalties, compute_logprobs)
 
 # --------------------------------------------------------------------------------------------------
 # Validation
@@ -301,13 +301,14 @@ def test_out_of_vocabulary_ids_are_rejected():
 def test_logprobs_are_of_the_raw_distribution():
     x = np.array([1.0, 3.0, 2.0, 0.0], np.float32)
     ref = x - math.log(np.exp(x.astype(np.float64)).sum())
-    chosen, top = compute_logprobs(x, 2, 2)
-    assert chosen == pytest.approx(ref[2], abs=1e-6)
+    chosen, rank, top = compute_logprobs(x, 2, 2)
+    assert chosen == pytest.approx(ref[2], abs=1e-6) and rank == 2
+    assert compute_logprobs(x, 3)[1] == 4 and compute_logprobs(x, 1)[1] == 1
     assert [t for t, _ in top] == [1, 2]
     assert [lp for _, lp in top] == pytest.approx([ref[1], ref[2]], abs=1e-6)
     s = Sampler(SamplingParams(temperature=0, logprobs=1, repetition_penalty=2.0), 4)
     s.start([1])
     tok = s.sample(x)
-    chosen, top = s.logprobs(x, tok)
-    assert chosen == pytest.approx(ref[tok], abs=1e-6) and top[0][0] == 1
+    chosen, rank, top = s.logprobs(x, tok)
+    assert chosen == pytest.approx(ref[tok], abs=1e-6) and top[0][0] == 1 and rank == 1 + int((x > x[tok]).sum())
     assert Sampler(SamplingParams(), 4).logprobs(x, 0) is None

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 from corelm import _core  # noqa: E402
-from corelm.engine import core_config  # noqa: E402
+from corelm.engine.model_builder import core_config  # noqa: E402
 from corelm.loader.spec import ModelSpec, weight_shapes  # noqa: E402
 
 SPEC = ModelSpec(arch="qwen2", vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24,

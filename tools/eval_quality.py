@@ -42,7 +42,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def build(path: str, dtype: str, threads: int, ctx: int, activations: str = "auto"):
-    from corelm.engine import build_core_model
+    from corelm.engine.model_builder import build_core_model
     from corelm.loader import load_model
     loaded = load_model(path)
     if dtype == "auto" and loaded.source_format == "corelm":

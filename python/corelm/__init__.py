@@ -10,16 +10,17 @@ light commands do not pay for loading the C++ core.
 """
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelLoadError", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamChunk",
+           "ModelLoadError", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob"):
         from . import llm
         return getattr(llm, name)
-    if name == "SamplingParams":
-        from .sampling import SamplingParams
-        return SamplingParams
+    if name in ("LLMEngine", "SamplingParams", "StreamChunk"):
+        from . import engine
+        return getattr(engine, name)
     if name == "ModelLoadError":
         from .loader.spec import ModelLoadError
         return ModelLoadError

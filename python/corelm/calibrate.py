@@ -41,7 +41,7 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
     weights at a time; record(matrix name, its input [T, cols]) is called for every layer matrix (once for
     q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"). Returns the final
     hidden states (before the last norm) of each chunk."""
-    from .engine import rope_inv_freq
+    from .engine.model_builder import rope_inv_freq
     spec = loaded.spec
     get = loaded.get_weight
     nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.rms_norm_eps)

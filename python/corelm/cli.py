@@ -23,7 +23,8 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional
 
 from . import __version__
-from .sampling import SamplingParams
+from .engine.sampling import SamplingParams
+from .options import CHOICES, WEIGHT_FORMATS, argparse_choices
 
 
 def _make_llm(**kwargs):
@@ -46,8 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: physical cores)")
     _add_numa_arg(p)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto",
-                   help="weight type for the matrix kernels (default: auto)")
+    p.add_argument("--dtype", choices=argparse_choices("dtype"), default="auto", metavar="DTYPE",
+                   help=f"{CHOICES['dtype'].help}: {', '.join(CHOICES['dtype'].values)} (default: auto)")
     _add_kernel_args(p)
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own)")
@@ -56,20 +57,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--activations", choices=["auto", "int8", "int16"], default="auto",
-                   help="input of matmuls with q8/q4 weights, per block of 32: int8 (fastest), int16 "
-                        "(about 15 bits: close to fp32, slower prefill), or auto: int16 for q8 weights, "
-                        "int8 for q4 (default: %(default)s)")
-    p.add_argument("--schedule", choices=["dynamic", "static"], default=None,
-                   help="how kernels split work across threads: by measured thread speed, stealing "
-                        "leftovers (dynamic), or in equal parts (static) (default: $CORELM_SCHEDULE or dynamic)")
+    p.add_argument("--activations", choices=argparse_choices("activations"), default="auto", metavar="A",
+                   help=f"{CHOICES['activations'].help} (default: %(default)s)")
+    p.add_argument("--schedule", choices=argparse_choices("schedule"), default=None,
+                   help=f"{CHOICES['schedule'].help} (default: $CORELM_SCHEDULE or dynamic)")
 
 
 def _add_numa_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--numa", choices=["distribute", "isolate"], default=None,
-                   help="distribute: threads on every NUMA node, each matrix's rows and the KV cache split by "
-                        "node; isolate: threads and memory on the node corelm started on (default: the first "
-                        "node's cores, memory where first touch puts it)")
+    p.add_argument("--numa", choices=argparse_choices("numa"), default=None, help=CHOICES["numa"].help)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -152,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-t", "--threads", type=int, default=None,
                        help="threads per worker (default: the cores of its set; 1 per Ray actor)")
     _add_numa_arg(batch)
-    batch.add_argument("--dtype", choices=["auto", "bf16", "fp32", "q8", "q4"], default="auto")
+    batch.add_argument("--dtype", choices=argparse_choices("dtype"), default="auto", metavar="DTYPE")
     _add_kernel_args(batch)
     batch.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N", help="context length (default: the model's)")
     batch.add_argument("--task-size", type=int, default=8, metavar="N",
@@ -169,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "GGUF Q8_0/Q4_0/Q4_1 blocks are copied without a float round trip.")
     conv.add_argument("src", metavar="SRC", help="HF model folder or .gguf file")
     conv.add_argument("-o", "--output", required=True, metavar="OUT", help="the corelm folder to write")
-    conv.add_argument("--weights", choices=["f32", "bf16", "q8", "q4"], default="q8",
-                      help="how matrices are stored: f32, bf16, or blocks of 32 with fp16 scales "
-                           "(q8: ggml Q8_0; q4: ggml Q4_1, 4 bits with a minimum) (default: %(default)s)")
+    conv.add_argument("--weights", choices=argparse_choices("weights"), default="q8_0", metavar="FORMAT",
+                      help="how matrices are stored: " + "; ".join(f"{f.name}: {f.description}"
+                                                                    for f in WEIGHT_FORMATS.values())
+                           + " (default: %(default)s)")
     conv.add_argument("-f", "--force", action="store_true", help="replace OUT if it exists")
     conv.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                       help="show a progress bar (default: on)")
@@ -585,7 +581,7 @@ def system_info(threads: Optional[int] = None, numa: Optional[str] = None) -> Di
         "memory": memory,
     }
     if topo:
-        from .engine import default_pin_threads
+        from .engine.model_builder import default_pin_threads
         info["thread_plan"] = topo.pop("thread_plan")
         info.update(topology=topo, pin_threads=default_pin_threads())
     if "error" in core:

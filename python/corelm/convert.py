@@ -1,17 +1,17 @@
 """`corelm convert`: an HF folder or GGUF file -> a corelm model folder (docs/model-format.md).
 
     from corelm.convert import convert, cached_conversion
-    convert("models/SmolLM2-135M-Instruct", "out/smollm2-q8", weights="q8")
-    folder = cached_conversion("models/SmolLM2-135M-Instruct", "q4")     # converts once, then reuses
+    convert("models/SmolLM2-135M-Instruct", "out/smollm2-q8", weights="q8_0")
+    folder = cached_conversion("models/SmolLM2-135M-Instruct", "q4_1")     # converts once, then reuses
 
-Weights: "f32" and "bf16" keep every matrix in that float type; "q8" and "q4" store every matrix
-as ggml Q8_0 / Q4_1 blocks (q8 / q4m; q4 keeps embeddings and lm_head in Q8_0). q8 is quantized as ggml's
-reference quantizer and the engine's packer do (a q8 folder computes what the engine's in-memory dtype="q8"
-builds from the source, bit for bit); q4 searches each block's scale and minimum for the least error,
-weighted by how large the activations each weight multiplies are on a short calibration text
-(corelm.calibrate).
-Norms and biases stay f32. GGUF Q8_0 (for q8) and Q4_0/Q4_1 (for
-q4; Q4_1 is kept as q4m) tensors are copied block for block, never through floats.
+Weights (corelm.options.WEIGHT_FORMATS): "fp32" and "bf16" keep every matrix in that float type;
+"q8_0", "q4_0" and "q4_1" store every matrix as those ggml blocks (the 4-bit ones keep embeddings and
+lm_head in Q8_0). q8_0 and q4_0 round to nearest as ggml's reference quantizers and the engine's packer
+do (a q8_0 folder computes what the engine's in-memory dtype="q8_0" builds from the source, bit for
+bit); q4_1 searches each block's scale and minimum for the least error, weighted by how large the
+activations each weight multiplies are on a short calibration text (corelm.calibrate).
+Norms and biases stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP) are copied
+block for block, never through floats.
 """
 from __future__ import annotations
 
@@ -26,21 +26,22 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from .loader import load_model
-from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, GGML_TO_TYPE, WEIGHT_KINDS, WEIGHTS_FILE,
-                                   WeightsWriter, is_corelm_folder, spec_to_dict)
+from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, is_corelm_folder,
+                                   spec_to_dict)
 from .loader.spec import LoadedModel
+from .options import WEIGHT_FORMATS, choose, format_of_gguf
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
            "quantize_q4_1_search", "to_bf16", "cache_dir"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-# Raw GGUF block types copied as they are under each target.
-RAW_KEEP = {"q8": ("q8",), "q4": ("q4", "q4m")}
-# What a matrix quantized from floats is stored as. q4 uses Q4_1-style blocks (scale and minimum) with an
-# error-minimising choice of both (quantize_q4_1_search): on SmolLM2-135M, Q4_0 blocks everywhere cost +37%
-# perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss and weighting its error by the
-# activations' size takes q4 from +5.2% to +4.4% (docs/quality.md).
-STORE = {"f32": "f32", "bf16": "bf16", "q8": "q8", "q4": "q4m"}
+# GGUF block formats copied as they are under each target (4-bit targets keep either 4-bit format).
+RAW_KEEP = {"q8_0": ("q8_0",), "q4_0": ("q4_0", "q4_1"), "q4_1": ("q4_0", "q4_1")}
+# The 4-bit targets keep the embedding and lm_head at 8 bits: on Qwen2.5-0.5B 4-bit ones cost ~3 points
+# of perplexity. q4_1's scale and minimum are searched (quantize_q4_1_search): on SmolLM2-135M, Q4_0
+# blocks everywhere cost +37% perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss and
+# weighting its error by the activations' size takes it from +5.2% to +4.4% (docs/quality.md).
+EIGHT_BIT_EMBEDDINGS = ("q4_0", "q4_1")
 _ROWS_PER_CHUNK = 4096
 CONVERTER_REVISION = 3      # part of the cache key: bump when the same source would convert differently
 
@@ -118,7 +119,7 @@ def quantize_q4_1_search(w: np.ndarray, importance: Optional[np.ndarray] = None)
     mean square of the activations the column multiplies) when given. Never worse than round-to-nearest
     block by block; a block already on a Q4_1 grid comes back unchanged. Rows are split over threads."""
     from . import _core
-    from .engine import default_threads
+    from .engine.model_builder import default_threads
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % 32:
         raise ValueError(f"block quantization needs a matrix with a multiple of 32 columns, got {w.shape}")
@@ -145,18 +146,17 @@ def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, 
     plan = {}
     get_raw = loaded.get_raw_weight
     for name, shape in weight_shapes(loaded.spec).items():
-        if len(shape) == 1 or weights == "f32" or (weights in RAW_KEEP and shape[1] % 32):
+        if len(shape) == 1 or weights == "fp32" or (weights in RAW_KEEP and shape[1] % 32):
             # norms, biases, and rows that are not whole blocks (the engine pads those when it quantizes)
-            plan[name] = ("f32", shape, False)
+            plan[name] = ("fp32", shape, False)
             continue
-        # q4 keeps the embedding and lm_head at 8 bits: on Qwen2.5-0.5B 4-bit ones cost ~3 points of perplexity
-        embedding = weights == "q4" and name in ("tok_embeddings", "lm_head")
+        embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")
         raw = get_raw(name) if get_raw is not None and weights in RAW_KEEP else None
-        kind = GGML_TO_TYPE.get(raw[0]) if raw is not None else None
-        if kind in RAW_KEEP.get(weights, ()) + (("q8",) if embedding else ()):
-            plan[name] = (kind, shape, True)
+        raw_format = format_of_gguf(raw[0]) if raw is not None else None
+        if raw_format is not None and raw_format.name in RAW_KEEP.get(weights, ()) + (("q8_0",) if embedding else ()):
+            plan[name] = (raw_format.name, shape, True)
         else:
-            plan[name] = ("q8" if embedding else STORE[weights], shape, False)
+            plan[name] = ("q8_0" if embedding else weights, shape, False)
     return plan
 
 
@@ -165,27 +165,26 @@ def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
     if from_raw:
         return loaded.get_raw_weight(name)[1]
     w = loaded.get_weight(name)
-    if type_ == "f32":
+    if type_ == "fp32":
         return np.ascontiguousarray(w, dtype=np.float32)
     if type_ == "bf16":
         return to_bf16(w)
-    if type_ == "q4m":
+    if type_ == "q4_1":
         return quantize_q4_1_search(w, importance.get(name))
-    return {"q8": quantize_q8_0, "q4": quantize_q4_0}[type_](w)
+    return {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}[type_](w)
 
 
-def convert(src: str, out: str, weights: str = "q8", progress: bool = False, overwrite: bool = False) -> str:
+def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, overwrite: bool = False) -> str:
     """Converts `src` (HF folder, .gguf file or corelm folder) to the corelm folder `out`; returns `out`.
     The folder appears complete or not at all (written beside it, then renamed)."""
-    if weights not in WEIGHT_KINDS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, got {weights!r}")
+    weights = choose("weights", weights)
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
     loaded = load_model(src)
     plan = _plan(loaded, weights)
     importance = {}
-    if any(t == "q4m" and not from_raw for t, _, from_raw in plan.values()):
+    if any(t == "q4_1" and not from_raw for t, _, from_raw in plan.values()):
         from .calibrate import activation_importance, calibration_ids
         importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
     parent = os.path.dirname(out) or "."
@@ -193,7 +192,8 @@ def convert(src: str, out: str, weights: str = "q8", progress: bool = False, ove
     tmp = tempfile.mkdtemp(prefix=".corelm-convert-", dir=parent)
     try:
         meta = {"source": loaded.source, "source_format": loaded.source_format, "weights": weights}
-        writer = WeightsWriter(os.path.join(tmp, WEIGHTS_FILE), [(n, t, s) for n, (t, s, _) in plan.items()], meta)
+        writer = WeightsWriter(os.path.join(tmp, WEIGHTS_FILE),
+                               [(n, WEIGHT_FORMATS[t].file_type, s) for n, (t, s, _) in plan.items()], meta)
         items = list(plan.items())
         bar = None
         if progress:
@@ -229,7 +229,7 @@ def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan) -> N
     from . import __version__ as corelm_version
     counts: Dict[str, int] = {}
     for t, _, _ in plan.values():
-        counts[t] = counts.get(t, 0) + 1
+        counts[WEIGHT_FORMATS[t].file_type] = counts.get(WEIGHT_FORMATS[t].file_type, 0) + 1
     config = {"format": "corelm", "format_version": FORMAT_VERSION, "weights": weights,
               "tensor_types": counts, "spec": spec_to_dict(loaded.spec),
               "source": {"path": loaded.source, "format": loaded.source_format, "description": loaded.description},
@@ -285,8 +285,7 @@ def _source_key(src: str, weights: str) -> str:
 def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
     """The corelm folder for `src` converted to `weights`, converting it into cache_dir() the first time.
     The key is the source path, its files' sizes and mtimes, the weights kind and the format version."""
-    if weights not in WEIGHT_KINDS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, got {weights!r}")
+    weights = choose("weights", weights)
     if is_corelm_folder(os.path.expanduser(src)):
         return src
     if not os.path.exists(os.path.expanduser(src)):      # a hub repo id: its downloaded snapshot folder
@@ -309,4 +308,8 @@ def folder_dtype(folder: str) -> str:
     """The engine dtype a corelm folder is meant for ("auto" for bf16: bf16 where the CPU has it)."""
     from .loader.hf import read_json
     weights = read_json(os.path.join(folder, CONFIG_FILE), CONFIG_FILE).get("weights")
-    return {"f32": "fp32", "bf16": "auto", "q8": "q8", "q4": "q4"}.get(weights, "auto")
+    try:
+        weights = choose("weights", weights)
+    except ValueError:
+        return "auto"
+    return "auto" if weights == "bf16" else weights

@@ -1,111 +1,94 @@
 """The Python API: `LLM` loads a model once and generates from prompts or chats, whole or streamed.
+Its `generate` and `chat` take vLLM's arguments and return vLLM's output types, so code written for
+vLLM's offline API runs unchanged.
 
     llm = LLM("path/to/hf-folder-or-file.gguf", threads=2, dtype="bf16")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))         # list, in input order
+    outs = llm.generate({"prompt_token_ids": [1, 2, 3]}, sampling_params=SamplingParams(max_tokens=8))
     for chunk in llm.stream("Hello", SamplingParams(max_tokens=32)):        # text as it is made
         print(chunk.text, end="")
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))
 
-Every request goes through one continuous-batching engine (corelm.scheduler.BatchEngine) over a
-paged KV cache; full KV blocks stay in a prefix cache, so a multi-turn chat re-reads only the new turn
-and prompts that share a prefix share its blocks.
+A thin facade over one LLMEngine (`llm.engine`, corelm.engine): every request goes through its
+continuous batcher over a paged KV cache, whose full blocks stay in a prefix cache, so a multi-turn
+chat re-reads only the new turn and prompts that share a prefix share its blocks.
 """
 from __future__ import annotations
 
 import collections
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-import numpy as np
-
-from .engine import build_core_model, default_threads
-from .loader import load_model
-from .sampling import SamplingParams
-from .scheduler import BatchEngine
-from .sequence import StreamChunk  # noqa: F401  (part of the API)
-
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-PromptType = Union[str, Sequence[int]]
+from .engine.llm_engine import DEFAULT_MODEL_FILE, LLMEngine, PromptType, default_model_path, is_single_prompt  # noqa: F401
+from .engine.sampling import SamplingParams
+from .engine.sequence import StreamChunk
 
 
-def default_model_path() -> str:
-    """The embedded default model: installed inside the package, or models/ of a source checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "models", DEFAULT_MODEL_FILE),
-                      os.path.join(here, "..", "..", "models", DEFAULT_MODEL_FILE)):
-        if os.path.isfile(candidate):
-            return os.path.normpath(candidate)
-    raise FileNotFoundError(f"the embedded default model {DEFAULT_MODEL_FILE} is missing from this installation")
+@dataclass
+class Logprob:
+    """vLLM's Logprob: one token's log-probability, its rank in the vocabulary (1 = most likely) and
+    its text."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass
 class CompletionOutput:
+    """One choice of a request, as vLLM's CompletionOutput. `logprobs` (when asked for) has one dict
+    per generated token: token id -> Logprob, holding the sampled token and the top `logprobs` ones."""
     index: int
     text: str
     token_ids: List[int]
-    finish_reason: Optional[str]          # "stop" | "length" | "abort"
-    stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
     cumulative_logprob: Optional[float] = None
-    logprobs: Optional[List[Dict[str, Any]]] = None
+    logprobs: Optional[List[Dict[int, Logprob]]] = None
+    finish_reason: Optional[str] = None          # "stop" | "length" | "abort"
+    stop_reason: Union[int, str, None] = None    # the stop string or token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
+    """One request's result, as vLLM's RequestOutput. `metrics` (corelm's): prompt_tokens,
+    cached_prompt_tokens, generated_tokens, batch_time_s."""
+    request_id: str
     prompt: Optional[str]
     prompt_token_ids: List[int]
+    prompt_logprobs: Optional[List[Any]]
     outputs: List[CompletionOutput]
-    metrics: Dict[str, float] = field(default_factory=dict)
     finished: bool = True
+    metrics: Dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, threads: Optional[int] = None, dtype: str = "auto",
-                 max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
-                 kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
-                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
-        t0 = time.perf_counter()
-        self.model_path = model if model is not None else default_model_path()
-        if weights is not None:   # "f32" | "bf16" | "q8" | "q4": convert once into the cache, then load that
-            if dtype not in ("auto", weights):   # the converted folder would be repacked into dtype: say so
-                raise ValueError(f"weights={weights!r} and dtype={dtype!r} disagree; give one of them "
-                                 f"(weights= converts and keeps that format, dtype= repacks at load).")
-            from .convert import cached_conversion
-            self.model_path = cached_conversion(self.model_path, weights, progress=True)
-        self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)
-        if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
-            from .convert import folder_dtype
-            dtype = folder_dtype(self.loaded.source)
-        self.spec = self.loaded.spec
-        self.tokenizer = self.loaded.tokenizer
-        self._core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
-                                      progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
-                                      pin_threads=pin_threads, numa=numa, schedule=schedule,
-                                      activations=activations)
-        self.threads = self._core.n_threads
-        self.schedule = self._core.schedule
-        self.activations = self._core.activations
-        self.numa = numa
-        self.dtype = getattr(self.loaded, "stored_types", None) or self._core.weight_type  # e.g. "q4m+q8"
-        self.max_seq_len = self._core.max_seq_len
-        self.load_time_s = time.perf_counter() - t0
+    """Loads a model (an HF folder, a .gguf file, a corelm folder or a hub id; None = the embedded
+    SmolLM2-135M-Instruct) into one LLMEngine. Options are LLMEngine's (threads, dtype, max_seq_len,
+    kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
+    activations, revision, progress)."""
+
+    def __init__(self, model: Optional[str] = None, **options: Any):
+        self.engine = LLMEngine(model, **options)
+        e = self.engine
+        self.model_path, self.loaded, self.spec, self.tokenizer = e.model_path, e.loaded, e.spec, e.tokenizer
+        self.threads, self.schedule, self.activations, self.numa = e.threads, e.schedule, e.activations, e.numa
+        self.dtype, self.max_seq_len, self.eos_token_ids = e.dtype, e.max_seq_len, e.eos_token_ids
+        self.load_time_s = e.load_time_s
         self._request_ids = itertools.count()
         self._inbox: Dict[str, collections.deque] = collections.defaultdict(collections.deque)
-        self.last_metrics: Dict[str, float] = {}
-        self.eos_token_ids = self._eos_ids()
-        self.engine = BatchEngine(self, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)
+        self.last_metrics: Dict[str, Any] = {}
 
-    # -- model facts --------------------------------------------------------------------------------
-    def _eos_ids(self) -> List[int]:
-        ids = list(self.spec.eos_token_ids or [])
-        gen = self.loaded.generation_config.get("eos_token_id")
-        ids += gen if isinstance(gen, list) else ([gen] if isinstance(gen, int) else [])
-        ids += list(getattr(self.tokenizer, "eos_token_ids", []) or [])
-        return sorted({int(i) for i in ids if isinstance(i, (int, np.integer)) and 0 <= i < self.spec.vocab_size})
+    @property
+    def _core(self):
+        """The C++ model (tests and tools only)."""
+        return self.engine.core
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def reset(self) -> None:
         """Forget the prefix cache (the next prompt is read from scratch)."""
@@ -113,37 +96,12 @@ class LLM:
 
     def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=chat_template)
+        return self.engine.apply_chat_template(messages, add_generation_prompt, chat_template)
 
     def encode_prompt(self, prompt: PromptType) -> List[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1}).")
-        return ids
+        return self.engine.encode_prompt(prompt)
 
-    # -- the generation loop ------------------------------------------------------------------------
-    def _check_prompt(self, prompt_ids: List[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty (no tokens to start from).")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context holds {self.max_seq_len} "
-                             f"(including at least one generated token); shorten the prompt or raise max_seq_len.")
-
-    def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
-        """Generates one completion, yielding text as soon as it is complete UTF-8 and cannot be the
-        start of a stop string. Closing the iterator early stops generation (finish_reason "abort")."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a corelm.SamplingParams")
-        prompt_ids = self.encode_prompt(prompt)
-        self._check_prompt(prompt_ids)
-        params.validate_against_vocab(self.spec.vocab_size)
-        return self._stream_ids(prompt_ids, params)
-
+    # -- streaming ----------------------------------------------------------------------------------
     def _pump(self) -> None:
         """Runs one engine step and files each chunk under its request (several callers may be
         waiting on the same engine: streams consumed in turn, generate)."""
@@ -156,12 +114,19 @@ class LLM:
             self._pump()
         return box.popleft()
 
-    def _stream_ids(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        """Runs one request through the engine until it finishes. Closing the generator aborts the
-        request, which releases its KV blocks at the next step."""
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
+        """Generates one completion, yielding text as soon as it is complete UTF-8 and cannot be the
+        start of a stop string. Closing the iterator early stops generation (finish_reason "abort")."""
+        params = sampling_params or SamplingParams()
+        self.engine.check_params(params)
+        if params.n != 1:
+            raise ValueError("stream() makes one completion: use n=1 (or generate() for several).")
         rid = f"stream-{next(self._request_ids)}"
-        self.engine.add_request(rid, prompt_ids, params)
-        m = self.last_metrics = {"prompt_tokens": len(prompt_ids), "generated_tokens": 0}
+        prompt_ids = self.engine.add_request(rid, prompt, params)   # validates before the generator starts
+        return self._stream_request(rid, len(prompt_ids))
+
+    def _stream_request(self, rid: str, n_prompt: int) -> Iterator[StreamChunk]:
+        m = self.last_metrics = {"prompt_tokens": n_prompt, "generated_tokens": 0}
         t0 = time.perf_counter()
         t1, finish = None, None
         try:
@@ -186,39 +151,43 @@ class LLM:
             m["generation_time_s"] = time.perf_counter() - (t1 or t0)
             m["finish_reason"] = finish
 
-    def chat_stream(self, messages: List[Dict[str, Any]], params: Optional[SamplingParams] = None,
+    def chat_stream(self, messages: List[Dict[str, Any]], sampling_params: Optional[SamplingParams] = None,
                     chat_template: Optional[str] = None) -> Iterator[StreamChunk]:
-        prompt = self.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # the template already wrote BOS
-        return self.stream(ids, params)
+        return self.stream(self.engine.encode_chat(messages, chat_template), sampling_params)
 
     # -- whole completions --------------------------------------------------------------------------
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]], params: Optional[SamplingParams] = None,
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> List[RequestOutput]:
-        """Completes every prompt (a string, a list of token ids, or a list of either) and returns one
-        RequestOutput per prompt, in input order. All prompts go to the continuous batcher at once."""
-        params = params or SamplingParams()
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        encoded = [self.encode_prompt(p) for p in prompts]      # validate everything before starting
-        for ids in encoded:
-            self._check_prompt(ids)
-        params.validate_against_vocab(self.spec.vocab_size)
+        """Completes every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...};
+        one or a list) and returns one RequestOutput per prompt, in input order. `sampling_params` is
+        one SamplingParams for all prompts or a list, one per prompt. All prompts go to the continuous
+        batcher at once."""
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts.")
+        encoded = [self.engine.encode_prompt(p) for p in prompts]     # validate everything before starting
+        for ids, params in zip(encoded, params_list):
+            self.engine.check_prompt(ids)
+            self.engine.check_params(params)
         base = next(self._request_ids)
-        rids = []
-        for i, ids in enumerate(encoded):
-            for k in range(params.n):
-                p = params if params.seed is None or k == 0 else _with_seed(params, params.seed + k)
-                rid = f"gen-{base}-{i}-{k}"
-                self.engine.add_request(rid, ids, p, seq_index=k)
-                rids.append(rid)
+        rids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        added: List[str] = []
+        chunks: Dict[str, List[StreamChunk]] = {rid: [] for rid in rids}
+        left = {rid: p.n for rid, p in zip(rids, params_list)}   # choices not yet finished
         progress = None
         if use_tqdm:
             from tqdm import tqdm
             progress = tqdm(total=len(rids), desc="generating", unit="req")
-        chunks: Dict[str, List[StreamChunk]] = {rid: [] for rid in rids}
         t0 = time.perf_counter()
         try:
+            for rid, ids, params in zip(rids, encoded, params_list):
+                self.engine.add_request(rid, ids, params)
+                added.append(rid)
             pending = set(rids)
             while pending:
                 self._pump()
@@ -228,11 +197,13 @@ class LLM:
                         chunk = box.popleft()
                         chunks[rid].append(chunk)
                         if chunk.finish_reason is not None:
-                            pending.discard(rid)
-                            if progress is not None:
-                                progress.update(1)
+                            left[rid] -= 1
+                    if left[rid] == 0:
+                        pending.discard(rid)
+                        if progress is not None:
+                            progress.update(1)
         except BaseException:
-            for rid in pending:
+            for rid in added:
                 self.engine.abort_request(rid)
             raise
         finally:
@@ -242,41 +213,48 @@ class LLM:
                 progress.close()
         elapsed = time.perf_counter() - t0
         results = []
-        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            outs = [_completion(k, chunks[f"gen-{base}-{i}-{k}"], params) for k in range(params.n)]
-            cached = max(self.engine.cached_prompt_tokens(f"gen-{base}-{i}-{k}") for k in range(params.n))
+        for rid, prompt, ids, params in zip(rids, prompts, encoded, params_list):
+            outs = [self._completion(k, [c for c in chunks[rid] if c.index == k], params) for k in range(params.n)]
+            cached = self.engine.cached_prompt_tokens(rid)
             metrics = {"prompt_tokens": len(ids), "cached_prompt_tokens": cached,
                        "generated_tokens": sum(len(o.token_ids) for o in outs), "batch_time_s": elapsed}
-            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids, outs, metrics))
+            text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+            results.append(RequestOutput(rid, text, ids, None, outs, True, metrics, cached))
         self.last_metrics = {"prompt_tokens": sum(len(e) for e in encoded),
                              "cached_prompt_tokens": sum(r.metrics["cached_prompt_tokens"] for r in results),
                              "generated_tokens": sum(r.metrics["generated_tokens"] for r in results),
                              "generation_time_s": elapsed}
         return results
 
-    def chat(self, messages, params: Optional[SamplingParams] = None,
-             chat_template: Optional[str] = None) -> List[RequestOutput]:
-        """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them."""
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them; each
+        is rendered with the model's chat template (or `chat_template`) and generated as in generate()."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode(self.apply_chat_template(c, True, chat_template), add_special_tokens=False)
+        prompts = [{"prompt_token_ids": self.engine.encode_chat(c, chat_template, add_generation_prompt)}
                    for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
+    def _completion(self, index: int, chunks: List[StreamChunk], params: SamplingParams) -> CompletionOutput:
+        text, ids, finish, reason = [], [], None, None
+        logprobs: Optional[List[Dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        cumulative = 0.0
+        for chunk in chunks:
+            text.append(chunk.text)
+            if chunk.token_id is not None:
+                ids.append(chunk.token_id)
+                if logprobs is not None and chunk.logprob is not None:
+                    cumulative += chunk.logprob
+                    logprobs.append(self._logprob_entry(chunk))
+            finish, reason = chunk.finish_reason, chunk.stop_reason
+        return CompletionOutput(index, "".join(text), ids, cumulative if logprobs is not None else None,
+                                logprobs, finish, reason)
 
-def _completion(index: int, chunks: List[StreamChunk], params: SamplingParams) -> CompletionOutput:
-    text, ids, finish, reason = [], [], None, None
-    logprobs, cum = ([] if params.logprobs is not None else None), 0.0
-    for chunk in chunks:
-        text.append(chunk.text)
-        if chunk.token_id is not None:
-            ids.append(chunk.token_id)
-            if logprobs is not None and chunk.logprob is not None:
-                cum += chunk.logprob
-                logprobs.append({"token_id": chunk.token_id, "logprob": chunk.logprob, "top": chunk.top_logprobs})
-        finish, reason = chunk.finish_reason, chunk.stop_reason
-    return CompletionOutput(index, "".join(text), ids, finish, reason, cum if logprobs is not None else None, logprobs)
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, seed=seed)
+    def _logprob_entry(self, chunk: StreamChunk) -> Dict[int, Logprob]:
+        """vLLM's per-token dict: the top tokens (ranks 1..k), then the sampled one if it is not among them."""
+        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)   # noqa: E731
+        entry = {t: Logprob(lp, r, decode(t)) for r, (t, lp) in enumerate(chunk.top_logprobs or [], 1)}
+        if chunk.token_id not in entry:
+            entry[chunk.token_id] = Logprob(chunk.logprob, chunk.logprob_rank, decode(chunk.token_id))
+        return entry

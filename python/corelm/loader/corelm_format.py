@@ -1,6 +1,6 @@
 """The corelm model folder: `corelm convert` writes it, `load_model(folder)` reads it (docs/model-format.md).
 
-    folder/config.json             {"format": "corelm", "format_version": 1, "weights": "q4", "spec": {...}}
+    folder/config.json             {"format": "corelm", "format_version": 1, "weights": "q4_1", "spec": {...}}
     folder/weights.corelm          the tensors (layout below), memory-mapped at load
     folder/tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
 
@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..options import WEIGHT_FORMATS
 from .spec import LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, release_mapped_range, weight_shapes
 
 MAGIC = b"CORELMW\0"
@@ -41,14 +42,9 @@ ALIGNMENT = 64
 PREFIX = struct.Struct("<8sIIQII")          # magic, version, alignment, header length, crc, reserved
 MAX_HEADER_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 1 << 62
-WEIGHT_KINDS = ("f32", "bf16", "q8", "q4")   # what `corelm convert --weights` accepts ("f32": no quantization)
-
-# storage type -> (elements per block, bytes per block, GGUF type name for the raw path or None)
+# tensor type in the file -> (elements per block, bytes per block, GGUF type name for the raw path or None)
 TYPES: Dict[str, Tuple[int, int, Optional[str]]] = {
-    "f32": (1, 4, None), "bf16": (1, 2, None),
-    "q8": (32, 34, "Q8_0"), "q4": (32, 18, "Q4_0"), "q4m": (32, 20, "Q4_1"),
-}
-GGML_TO_TYPE = {g: t for t, (_, _, g) in TYPES.items() if g}
+    f.file_type: (f.block, f.block_bytes, f.gguf) for f in WEIGHT_FORMATS.values()}
 
 
 @dataclass(frozen=True)

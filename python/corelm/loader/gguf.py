@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..options import WEIGHT_FORMATS
 from .spec import ModelLoadError, bf16_to_f32, release_mapped_range
 
 GGUF_MAGIC = b"GGUF"
@@ -553,7 +554,8 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
     return get_weight
 
 
-RAW_GGML_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Block types the engine takes as they are stored (the quantized weight formats in corelm.options).
+RAW_GGML_TYPES = tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
 def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, str]):

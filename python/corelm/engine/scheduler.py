@@ -1,30 +1,23 @@
-"""Request-level engines: many requests in, one model step at a time, text chunks out.
+"""The continuous batcher: which sequences run at each step, over a paged KV cache with a prefix cache.
 
-    engine = llm.engine                      # a BatchEngine over the LLM's model and KV cache
-    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32))
-    while engine.has_unfinished_requests():
-        for request_id, chunk in engine.step():
-            ...   # chunk.text, chunk.token_id, chunk.finish_reason ("stop" | "length" | "abort")
+    scheduler = Scheduler(core_model, max_num_seqs=64, max_batch_tokens=256)
+    scheduler.add("req-1", Sequence(...))                 # one Sequence per choice of a request
+    for request_id, chunk in scheduler.step(): ...        # chunk.index says which choice
 
-An engine is driven by one thread (the server's loop, LLM.generate); add_request and abort_request may
-be called from other threads between steps. Every request ends with exactly one chunk whose
-finish_reason is set.
+It knows the C++ model (`forward_batch`, the KV pool's size) and Sequences, nothing about prompts
+or tokenizers: LLMEngine validates requests before they get here. One thread steps it; add and abort
+may be called from other threads between steps.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .sampling import SamplingParams
 from .sequence import Sequence, StreamChunk
-
-
-# --------------------------------------------------------------------------------------------------
-# Continuous batching over a paged KV cache
 
 log = logging.getLogger("corelm")
 
@@ -95,38 +88,39 @@ class BlockManager:
         self.cached.clear()
 
 
-class _Request:
-    def __init__(self, rid: str, prompt_ids: List[int], params: SamplingParams, seq: Sequence):
+class _Running:
+    """A sequence's place in the batcher: its tokens so far and its KV blocks."""
+
+    def __init__(self, rid: str, seq: Sequence):
         self.rid = rid
-        self.tokens = list(prompt_ids)  # prompt, then every sampled token
-        self.params = params
+        self.key = (rid, seq.index)
+        self.tokens = list(seq.prompt_ids)  # prompt, then every sampled token
         self.seq = seq
         self.blocks: List[int] = []
         self.hashes: List[int] = []     # chain hash of each full block so far
         self.n_computed = 0             # tokens whose keys/values are in the cache
 
 
-class BatchEngine:
+class Scheduler:
     """Continuous batching: every step runs one forward pass over all running sequences (one token
     each) plus chunks of prompts being read, so requests join and leave at every step and a long
     prompt never stalls the streams already running. When the KV budget runs out, the newest running
-    request is preempted (its blocks freed) and recomputed later."""
+    sequence is preempted (its blocks freed) and recomputed later."""
 
-    def __init__(self, llm, max_num_seqs: int = 64, max_batch_tokens: int = 256):
-        self.llm = llm
-        self.core = llm._core
+    def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256):
+        self.core = core
         self.block_size = self.core.kv_block_size
         self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, 1)
         self._lock = threading.Lock()
-        self._waiting: "collections.deque[_Request]" = collections.deque()
-        self._running: List[_Request] = []
+        self._waiting: "collections.deque[_Running]" = collections.deque()
+        self._running: List[_Running] = []
         self._aborted: List[str] = []
-        self._ids: set = set()
+        self._ids: Dict[str, int] = {}              # request id -> its sequences not yet finished
         self.num_preemptions = 0
         self.last_step_tokens = 0
-        self._cached_prompt: Dict[str, int] = {}   # request -> prompt tokens found in the prefix cache
+        self._cached_prompt: Dict[str, int] = {}   # request id -> prompt tokens found in the prefix cache
 
     @property
     def num_waiting(self) -> int:
@@ -136,21 +130,20 @@ class BatchEngine:
     def num_running(self) -> int:
         return len(self._running)
 
-    def add_request(self, request_id: str, prompt_ids: List[int], params: SamplingParams,
-                    seq_index: int = 0) -> None:
-        ids = self.llm.encode_prompt(prompt_ids)
-        self.llm._check_prompt(ids)
-        params.validate_against_vocab(self.llm.spec.vocab_size)
-        if self._blocks_needed(len(ids) + 1) > self.core.kv_blocks:
+    def check_fits(self, n_prompt_tokens: int) -> None:
+        """ValueError when a prompt could not fit in the KV pool even alone."""
+        if self._blocks_needed(n_prompt_tokens + 1) > self.core.kv_blocks:
             raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({self.core.kv_blocks}); "
                              f"raise kv_cache_gb.")
-        seq = Sequence(ids, params, self.llm.tokenizer, self.llm.spec.vocab_size, self.llm.eos_token_ids,
-                       self.llm.max_seq_len - len(ids), seq_index=seq_index)
+
+    def add(self, request_id: str, seqs: List[Sequence]) -> None:
+        """Queues a request's sequences (one per choice; validated by the caller)."""
+        self.check_fits(len(seqs[0].prompt_ids))
         with self._lock:
             if request_id in self._ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._ids.add(request_id)
-            self._waiting.append(_Request(request_id, ids, params, seq))
+            self._ids[request_id] = len(seqs)
+            self._waiting.extend(_Running(request_id, s) for s in seqs)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -167,26 +160,34 @@ class BatchEngine:
         """How many of the request's prompt tokens came from the prefix cache (asked once)."""
         return self._cached_prompt.pop(request_id, 0)
 
+    def is_active(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._ids
+
     # -- one step -------------------------------------------------------------------------------------
     def _blocks_needed(self, n_tokens: int) -> int:
         return (n_tokens + self.block_size - 1) // self.block_size
 
-    def _finish(self, r: _Request) -> None:
+    def _finish(self, r: _Running) -> None:
         self.blocks.release(r.blocks)
         r.blocks = []
-        self._ids.discard(r.rid)
+        left = self._ids.get(r.rid, 0) - 1
+        if left > 0:
+            self._ids[r.rid] = left
+        else:
+            self._ids.pop(r.rid, None)
 
-    def _preempt(self, r: _Request) -> None:
+    def _preempt(self, r: _Running) -> None:
         """Frees a running request's blocks; it goes back to the front of the queue and is recomputed."""
         self.num_preemptions += 1
-        log.warning("KV cache full: request %s preempted, it will be recomputed (raise kv_cache_gb to avoid this)",
+        log.warning("KV cache full: a sequence of request %s preempted, it will be recomputed (raise kv_cache_gb to avoid this)",
                     r.rid)
         self._running.remove(r)
         self.blocks.release(r.blocks)
         r.blocks, r.hashes, r.n_computed = [], [], 0
         self._waiting.appendleft(r)
 
-    def _grow(self, r: _Request, n_tokens: int) -> bool:
+    def _grow(self, r: _Running, n_tokens: int) -> bool:
         """Gives r enough blocks for n_tokens; False if the pool is exhausted."""
         while len(r.blocks) < self._blocks_needed(n_tokens):
             b = self.blocks.allocate()
@@ -195,7 +196,7 @@ class BatchEngine:
             r.blocks.append(b)
         return True
 
-    def _admit(self, r: _Request) -> None:
+    def _admit(self, r: _Running) -> None:
         # reuse cached full blocks of the prompt, except that the last prompt token is always run
         r.blocks = self.blocks.match_prefix(r.tokens[:-1])
         h = 0
@@ -203,11 +204,11 @@ class BatchEngine:
             h = BlockManager.chain_hash(h, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
         r.n_computed = len(r.blocks) * self.block_size
-        self._cached_prompt[r.rid] = r.n_computed
+        self._cached_prompt[r.rid] = max(self._cached_prompt.get(r.rid, 0), r.n_computed)
 
-    def _schedule(self) -> List[Tuple[_Request, int]]:
+    def _schedule(self) -> List[Tuple[_Running, int]]:
         """Which requests run this step and how many of their tokens."""
-        plan: List[Tuple[_Request, int]] = []
+        plan: List[Tuple[_Running, int]] = []
         budget = self.max_batch_tokens
         # running requests first, oldest first; preempt the newest when blocks run out
         for r in list(self._running):
@@ -250,19 +251,17 @@ class BatchEngine:
         with self._lock:
             aborted, self._aborted = self._aborted, []
             for rid in aborted:
-                r = next((x for x in list(self._waiting) + self._running if x.rid == rid), None)
-                if r is None:
-                    continue
-                (self._waiting if r in self._waiting else self._running).remove(r)
-                r.seq.abort()
-                self._finish(r)
-                out.append((rid, StreamChunk("", None, "abort")))
+                for r in [x for x in list(self._waiting) + self._running if x.rid == rid]:
+                    (self._waiting if r in self._waiting else self._running).remove(r)
+                    r.seq.abort()
+                    self._finish(r)
+                    out.append((rid, StreamChunk("", None, "abort", index=r.seq.index)))
             plan = self._schedule()
             if not plan and self._waiting and not self._running:
                 r = self._waiting.popleft()  # cannot fit even in an empty cache: fail it rather than spin
                 r.seq.abort()
                 self._finish(r)
-                out.append((r.rid, StreamChunk("", None, "abort")))
+                out.append((r.rid, StreamChunk("", None, "abort", index=r.seq.index)))
         if not plan:
             return out
         tokens, slices = [], []
@@ -280,22 +279,15 @@ class BatchEngine:
             r.tokens.append(chunk.token_id)
             out.append((r.rid, chunk))
             if r.seq.finished:
-                with self._lock:  # add_request (another thread) reads the id set
+                with self._lock:  # add (another thread) reads the id set
                     self._running.remove(r)
                     self._finish(r)
         return out
 
-    def _register_full_blocks(self, r: _Request) -> None:
+    def _register_full_blocks(self, r: _Running) -> None:
         while len(r.hashes) < r.n_computed // self.block_size:
             i = len(r.hashes)
             prev = r.hashes[-1] if r.hashes else 0
             h = BlockManager.chain_hash(prev, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
             self.blocks.register(r.blocks[i], h)
-
-    def run_to_completion(self) -> Dict[str, List[StreamChunk]]:
-        chunks: Dict[str, List[StreamChunk]] = collections.defaultdict(list)
-        while self.has_unfinished_requests():
-            for rid, chunk in self.step():
-                chunks[rid].append(chunk)
-        return dict(chunks)

@@ -10,25 +10,19 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
+from ..loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
+from ..options import KEEP_GGUF_BLOCKS, WEIGHT_FORMATS, choose, choose_optional, format_of_core, format_of_gguf
 
 log = logging.getLogger("corelm")
 
-DTYPES = ("auto", "bf16", "fp32", "q8", "q4")
-# GGUF block types kept as they are (repacked, never dequantized) under each dtype.
-RAW_TYPES = {"auto": ("Q8_0", "Q4_0", "Q4_1"), "q8": ("Q8_0",), "q4": ("Q4_0", "Q4_1", "Q8_0")}
-
-
-NUMA_POLICIES = ("distribute", "isolate")
+KV_BLOCK_SIZE = 16
 
 
 def check_numa(numa: Optional[str]) -> Optional[str]:
     """None (the default plan, memory where first touch puts it), "distribute" (threads on every node,
     each matrix's rows and the KV blocks split by node) or "isolate" (threads and memory on the node the
     process started on), as llama.cpp's --numa."""
-    if numa is not None and numa not in NUMA_POLICIES:
-        raise ValueError(f"numa must be None or one of {', '.join(NUMA_POLICIES)}, got {numa!r}.")
-    return numa
+    return choose_optional("numa", numa)
 
 
 def default_threads(numa: Optional[str] = None) -> int:
@@ -38,7 +32,7 @@ def default_threads(numa: Optional[str] = None) -> int:
     numa="distribute": the physical cores of every node; "isolate": of the node this process runs on."""
     check_numa(numa)
     try:
-        from . import _core
+        from .. import _core
         return max(1, len(_core.plan_threads(numa=numa)))
     except Exception:   # the core is not built (or predates the plan): count cores with psutil
         pass
@@ -62,9 +56,6 @@ def default_pin_threads() -> bool:
     return os.environ.get("CORELM_PIN_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-SCHEDULES = ("dynamic", "static")
-
-
 def default_schedule() -> str:
     """How the kernels split work across threads: "dynamic" (each thread's share follows its measured
     speed, idle threads take over leftovers and chunks held by descheduled threads) unless
@@ -73,21 +64,18 @@ def default_schedule() -> str:
 
 
 def resolve_schedule(schedule: str) -> str:
-    value = str(schedule).strip().lower()
-    if value not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
-    return value
+    return choose("schedule", schedule)
 
 
 def resolve_dtype(dtype: str) -> str:
-    """"auto" is bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads),
-    otherwise fp32. "q8" and "q4" quantize matrices at load (blocks of 32 with an fp16 scale)."""
-    from . import _core
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    """The weight format matrices without quantized GGUF blocks get, as the core names it. "auto" is
+    bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads), otherwise fp32;
+    a quantized format quantizes matrices at load (blocks of 32 with an fp16 scale)."""
+    from .. import _core
+    dtype = choose("dtype", dtype)
     if dtype == "auto":
         return "bf16" if _core.cpu_info().get("bf16_native") else "fp32"
-    return dtype
+    return WEIGHT_FORMATS[dtype].core
 
 
 def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
@@ -128,22 +116,14 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 pin_threads=bool(pin_threads), numa=numa, schedule=schedule)
 
 
-_RAW_STORAGE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4m"}
-KV_DTYPES = ("fp32", "bf16", "int8")
-ACTIVATIONS = ("auto", "int8", "int16")
-KV_BLOCK_SIZE = 16
-
-
 def auto_activations(stored_matrices: "collections.Counter") -> str:
-    """activations="auto": int16 when most matrices are stored as q8, else int8 (see build_core_model)."""
+    """activations="auto": int16 when most matrices are stored as q8_0, else int8 (see build_core_model)."""
     top = stored_matrices.most_common(1)
-    return "int16" if top and top[0][0] == "q8" else "int8"
+    return "int16" if top and top[0][0] == "q8_0" else "int8"
 
 
 def check_activations(activations: str) -> str:
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
-    return activations
+    return choose("activations", activations)
 
 
 def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb: Optional[float]) -> int:
@@ -178,7 +158,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
     being close to fp32, and int8 activations more than tripled their KLD on SmolLM2), int8 otherwise
     (4-bit weights' error dwarfs the activations'); see docs/quality.md."""
-    from . import _core
+    from .. import _core
     spec = loaded.spec
     numa = check_numa(numa)
     threads = default_threads(numa) if threads is None else int(threads)
@@ -188,9 +168,9 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         max_seq_len = min(int(spec.max_position_embeddings or 2048), 4096)
     if int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
-    if kv_cache_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}.")
-    check_activations(activations)
+    kv_cache_dtype = choose("kv_cache_dtype", kv_cache_dtype)
+    activations = check_activations(activations)
+    dtype = choose("dtype", dtype)
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
@@ -202,17 +182,18 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
     get_raw = getattr(loaded, "get_raw_weight", None)
-    keep_raw = RAW_TYPES.get(dtype, ())
-    stored = collections.Counter()  # how the matrices are stored, for LLM.dtype / corelm info
+    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
         raw = get_raw(name) if get_raw is not None and keep_raw else None
+        raw_format = format_of_gguf(raw[0]) if raw is not None else None
         is_matrix = len(weight_shapes(spec)[name]) == 2
-        if raw is not None and raw[0] in keep_raw:   # quantized GGUF blocks: repacked, no float round trip
+        if raw_format is not None and raw_format.name in keep_raw:   # quantized blocks: repacked, no float round trip
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
-            stored[_RAW_STORAGE.get(raw[0], raw[0].lower())] += is_matrix
+            stored[raw_format.name] += is_matrix
         else:
             model.set_weight(name, loaded.get_weight(name))
-            stored[model.weight_type] += is_matrix
+            stored[format_of_core(model.weight_type).name] += is_matrix
         loaded.release_weight(name)
     model.finalize()
     # set once the weights are in: "auto" follows how they were stored

@@ -1,0 +1,221 @@
+"""LLMEngine: the one engine every entry point drives (LLM, chat, generate, serve, batch).
+
+    engine = LLMEngine("model.gguf", threads=2)
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=32, n=2))
+    while engine.has_unfinished_requests():
+        for request_id, chunk in engine.step():
+            ...   # chunk.index (which of the n choices), chunk.text, chunk.token_id, chunk.finish_reason
+
+It owns the loaded model, the tokenizer, the C++ model and the scheduler. It checks every request
+before queueing it (prompt within the vocabulary and the context, sampling parameters against the
+vocabulary) and fans a request out into its n choices. One thread steps it; add_request and
+abort_request may be called from other threads between steps. Every choice ends with exactly one
+chunk whose finish_reason is set ("stop" | "length" | "abort").
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+
+import numpy as np
+
+from ..loader import load_model
+from ..options import choose
+from .model_builder import build_core_model
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, StreamChunk
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# A prompt: text, token ids, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}.
+PromptType = Union[str, Seq[int], Mapping[str, Any]]
+
+
+def default_model_path() -> str:
+    """The embedded default model: installed inside the package, or models/ of a source checkout."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for candidate in (os.path.join(here, "models", DEFAULT_MODEL_FILE),
+                      os.path.join(here, "..", "..", "models", DEFAULT_MODEL_FILE)):
+        if os.path.isfile(candidate):
+            return os.path.normpath(candidate)
+    raise FileNotFoundError(f"the embedded default model {DEFAULT_MODEL_FILE} is missing from this installation")
+
+
+def served_model_name(model: Optional[str]) -> str:
+    """The name a model is served and reported under: its file or folder name without .gguf
+    (the embedded default model when None)."""
+    name = os.path.basename(os.path.normpath(model if model is not None else DEFAULT_MODEL_FILE))
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+def is_single_prompt(prompts) -> bool:
+    """True for one prompt (text, a TextPrompt/TokensPrompt dict, or a flat list of token ids), False
+    for a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    return len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))
+
+
+class LLMEngine:
+    """See the module docstring. Options (all keyword): threads, dtype, max_seq_len, revision, progress,
+    kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
+    activations; README.md and corelm.options describe each."""
+
+    def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
+                 max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
+                 kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
+                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
+        t0 = time.perf_counter()
+        self.model_path = model if model is not None else default_model_path()
+        self.model_name = served_model_name(model)
+        dtype = choose("dtype", dtype)
+        if weights is not None:   # convert once into the cache, then load that
+            weights = choose("weights", weights)
+            if dtype not in ("auto", weights):   # the converted folder would be repacked into dtype: say so
+                raise ValueError(f"weights={weights!r} and dtype={dtype!r} disagree; give one of them "
+                                 f"(weights= converts and keeps that format, dtype= repacks at load).")
+            from ..convert import cached_conversion
+            self.model_path = cached_conversion(self.model_path, weights, progress=True)
+        self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)
+        if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
+            from ..convert import folder_dtype
+            dtype = folder_dtype(self.loaded.source)
+        self.spec = self.loaded.spec
+        self.tokenizer = self.loaded.tokenizer
+        self.core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
+                                     progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
+                                     pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations)
+        self.threads = self.core.n_threads
+        self.schedule = self.core.schedule
+        self.activations = self.core.activations
+        self.numa = numa
+        self.dtype = getattr(self.loaded, "stored_types", None) or self.core.weight_type  # e.g. "q4_1+q8_0"
+        self.max_seq_len = self.core.max_seq_len
+        self.vocab_size = self.spec.vocab_size
+        self.eos_token_ids = self._eos_ids()
+        self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)
+        self.load_time_s = time.perf_counter() - t0
+
+    def _eos_ids(self) -> List[int]:
+        ids = list(self.spec.eos_token_ids or [])
+        gen = self.loaded.generation_config.get("eos_token_id")
+        ids += gen if isinstance(gen, list) else ([gen] if isinstance(gen, int) else [])
+        ids += list(getattr(self.tokenizer, "eos_token_ids", []) or [])
+        return sorted({int(i) for i in ids if isinstance(i, (int, np.integer)) and 0 <= i < self.vocab_size})
+
+    # -- prompts ------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: PromptType) -> List[int]:
+        """Token ids of a prompt (text gets the tokenizer's special tokens, e.g. BOS); ids are checked
+        against the vocabulary."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (a list of ids).")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Seq, np.ndarray)):
+            raise ValueError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}.")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a token-id prompt must hold integers only.")
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1}).")
+        return ids
+
+    def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template)
+
+    def encode_chat(self, messages: List[Dict[str, Any]], chat_template: Optional[str] = None,
+                    add_generation_prompt: bool = True) -> List[int]:
+        """Token ids of a conversation rendered with the model's chat template (which writes BOS itself)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, prompt_ids: List[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens to start from).")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context holds {self.max_seq_len} "
+                             f"(including at least one generated token); shorten the prompt or raise max_seq_len.")
+        self.scheduler.check_fits(len(prompt_ids))
+
+    def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling parameters must be a corelm.SamplingParams, got {type(params).__name__}")
+        params.validate_against_vocab(self.vocab_size)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Queues a request (all its n choices) and returns its prompt's token ids. Raises ValueError
+        (nothing queued) for a bad prompt or parameters, or a request id already in use."""
+        ids = self.encode_prompt(prompt)
+        self.check_prompt(ids)
+        self.check_params(params)
+        seqs = [Sequence(ids, choice_params(params, k), self.tokenizer, self.vocab_size, self.eos_token_ids,
+                         self.max_seq_len - len(ids), seq_index=k) for k in range(params.n)]
+        self.scheduler.add(request_id, seqs)
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops every choice of the request at the next step (each ends with an "abort" chunk)."""
+        self.scheduler.abort_request(request_id)
+
+    def step(self) -> List[Tuple[str, StreamChunk]]:
+        """One forward pass over the running sequences: (request id, chunk) for every choice that moved."""
+        return self.scheduler.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def run_to_completion(self) -> Dict[str, List[StreamChunk]]:
+        """Steps until every request finished: request id -> its chunks (all choices, in order)."""
+        chunks: Dict[str, List[StreamChunk]] = collections.defaultdict(list)
+        while self.has_unfinished_requests():
+            for rid, chunk in self.step():
+                chunks[rid].append(chunk)
+        return dict(chunks)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted so far because the KV pool ran out (each was recomputed later)."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def last_step_tokens(self) -> int:
+        """Tokens the last step ran through the model (prompt chunks plus one per decoding sequence)."""
+        return self.scheduler.last_step_tokens
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        """How many of the request's prompt tokens came from the prefix cache (asked once)."""
+        return self.scheduler.cached_prompt_tokens(request_id)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the prefix cache (the next prompt is read from scratch)."""
+        self.scheduler.clear_prefix_cache()
+
+
+def choice_params(params: SamplingParams, k: int) -> SamplingParams:
+    """Choice k of a request: the same parameters, with seed + k for k > 0 when a seed is set, so the
+    choices differ but the request stays reproducible."""
+    if k == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + k)

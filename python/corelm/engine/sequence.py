@@ -1,0 +1,108 @@
+"""One request's generation state, shared by every engine: sampling, stop conditions and UTF-8-safe
+text. An engine runs the model and hands each step's logits to `Sequence.step`, which picks the next
+token and returns the text it completes, with `finish_reason` set on the last step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence as Seq, Union
+
+import numpy as np
+
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class StreamChunk:
+    text: str                             # new text; "" while a multi-byte character or a possible stop string is pending
+    token_id: Optional[int]               # the token behind this chunk
+    finish_reason: Optional[str] = None   # "stop" | "length" on the last chunk ("abort" is set by engines)
+    stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
+    logprob: Optional[float] = None
+    top_logprobs: Optional[List[Any]] = None  # [(token id, logprob)], best first
+    index: int = 0                        # which of the request's n choices
+    logprob_rank: Optional[int] = None    # the token's rank among the whole vocabulary (1 = most likely)
+
+
+class StopStringFilter:
+    """Holds back just enough text to recognise a stop string that spans several tokens."""
+
+    def __init__(self, stops: List[str], include_stop: bool):
+        self.stops = stops
+        self.include = include_stop
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str):
+        """Returns (text safe to emit, matched stop string or None)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, None
+        best = None
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            out = self.pending[: i + len(s)] if self.include else self.pending[:i]
+            self.pending = ""
+            return out, s
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Sequence:
+    def __init__(self, prompt_ids: Seq[int], params: SamplingParams, tokenizer, vocab_size: int,
+                 eos_token_ids: Seq[int], max_new_tokens: int, seq_index: int = 0):
+        self.prompt_ids = list(prompt_ids)
+        self.index = seq_index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos = [] if params.ignore_eos else list(eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids or []) | set(self.eos)
+        self.sampler = Sampler(params, vocab_size, eos_token_ids=self.eos, seq_index=seq_index)
+        self.sampler.start(self.prompt_ids)
+        self.detok = tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStringFilter(list(params.stop or []), params.include_stop_str_in_output)
+        self.max_new = max_new_tokens if params.max_tokens is None else min(params.max_tokens, max_new_tokens)
+        self.output_ids: List[int] = []
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self, logits: np.ndarray) -> StreamChunk:
+        """Samples the next token from `logits` and returns what it adds."""
+        params = self.params
+        token = self.sampler.sample(logits)
+        self.output_ids.append(token)
+        n = len(self.output_ids)
+        lp = self.sampler.logprobs(logits, token) if params.logprobs is not None else None
+        logprob, rank, top = lp or (None, None, None)
+        extra = dict(logprob=logprob, top_logprobs=top, index=self.index, logprob_rank=rank)
+        if token in self.stop_ids and not (token in self.eos and n <= params.min_tokens):
+            self.finish_reason = "stop"
+            special = self.tokenizer.is_special(token) and params.skip_special_tokens
+            text = "" if special else self.detok.add(token)
+            tail = self.stops.feed(text + self.detok.flush())[0] + self.stops.flush()
+            return StreamChunk(tail, token, "stop", token, **extra)
+        text, matched = self.stops.feed(self.detok.add(token))
+        if matched is not None:
+            self.finish_reason = "stop"
+            return StreamChunk(text, token, "stop", matched, **extra)
+        if n >= self.max_new:
+            self.finish_reason = "length"
+            text += self.stops.feed(self.detok.flush())[0] + self.stops.flush()
+            return StreamChunk(text, token, "length", None, **extra)
+        return StreamChunk(text, token, None, None, **extra)
+
+    def abort(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "abort"

@@ -1,0 +1,130 @@
+"""Every option name corelm accepts, spelled once: weight formats, KV-cache types, activation precision,
+work schedules and NUMA policies. The Python API, every CLI command, convert, the loaders and the
+calls into the C++ core (`corelm._core`, whose own name tables `_core.option_names()` must agree, see
+tests/test_options.py) read them from here.
+
+    fmt = weight_format("q8")        # -> WEIGHT_FORMATS["q8_0"]
+    choose("kv_cache_dtype", "i8")   # -> "int8"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a matrix's weights are stored."""
+    name: str                   # the canonical name users write (dtype=, --dtype, --weights)
+    aliases: Tuple[str, ...]
+    core: str                   # the C++ core's name (WeightType) and the packed type `Model.weight_type` reports
+    file_type: str              # the tensor type in a corelm weights file (docs/model-format.md)
+    gguf: Optional[str]         # the GGUF block type with the same bytes, kept as stored when loading GGUF
+    block: int                  # weights per block (1: plain floats)
+    block_bytes: int            # bytes per block, scales included
+    description: str
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight, scales included."""
+        return 8 * self.block_bytes / self.block
+
+
+WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
+    WeightFormat("fp32", ("f32", "float32"), "fp32", "f32", None, 1, 4, "32-bit floats"),
+    WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, 1, 2, "bfloat16 (half the bytes of fp32)"),
+    WeightFormat("q8_0", ("q8",), "q8", "q8", "Q8_0", 32, 34, "blocks of 32 int8 with an fp16 scale, as ggml's Q8_0"),
+    WeightFormat("q4_0", ("q4",), "q4", "q4", "Q4_0", 32, 18,
+                 "blocks of 32 4-bit codes with an fp16 scale, as ggml's Q4_0"),
+    WeightFormat("q4_1", ("q4m",), "q4m", "q4m", "Q4_1", 32, 20,
+                 "blocks of 32 4-bit codes with an fp16 scale and minimum, as ggml's Q4_1"),
+)}
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
+
+# GGUF blocks that loading keeps as stored (repacked, never dequantized) under each dtype: "auto" keeps
+# every quantized type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized tensor again.
+KEEP_GGUF_BLOCKS: Dict[str, Tuple[str, ...]] = {
+    "auto": QUANTIZED, "q8_0": ("q8_0",), "q4_0": QUANTIZED, "q4_1": QUANTIZED,
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option: its canonical values (the first is the default unless `default` says otherwise),
+    other accepted spellings, and what the option is called in errors."""
+    option: str
+    values: Tuple[str, ...]
+    aliases: Dict[str, str]
+    help: str
+
+
+def _formats_aliases() -> Dict[str, str]:
+    return {a: f.name for f in WEIGHT_FORMATS.values() for a in f.aliases}
+
+
+CHOICES: Dict[str, Choice] = {c.option: c for c in (
+    Choice("dtype", ("auto",) + tuple(WEIGHT_FORMATS), _formats_aliases(),
+           "matrix weights at load: auto (a GGUF's quantized blocks as stored, else bf16 where the CPU has "
+           "AVX512_BF16, else fp32), or a weight format to convert to"),
+    Choice("weights", tuple(WEIGHT_FORMATS), _formats_aliases(),
+           "what `corelm convert` stores matrices as"),
+    Choice("kv_cache_dtype", ("fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
+           "precision of the KV cache"),
+    Choice("activations", ("auto", "int8", "int16"), {"i8": "int8", "i16": "int16"},
+           "input of matmuls with quantized weights, per block of 32: int8 (fastest), int16 (about 15 bits, "
+           "close to fp32), or auto: int16 where most matrices are q8_0, int8 otherwise"),
+    Choice("schedule", ("dynamic", "static"), {},
+           "how kernels split work across threads: by measured thread speed, stealing leftovers "
+           "(dynamic), or in equal parts (static)"),
+    Choice("numa", ("distribute", "isolate"), {},
+           "distribute: threads on every NUMA node, each matrix's rows and the KV cache split by node; "
+           "isolate: threads and memory on the node corelm started on (default: neither)"),
+)}
+
+
+def choose(option: str, value) -> str:
+    """The canonical spelling of `value` for `option`; ValueError naming the option and its choices."""
+    c = CHOICES[option]
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in c.values:
+            return v
+        if v in c.aliases:
+            return c.aliases[v]
+    raise ValueError(f"{option} must be one of {', '.join(c.values)}, got {value!r}.")
+
+
+def choose_optional(option: str, value) -> Optional[str]:
+    """As choose, with None passed through (the option's default)."""
+    return None if value is None else choose(option, value)
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The WeightFormat for a canonical name or alias (ValueError otherwise)."""
+    return WEIGHT_FORMATS[choose("weights", name)]
+
+
+def format_of_core(core_name: str) -> WeightFormat:
+    """The WeightFormat the C++ core calls `core_name` (e.g. "q4m")."""
+    for f in WEIGHT_FORMATS.values():
+        if f.core == core_name:
+            return f
+    raise KeyError(core_name)
+
+
+def format_of_gguf(gguf_type: str) -> Optional[WeightFormat]:
+    """The WeightFormat whose blocks are this GGUF type's, or None."""
+    return next((f for f in WEIGHT_FORMATS.values() if f.gguf == gguf_type), None)
+
+
+def format_of_file_type(file_type: str) -> WeightFormat:
+    for f in WEIGHT_FORMATS.values():
+        if f.file_type == file_type:
+            return f
+    raise KeyError(file_type)
+
+
+def argparse_choices(option: str) -> Tuple[str, ...]:
+    """Values a CLI flag accepts: canonical names and aliases."""
+    c = CHOICES[option]
+    return c.values + tuple(c.aliases)
