@@ -11,6 +11,7 @@ light commands do not pay for loading the C++ core.
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamChunk",
+           "TextPrompt", "TokensPrompt",
            "ModelLoadError", "__version__"]
 
 
@@ -18,7 +19,7 @@ def __getattr__(name):
     if name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob"):
         from . import llm
         return getattr(llm, name)
-    if name in ("LLMEngine", "SamplingParams", "StreamChunk"):
+    if name in ("LLMEngine", "SamplingParams", "StreamChunk", "TextPrompt", "TokensPrompt"):
         from . import engine
         return getattr(engine, name)
     if name == "ModelLoadError":

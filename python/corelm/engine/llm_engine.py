@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence as Seq, Tuple, TypedDict, Union
 
 import numpy as np
 
@@ -31,8 +31,20 @@ from .sequence import Sequence, StreamChunk
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# A prompt: text, token ids, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}.
-PromptType = Union[str, Seq[int], Mapping[str, Any]]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: {"prompt": text}."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's TokensPrompt: {"prompt_token_ids": [ids]}."""
+    prompt_token_ids: List[int]
+
+
+# A prompt: text, token ids, or a TextPrompt / TokensPrompt dict.
+PromptType = Union[str, Seq[int], TextPrompt, TokensPrompt]
 
 
 def default_model_path() -> str:
