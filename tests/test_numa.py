@@ -348,12 +348,12 @@ def test_info_shows_the_policy_and_where_weights_go(capsys):
 
 
 def test_batch_takes_numa(monkeypatch, tmp_path):
-    import corelm.batch
-    from corelm.batch import runner
+    import corelm.entrypoints.batch
+    from corelm.entrypoints.batch import runner
     with pytest.raises(ValueError, match="numa"):
         runner.run_batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), numa="interleave")
     seen = {}
     summary = dict(requests=0, errors=0, skipped=0, generated_tokens=0, seconds=0.0, restarts=0)
-    monkeypatch.setattr(corelm.batch, "run_batch", lambda *a, **kw: seen.update(kw) or summary)
+    monkeypatch.setattr(corelm.entrypoints.batch, "run_batch", lambda *a, **kw: seen.update(kw) or summary)
     assert cli.main(["batch", "in.jsonl", "-o", "out.jsonl", "--numa", "isolate"]) == 0
     assert seen["numa"] == "isolate"

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (corelm.server), driven over loopback HTTP by the official `openai`
+"""The OpenAI-compatible server (corelm.entrypoints.server), driven over loopback HTTP by the official `openai`
 client and by httpx: chat and completions, streaming or not, logprobs, stop strings, n, errors, the
 API key, the body-size limit, loading, and client disconnects (streaming and not) aborting work."""
 import contextlib
@@ -22,15 +22,20 @@ from conftest import MODELS  # noqa: E402
 
 import corelm  # noqa: E402
 from corelm import SamplingParams  # noqa: E402
-from corelm.server import app as server_app  # noqa: E402
-from corelm.server import create_app  # noqa: E402
+from corelm.entrypoints.server import app as server_app  # noqa: E402
+from corelm.entrypoints.server import create_app  # noqa: E402
 
 KEY = "test-key-123"
 
 
+def stories():
+    return corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=2, max_seq_len=256)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=2, max_seq_len=256)
+    """For reference generations (and the short-lived servers of single tests)."""
+    return stories()
 
 
 @contextlib.contextmanager
@@ -56,8 +61,11 @@ def running_server(load_llm, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    with running_server(lambda: llm, api_key=KEY, max_body_bytes=64 * 1024) as s:
+def server():
+    # A model of its own: the server's thread steps its engine, and a reference generation through the
+    # same engine from the test's thread would race it for the chunks.
+    served = stories()
+    with running_server(lambda: served, api_key=KEY, max_body_bytes=64 * 1024) as s:
         assert s.state.wait_ready(30)
         yield s
 
@@ -145,7 +153,8 @@ def test_streaming_completion_with_logprobs(client, llm):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
-    assert lps == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-6)
+    ref_lps = [entry[t].logprob for entry, t in zip(ref.logprobs, ref.token_ids)]   # vLLM's {id: Logprob}
+    assert lps == pytest.approx(ref_lps, abs=1e-6)
     assert all(len(t) == 3 for c in chunks for t in c.choices[0].logprobs.top_logprobs)
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -507,3 +516,144 @@ def test_serve_flag_errors():
     from corelm import cli
     assert cli.main(["serve", "--port", "70000"]) == 1
     assert cli.main(["serve", "--max-body-bytes", "5"]) == 1
+
+
+# --- the server and batch files: one vocabulary (corelm.openai) -------------------------------------
+
+from corelm.entrypoints.batch import BatchLineError, parse_line  # noqa: E402
+from corelm.entrypoints.batch.worker import BatchWorker  # noqa: E402
+from corelm.openai import served_model_name  # noqa: E402
+
+
+class RecordingEngine(WrappedEngine):
+    """Records the (prompt ids, SamplingParams) of every request handed to the engine."""
+
+    def __init__(self, llm):
+        super().__init__(llm)
+        self.seen = []
+
+    def add_request(self, request_id, prompt, params):
+        self.seen.append((list(prompt), params))
+        return self.inner.add_request(request_id, prompt, params)
+
+
+@pytest.fixture(scope="module")
+def recording_server():
+    original = server_app.make_engine
+    server_app.make_engine = RecordingEngine
+    served = stories()
+    try:
+        with running_server(lambda: served) as s:
+            assert s.state.wait_ready(10)
+            yield s
+    finally:
+        server_app.make_engine = original
+
+
+@pytest.fixture(scope="module")
+def batch_worker():
+    """A batch worker in this process, on the same model and context as the server's."""
+    worker = BatchWorker(os.path.join(MODELS, "stories260K"), 2, {"dtype": "fp32", "max_seq_len": 256})
+    worker.engine = RecordingEngine(types.SimpleNamespace(engine=worker.engine))
+    return worker
+
+
+def batch_answer(worker, url, body):
+    """(output line, None) for a line with this body, or (None, (code, message)) for its error."""
+    try:
+        req = parse_line(json.dumps({"custom_id": "x", "method": "POST", "url": url, "body": body}))
+    except BatchLineError as e:
+        return None, (e.code, e.message)
+    [(line, _)] = worker.run_task([req])
+    return (line, None) if line["error"] is None else (None, (line["error"]["code"], line["error"]["message"]))
+
+
+STOP = "upon"
+SAME_BODIES = [
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.8, "top_p": 0.9,
+                         "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                         "frequency_penalty": 0.2, "seed": 5, "n": 2, "stop_token_ids": [3], "ignore_eos": True,
+                         "min_tokens": 2, "logprobs": 2, "skip_special_tokens": False}),
+    ("/v1/completions", {"prompt": ["The dog", [1, 403, 407]], "max_tokens": 4, "temperature": 0, "stop": " a",
+                         "include_stop_str_in_output": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                              "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3, "temperature": 0.7,
+                              "seed": 1, "n": 3, "skip_special_tokens": False,
+                              "include_stop_str_in_output": True, "stop": [STOP]}),
+]
+
+
+@pytest.mark.parametrize("url,body", SAME_BODIES)
+def test_server_and_batch_hand_the_engine_the_same_request(recording_server, batch_worker, url, body):
+    """The same body through both front ends: the same prompt ids and SamplingParams reach the engine
+    (every field honoured, skip_special_tokens and include_stop_str_in_output included), and the same
+    choices, logprobs and usage come back."""
+    recording_server.state.engine.seen.clear()
+    batch_worker.engine.seen.clear()
+    r = post(recording_server, url, body, key=None)
+    assert r.status_code == 200, r.text
+    line, err = batch_answer(batch_worker, url, body)
+    assert err is None
+    assert batch_worker.engine.seen == recording_server.state.engine.seen
+    params = batch_worker.engine.seen[0][1]
+    for name in ("skip_special_tokens", "include_stop_str_in_output"):   # the fields batch used to drop
+        assert getattr(params, name) == body.get(name, getattr(SamplingParams(), name))
+    served, batched = r.json(), line["response"]["body"]
+    assert batched["choices"] == served["choices"] and batched["usage"] == served["usage"]
+    assert batched["object"] == served["object"]
+
+
+def test_batch_keeps_the_stop_string_when_asked(batch_worker):
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stop": [" a"]}
+    line, _ = batch_answer(batch_worker, "/v1/completions", body)
+    without = line["response"]["body"]["choices"][0]
+    line, _ = batch_answer(batch_worker, "/v1/completions", dict(body, include_stop_str_in_output=True))
+    kept = line["response"]["body"]["choices"][0]
+    assert without["finish_reason"] == kept["finish_reason"] == "stop"
+    assert kept["text"] == without["text"] + " a"
+
+
+@pytest.mark.parametrize("url,body", [
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}),
+    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/completions", {"prompt": "x", "suffix": SECRET}),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}),
+    ("/v1/completions", {"prompt": "x", "n": 17}),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 9}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "temperature": SECRET}),
+    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}),
+    ("/v1/completions", {"prompt": [1, 10**6]}),
+    ("/v1/completions", {"prompt": SECRET * 200}),
+    ("/v1/completions", {"max_tokens": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET * 300}]}),
+])
+def test_server_and_batch_refuse_alike(recording_server, batch_worker, url, body):
+    """Each refusal has the same message in both; the code is the server's, or "invalid_request" in a
+    batch line where the server's code is only the HTTP status."""
+    err = assert_error(post(recording_server, url, body, key=None), 400)
+    line, batch_err = batch_answer(batch_worker, url, body)
+    assert line is None
+    assert batch_err == (err["code"] if isinstance(err["code"], str) else "invalid_request", err["message"])
+
+
+def test_one_served_model_name(tmp_path):
+    """`corelm serve` and `corelm batch` name a model alike: its file or folder name without .gguf."""
+    from corelm.entrypoints.server import model_name_for
+    gguf = os.path.join(MODELS, "stories260K", "stories260K.gguf")
+    assert served_model_name(gguf) == model_name_for(gguf) == "stories260K"
+    worker = BatchWorker(gguf, 1, {"dtype": "fp32"})
+    line, _ = batch_answer(worker, "/v1/completions", {"prompt": "Once", "max_tokens": 2})
+    assert line["response"]["body"]["model"] == "stories260K"

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-from corelm.batch import run_batch  # noqa: E402
+from corelm.entrypoints.batch import run_batch  # noqa: E402
 
 TOPICS = ["the sea", "a red fox", "bread", "winter", "a lighthouse", "trains", "bees", "the moon", "tea", "maps"]
 

@@ -769,7 +769,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}.")
     try:
-        from . import server
+        from .entrypoints import server
     except ImportError as e:
         print(f"error: corelm serve needs FastAPI and uvicorn: pip install 'corelm[serve]' ({e})", file=sys.stderr)
         return 1
@@ -784,7 +784,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
-    from .batch import run_batch
+    from .entrypoints.batch import run_batch
     s = run_batch(args.input, args.output, workers=args.workers, threads=args.threads, model=args.model,
                   dtype=args.dtype, max_seq_len=args.ctx_size or None, task_size=args.task_size,
                   progress=args.progress, ray_address=args.ray, numa=args.numa, schedule=args.schedule,

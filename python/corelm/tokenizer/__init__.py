@@ -136,6 +136,14 @@ class Tokenizer:
         """True for SentencePiece <0xNN> tokens when the decoder joins runs of them (ByteFallback)."""
         return token_id in self._byte_fallback_ids
 
+    def is_byte_level(self) -> bool:
+        """True when the decoder is GPT-2's ByteLevel: token strings then spell bytes with
+        bytes_to_unicode's characters (the OpenAI API's logprob `bytes` need the real bytes)."""
+        try:
+            return '"ByteLevel"' in json.dumps(json.loads(self._tk.to_str()).get("decoder"))
+        except (ValueError, AttributeError):
+            return False
+
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tk.id_to_token(int(token_id))
 

@@ -14,14 +14,14 @@ from typing import Any, Dict, List, Optional
 
 class _ActorBody:
     def __init__(self, model, threads, options):
-        from .worker import BatchEngine
-        self.engine = BatchEngine(model, threads, options)
+        from .worker import BatchWorker
+        self.worker = BatchWorker(model, threads, options)
 
     def ready(self) -> Dict[str, Any]:
-        return self.engine.info()
+        return self.worker.info()
 
     def run(self, requests):
-        return self.engine.run_task(requests)
+        return self.worker.run_task(requests)
 
 
 def _import_ray():
@@ -38,7 +38,8 @@ class RayBackend:
         ray = self.ray = _import_ray()
         self._owns_ray = False
         if not ray.is_initialized():
-            here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            import corelm   # actors import corelm from where this process did
+            here = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}}
             if address == "local":
                 ray.init(runtime_env=env, log_to_driver=False, include_dashboard=False)

@@ -1,6 +1,6 @@
 """`corelm batch`: OpenAI Batch JSONL files through N worker processes (or Ray actors).
 
-    from corelm.batch import run_batch
+    from corelm.entrypoints.batch import run_batch
     summary = run_batch("in.jsonl", "out.jsonl", workers=2)
 
 Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",

@@ -9,28 +9,22 @@
 The model loads in a background thread after the server starts listening. One engine thread steps
 the request-level engine (runner.make_engine) for every client; a client that disconnects has its
 requests aborted. Errors use OpenAI's envelope {"error": {"message", "type", "param", "code"}} with
-fixed messages that never echo user text.
+fixed messages that never echo user text. Request bodies and response shapes are corelm.openai's,
+shared with `corelm batch`.
 
-    from corelm.server import create_app
+    from corelm.entrypoints.server import create_app
     app = create_app(lambda: corelm.LLM(path), model_name="my-model")   # any ASGI server runs it
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
+from ...openai import served_model_name  # noqa: F401
 from .app import DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
 from .runner import make_engine  # noqa: F401
 
-
-def model_name_for(model: Optional[str]) -> str:
-    """The id served in /v1/models: the file or folder name without a .gguf suffix."""
-    if model is None:
-        from ..llm import DEFAULT_MODEL_FILE
-        model = DEFAULT_MODEL_FILE
-    name = os.path.basename(os.path.normpath(model))
-    return name[:-5] if name.lower().endswith(".gguf") else name
+model_name_for = served_model_name   # the name cli.py calls it by
 
 
 def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", port: int = 8000,

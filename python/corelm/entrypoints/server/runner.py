@@ -3,6 +3,7 @@ each request's chunks go to its asyncio queue through loop.call_soon_threadsafe.
 
 Only the request-level engine interface is used (add_request, abort_request, step,
 has_unfinished_requests, num_waiting, num_running); `make_engine` is the one place that picks the engine.
+The engine fans a request out into its n choices; the request is done when every choice has finished.
 """
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from ..sampling import SamplingParams
-from ..sequence import StreamChunk
+from ... import SamplingParams, StreamChunk
 
 log = logging.getLogger("corelm.server")
 
 
 def make_engine(llm):
-    """The engine the server drives: the LLM's own continuous batcher, so every client shares one
-    KV-cache pool and each step runs all of them in one forward pass."""
+    """The engine the server drives: the LLM's own LLMEngine, so every client shares one KV-cache pool
+    and each step runs all of them in one forward pass."""
     return llm.engine
 
 
@@ -87,8 +87,9 @@ class Metrics:
 @dataclass
 class _Target:
     loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[Tuple[int, Any]]"
-    index: int                      # the choice index the chunks belong to
+    queue: "asyncio.Queue[Any]"
+    prompt_index: int               # which of the HTTP request's prompts this engine request is
+    unfinished: int                 # its choices that have not finished
     started: float                  # monotonic time of add_request
     first_token: bool = False
 
@@ -123,23 +124,25 @@ class EngineRunner:
         return self.engine.num_running
 
     @property
-    def num_requests(self) -> int:
+    def num_choices(self) -> int:
+        """Choices queued or running (each one a sequence in the engine)."""
         with self._cv:
-            return len(self._targets)
+            return sum(t.unfinished for t in self._targets.values())
 
     def has_unfinished_requests(self) -> bool:
         with self._cv:
             return bool(self._targets) or self.engine.has_unfinished_requests()
 
     def add(self, request_id: str, prompt_ids: List[int], params: SamplingParams,
-            queue: "asyncio.Queue", index: int = 0) -> None:
-        """From the event loop. Raises ValueError (from the engine's validation) without queueing."""
+            queue: "asyncio.Queue", prompt_index: int = 0) -> None:
+        """From the event loop. Raises ValueError (from the engine's validation) without queueing.
+        The queue receives (prompt_index, chunk) for every choice's chunks."""
         loop = asyncio.get_running_loop()
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
             self.engine.add_request(request_id, prompt_ids, params)
-            self._targets[request_id] = _Target(loop, queue, index, time.monotonic())
+            self._targets[request_id] = _Target(loop, queue, prompt_index, params.n, time.monotonic())
             self._cv.notify()
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt_ids)
@@ -177,14 +180,17 @@ class EngineRunner:
                 if chunk.token_id is not None:
                     tokens += 1
                 if chunk.finish_reason is not None:
-                    self._targets.pop(rid, None)
                     finished.append(chunk.finish_reason)
                 if target is None:
                     continue
+                if chunk.finish_reason is not None:
+                    target.unfinished -= 1
+                    if target.unfinished == 0:
+                        self._targets.pop(rid)
                 if chunk.token_id is not None and not target.first_token:
                     target.first_token = True
                     ttfts.append(now - target.started)
-                target.loop.call_soon_threadsafe(target.queue.put_nowait, (target.index, chunk))
+                target.loop.call_soon_threadsafe(target.queue.put_nowait, (target.prompt_index, chunk))
         m = self.metrics
         with m.lock:
             m.engine_steps += 1
@@ -202,6 +208,6 @@ class EngineRunner:
             for rid in targets:
                 self.engine.abort_request(rid)
         for t in targets.values():   # their "abort" chunks from the next step are dropped
-            t.loop.call_soon_threadsafe(t.queue.put_nowait, (t.index, EngineFailed()))
+            t.loop.call_soon_threadsafe(t.queue.put_nowait, EngineFailed())
         with self.metrics.lock:
-            self.metrics.finished["error"] += len(targets)
+            self.metrics.finished["error"] += sum(t.unfinished for t in targets.values())

@@ -3,36 +3,22 @@ disjoint contiguous slices of the CPUs the parent may use (so each worker's weig
 by its own pinned threads, stay in its node's memory)."""
 from __future__ import annotations
 
-import glob
 import os
-import re
 from typing import Dict, List, Optional, Sequence
 
 
-def parse_cpulist(text: str) -> List[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
-    cpus: List[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def numa_nodes(root: str = "/sys/devices/system/node") -> Dict[int, List[int]]:
-    """{node id: its CPUs} from sysfs; {} where sysfs has no node list."""
+def numa_nodes(root: Optional[str] = None) -> Dict[int, List[int]]:
+    """{node id: its CPUs} as the C++ core reads the topology (sysfs below root, default this machine:
+    one place reads sysfs); {} when the core cannot tell."""
+    try:
+        from ... import _core
+        cpus = _core.topology(root)["cpus"]
+    except Exception:   # not built: split_cpus then slices the allowed CPUs without nodes
+        return {}
     nodes: Dict[int, List[int]] = {}
-    for path in glob.glob(os.path.join(root, "node[0-9]*")):
-        m = re.search(r"node(\d+)$", path)
-        try:
-            with open(os.path.join(path, "cpulist")) as f:
-                cpus = parse_cpulist(f.read())
-        except (OSError, ValueError):
-            continue
-        if m and cpus:
-            nodes[int(m.group(1))] = cpus
-    return nodes
+    for cpu in cpus:
+        nodes.setdefault(cpu["node"], []).append(cpu["id"])
+    return {node: sorted(ids) for node, ids in sorted(nodes.items())}
 
 
 def allowed_cpus() -> List[int]:
@@ -45,7 +31,7 @@ def allowed_cpus() -> List[int]:
 def split_cpus(workers: int, cpus: Optional[Sequence[int]] = None,
                nodes: Optional[Dict[int, Sequence[int]]] = None) -> List[List[int]]:
     """Disjoint CPU sets, one per worker. `cpus`: the CPUs allowed (default: this process's
-    affinity); `nodes`: {node: CPUs} (default: sysfs). Workers are spread over the nodes that have
+    affinity); `nodes`: {node: CPUs} (default: numa_nodes()). Workers are spread over the nodes that have
     allowed CPUs as evenly as possible (worker i on node i when there are at least as many nodes as
     workers), and a node shared by several workers is cut into contiguous slices. With more workers
     than CPUs, sets repeat CPUs round-robin (they cannot be disjoint)."""
@@ -56,7 +42,7 @@ def split_cpus(workers: int, cpus: Optional[Sequence[int]] = None,
     groups = [sorted(set(c) & set(allowed)) for _, c in sorted(nodes.items())]
     groups = [g for g in groups if g]
     placed = set(c for g in groups for c in g)
-    rest = [c for c in allowed if c not in placed]       # CPUs sysfs did not name (or no sysfs)
+    rest = [c for c in allowed if c not in placed]       # CPUs no node named (or no node list)
     if rest:
         groups.append(rest)
     if workers > len(allowed):

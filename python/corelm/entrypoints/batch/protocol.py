@@ -1,0 +1,100 @@
+"""The OpenAI Batch line format: validating input lines and building output lines.
+
+Validation happens in the parent, before any engine sees a request: a line that is not a JSON
+object, lacks a string custom_id, or has another method or url becomes an output line with
+`response: null` and `error: {"code", "message"}`. The body is checked by corelm.openai exactly as
+the server checks it (same fields, defaults, limits and messages); its refusals become error lines
+with the server's code (or "invalid_request" where the server's is only the HTTP status).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, GenerationRequest, parse_request
+
+MAX_CUSTOM_ID = 512
+
+
+class BatchLineError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class BatchRequest:
+    custom_id: str
+    request: GenerationRequest
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")   # as the server's JSON parser says
+
+
+def parse_line(line: Union[str, bytes]) -> BatchRequest:
+    """One input line -> BatchRequest; BatchLineError (code, message) when it is malformed. The
+    error carries `custom_id` when the line had a usable one."""
+    custom_id = None
+    try:
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BatchLineError("invalid_json", "the line is not valid UTF-8.") from None
+        try:
+            obj = json.loads(line, parse_constant=_not_json)
+        except ValueError as e:
+            raise BatchLineError("invalid_json", f"the line is not valid JSON ({_short(str(e), 80)}).") from None
+        if not isinstance(obj, dict):
+            raise BatchLineError("invalid_json", "the line must be a JSON object.")
+        cid = obj.get("custom_id")
+        if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
+            raise BatchLineError("invalid_custom_id",
+                                 f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters.")
+        custom_id = cid
+        if "body" not in obj and ("messages" in obj or "prompt" in obj):   # the bare shorthand
+            obj = {"custom_id": cid, "method": "POST",
+                   "url": CHAT_URL if "messages" in obj else COMPLETIONS_URL,
+                   "body": {k: v for k, v in obj.items() if k != "custom_id"}}
+        if obj.get("method", "POST") != "POST":
+            raise BatchLineError("invalid_method", "method must be POST.")
+        url = obj.get("url")
+        if url not in (CHAT_URL, COMPLETIONS_URL):
+            raise BatchLineError("invalid_url", f"url must be {CHAT_URL} or {COMPLETIONS_URL}.")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise BatchLineError("invalid_request", "body must be a JSON object.")
+        try:
+            request = parse_request(url, body)
+        except APIError as e:
+            raise BatchLineError(e.code or "invalid_request", e.message) from None
+        if request.stream:   # a batch answer is whole
+            raise BatchLineError("unsupported_parameter", "'stream' is not supported in batch files.")
+        return BatchRequest(cid, request)
+    except BatchLineError as e:
+        e.custom_id = custom_id
+        raise
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def error_line(custom_id: Optional[str], code: str, message: str, line_no: Optional[int] = None) -> Dict[str, Any]:
+    err: Dict[str, Any] = {"code": code, "message": message}
+    if line_no is not None:
+        err["line"] = line_no
+    return {"id": _rid("batch_req_"), "custom_id": custom_id, "response": None, "error": err}
+
+
+def response_line(custom_id: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    """The output line for a finished request; `body` is its OpenAI response (corelm.openai.Response)."""
+    return {"id": _rid("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _rid("req_"), "body": body}, "error": None}

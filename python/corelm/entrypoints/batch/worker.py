@@ -1,0 +1,120 @@
+"""The engine side of a batch run: one `BatchWorker` per worker process (or Ray actor).
+
+A task is a short list of BatchRequests. All of them go to the worker's LLMEngine at once (it batches
+them continuously and fans each out into its n choices), as the server hands its clients' requests to
+its engine; a request the engine refuses (a prompt longer than the context, a token id outside the
+vocabulary) gets an error line with the server's code and message, and the others run.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ...openai import APIError, Response, TokenText, encode_prompts, sampling_error
+from .protocol import BatchRequest, error_line, response_line
+
+# Test hook: "WORKER:TASK" makes the first incarnation of worker WORKER ("*": of every worker) exit
+# abruptly (os._exit, as a SIGKILL would: no cleanup, no reply) on receiving its TASK-th task (1-based).
+CRASH_ENV = "CORELM_BATCH_TEST_CRASH"
+
+Result = Tuple[Dict[str, Any], int]   # (output line, completion tokens)
+
+
+class BatchWorker:
+    """One worker's engine. options: LLMEngine keyword arguments (dtype, max_seq_len, numa, schedule,
+    activations), the same for every worker."""
+    def __init__(self, model: Optional[str], threads: Optional[int], options: Optional[Dict[str, Any]] = None):
+        from ...engine import LLMEngine
+        self.engine = LLMEngine(model, threads=threads, **(options or {}))
+        self.tokens = TokenText(self.engine.tokenizer)
+
+    def info(self) -> Dict[str, Any]:
+        e = self.engine
+        return {"pid": os.getpid(), "threads": e.threads,
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "dtype": e.dtype, "schedule": e.schedule, "activations": e.activations}
+
+    def run_task(self, requests: Sequence[BatchRequest]) -> List[Result]:
+        """[(output line, completion tokens)] for every request of the task, in any order."""
+        results: List[Result] = []
+        running: Dict[str, Tuple[BatchRequest, Response, int]] = {}   # engine request id -> (request, response, prompt index)
+        for r in requests:
+            try:
+                added = self._add(r)
+            except APIError as e:
+                results.append((error_line(r.custom_id, e.code or "invalid_request", e.message), 0))
+                continue
+            running.update(added)
+        try:
+            while running:
+                for rid, chunk in self.engine.step():
+                    if rid not in running:       # an aborted request's last chunk
+                        continue
+                    r, response, prompt_index = running[rid]
+                    response.add(prompt_index, chunk)
+                    if response.finished:
+                        for other in [k for k, v in running.items() if v[1] is response]:
+                            del running[other]
+                        results.append((response_line(r.custom_id, response.body()), response.completion_tokens))
+        except Exception as e:                   # a bug: the task's requests fail, the worker carries on
+            traceback.print_exc(file=sys.stderr)
+            failed = {v[0].custom_id for v in running.values()}
+            for rid in running:
+                self.engine.abort_request(rid)
+            results += [(error_line(cid, "internal_error", f"{type(e).__name__} while generating"), 0)
+                        for cid in sorted(failed)]
+        return results
+
+    def _add(self, r: BatchRequest) -> Dict[str, Tuple[BatchRequest, Response, int]]:
+        """Queues the request's prompts; APIError (nothing left queued) when the engine refuses one."""
+        req = r.request
+        prompts = encode_prompts(self.engine, req)
+        response = Response(req, sum(len(ids) for ids in prompts), req.model or self.engine.model_name, self.tokens)
+        added = {}
+        try:
+            for p, ids in enumerate(prompts):
+                rid = f"{response.id}-{p}"
+                self.engine.add_request(rid, ids, req.params)
+                added[rid] = (r, response, p)
+        except ValueError as e:                  # as the server answers it
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise sampling_error(e) from None
+        return added
+
+
+def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
+                threads: Optional[int], options: Dict[str, Any]) -> None:
+    """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
+    pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results)."""
+    try:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)   # before loading: the weights are first touched from here
+        worker = BatchWorker(model, threads, options)
+    except Exception as e:                   # a missing or corrupt model: the parent reports it
+        conn.send(("fatal", f"{e}"))
+        conn.close()
+        os._exit(1)
+    crash = os.environ.get(CRASH_ENV, "")
+    crash_at = None
+    if crash and incarnation == 0:
+        w, _, t = crash.partition(":")
+        if w == "*" or int(w) == index:
+            crash_at = int(t)
+    conn.send(("ready", worker.info()))
+    received = 0
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if msg is None:
+            break
+        task_id, requests = msg
+        received += 1
+        if crash_at is not None and received == crash_at:
+            os._exit(17)
+        conn.send(("result", task_id, worker.run_task(requests)))
+    conn.close()

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions,
+/health and /metrics. See corelm.entrypoints.server for the overview."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import Response as HTTPResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...openai import (CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, encode_prompts,
+                       parse_request, sampling_error)
+from .runner import EngineFailed, EngineRunner, Metrics, make_engine
+
+log = logging.getLogger("corelm.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_DISCONNECTED = object()
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: Optional[str] = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_pending: int = 512    # choices queued or running; more get a 503
+
+
+class ServerState:
+    """What the endpoints share: the load status; the LLM, its engine and the engine runner once loaded."""
+
+    def __init__(self, load_llm: Callable[[], Any], config: ServerConfig,
+                 on_load_error: Optional[Callable[[BaseException], None]] = None):
+        self.load_llm = load_llm
+        self.config = config
+        self.on_load_error = on_load_error
+        self.metrics = Metrics()
+        self.status = "loading"          # -> "ready" | "failed"
+        self.llm = None
+        self.engine = None
+        self.runner: Optional[EngineRunner] = None
+        self.tokens: Optional[TokenText] = None
+        self.created = int(time.time())
+        self._loader = threading.Thread(target=self._load, name="corelm-load", daemon=True)
+
+    def start_loading(self) -> None:
+        self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            llm = self.load_llm()
+            engine = make_engine(llm)
+            runner = EngineRunner(engine, self.metrics)
+            runner.start()
+            self.llm, self.engine, self.tokens, self.runner = llm, engine, TokenText(engine.tokenizer), runner
+            self.status = "ready"
+            log.info("model loaded: %s", self.config.model_name)
+        except BaseException as e:  # noqa: BLE001  (reported through /health and on_load_error)
+            self.status = "failed"
+            log.error("the model failed to load: %s", e)
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+
+    def wait_ready(self, timeout: float) -> bool:
+        self._loader.join(timeout)
+        return self.status == "ready"
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.stop()
+
+
+def _sse(obj: Any) -> str:
+    # ASCII-only JSON: the stream can never carry a broken UTF-8 sequence.
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Request plumbing
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to be too big (before parsing)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request("Invalid Content-Length header.")
+        if int(length) > limit:
+            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    parts, total = [], 0
+    async for part in request.stream():
+        total += len(part)
+        if total > limit:
+            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optional[str] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_pending: int = 512,
+               on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+    """The ASGI app. `load_llm()` runs in a background thread once the server is up; until it returns,
+    /health and the generation endpoints answer 503."""
+    state = ServerState(load_llm, ServerConfig(model_name, api_key, max_body_bytes, max_pending), on_load_error)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start_loading()
+        try:
+            yield
+        finally:
+            state.shutdown()
+
+    app = FastAPI(title="corelm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.corelm = state
+    metrics = state.metrics
+    key = api_key.encode("utf-8") if api_key else None
+
+    def error_response(e: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        metrics.count_request(request.url.path if request.url.path in _ROUTES else "other", e.status)
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        message = {404: "Not found.", 405: "Method not allowed."}.get(e.status_code, "Invalid request.")
+        metrics.count_request("other", e.status_code)
+        return error_response(APIError(e.status_code, message, kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error")
+        metrics.count_request(request.url.path if request.url.path in _ROUTES else "other", 500)
+        return error_response(APIError(500, "Internal server error.", "server_error"))
+
+    def authorize(request: Request) -> None:
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode("utf-8", errors="replace") if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(given, key):   # constant time
+            raise APIError(401, "Invalid or missing API key.", "invalid_request_error", code="invalid_api_key")
+
+    def require_ready() -> None:
+        if state.status == "loading":
+            raise APIError(503, "Loading model.", "unavailable_error", code="model_loading")
+        if state.status != "ready":
+            raise APIError(503, "The model failed to load.", "unavailable_error", code="model_load_failed")
+
+    @app.get("/health")
+    async def health():
+        if state.status == "ready":
+            metrics.count_request("/health", 200)
+            return {"status": "ok"}
+        require_ready()
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request):
+        authorize(request)
+        runner = state.runner
+        text = metrics.render(runner.num_waiting if runner else 0, runner.num_running if runner else 0,
+                              state.status == "ready")
+        metrics.count_request("/metrics", 200)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        metrics.count_request("/v1/models", 200)
+        card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "corelm"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_seq_len
+        return {"object": "list", "data": [card]}
+
+    async def generate(request: Request, endpoint: str):
+        authorize(request)
+        require_ready()
+        body = await _read_body(request, state.config.max_body_bytes)
+        engine, runner = state.engine, state.runner
+        req = parse_request(endpoint, body)
+        # off the event loop: a long prompt or conversation takes a while to render and tokenize
+        prompts = await asyncio.to_thread(encode_prompts, engine, req)
+        if runner.num_choices + req.num_choices > state.config.max_pending:
+            raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
+
+        response = Response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
+        queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED
+        request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
+
+        def abort_all() -> None:           # the runner ignores requests that already finished
+            for rid in request_ids:
+                runner.abort(rid)
+
+        try:
+            for p, ids in enumerate(prompts):
+                runner.add(request_ids[p], ids, req.params, queue, p)
+        except ValueError as e:
+            abort_all()
+            raise sampling_error(e) from None
+
+        async def next_chunk():
+            item = await queue.get()
+            if isinstance(item, EngineFailed):
+                raise APIError(500, "The engine failed while generating.", "server_error")
+            return item
+
+        if req.stream:
+            async def watch() -> None:
+                await _wait_disconnect(request)
+                abort_all()
+                queue.put_nowait(_DISCONNECTED)
+
+            # Watching starts now, not when the body is first iterated: if the client is gone before
+            # the response starts, the generator never runs, but the watcher still aborts.
+            watcher = asyncio.create_task(watch())
+
+            async def events():
+                try:
+                    for event in response.stream_start():
+                        yield _sse(event)
+                    while not response.finished:
+                        try:
+                            item = await next_chunk()
+                        except APIError as e:
+                            yield _sse(e.body())
+                            return
+                        if item is _DISCONNECTED:
+                            return
+                        entry = response.add(*item)
+                        if entry is not None:
+                            yield _sse(response.stream_chunk([entry]))
+                    for event in response.stream_end():
+                        yield _sse(event)
+                    yield "data: [DONE]\n\n"
+                finally:
+                    watcher.cancel()
+                    abort_all()
+
+            metrics.count_request(endpoint, 200)
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect() -> None:
+            while not response.finished:
+                response.add(*await next_chunk())
+
+        collector = asyncio.create_task(collect())
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not collector.done():       # the client left: nobody will read the answer
+                abort_all()
+                metrics.count_request(endpoint, 499)
+                return HTTPResponse(status_code=499)
+            collector.result()              # raises APIError when the engine failed
+        finally:
+            collector.cancel()
+            watcher.cancel()
+            abort_all()
+        metrics.count_request(endpoint, 200)
+        return JSONResponse(response.body())
+
+    @app.post(COMPLETIONS_URL)
+    async def completions(request: Request):
+        return await generate(request, COMPLETIONS_URL)
+
+    @app.post(CHAT_URL)
+    async def chat_completions(request: Request):
+        return await generate(request, CHAT_URL)
+
+    return app
+
+
+_ROUTES = {COMPLETIONS_URL, CHAT_URL, "/v1/models", "/health", "/metrics"}

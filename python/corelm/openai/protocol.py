@@ -1,0 +1,325 @@
+"""OpenAI request bodies -> GenerationRequest (prompts and SamplingParams), and the API's errors.
+
+Bodies are validated by pydantic in strict mode ("0.5" is not a number). Unknown fields are ignored,
+as vLLM does; known fields of the wrong type, out-of-range values and features corelm does not have
+raise APIError, whose message is a fixed text naming the parameter: values and user text are never
+echoed back (llama.cpp PR#9210: "error messages are supposed to be fixed strings").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .. import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+MAX_N = 16                  # choices per request (n x prompts)
+MAX_LOGPROBS = 20           # OpenAI's top_logprobs limit
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+
+class APIError(Exception):
+    """A request the API refuses. The server answers {"error": {message, type, param, code}} with
+    `status`; a batch file gets an error line {"code", "message"}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, message: Optional[str] = None) -> APIError:
+    """A field corelm cannot honour: refused, never silently ignored."""
+    return bad_request(message or f"'{param}' is not supported.", param, code="unsupported_parameter")
+
+
+# Fixed descriptions of each sampling parameter's valid values (SamplingParams' own messages quote the
+# value, so they are not passed on).
+_RANGES = {
+    "n": "an integer from 1 to {max_n} (and 1 when temperature is 0)",
+    "temperature": "a finite number >= 0",
+    "top_p": "a number in (0, 1]",
+    "top_k": "an integer: 0 or -1 (disabled), or at least 1",
+    "min_p": "a number in [0, 1]",
+    "repetition_penalty": "a number > 0",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "seed": "an integer",
+    "stop": "a non-empty string or a list of non-empty strings",
+    "stop_token_ids": "a list of token ids inside the vocabulary",
+    "ignore_eos": "a boolean",
+    "max_tokens": "an integer >= 1",
+    "min_tokens": "an integer >= 0 and <= max_tokens",
+    "logprobs": "an integer from 0 to {max_logprobs}",
+    "skip_special_tokens": "a boolean",
+    "include_stop_str_in_output": "a boolean",
+}
+
+
+def sampling_error(exc: ValueError, rename: Optional[Dict[str, str]] = None) -> APIError:
+    """SamplingParams' ValueError -> a 400 naming the parameter, with a fixed message."""
+    text = str(exc)
+    for name in sorted(_RANGES, key=len, reverse=True):
+        if text.startswith(name):
+            param = (rename or {}).get(name, name)
+            valid = _RANGES[name].format(max_n=MAX_N, max_logprobs=MAX_LOGPROBS)
+            return bad_request(f"Invalid value for '{param}': it must be {valid}.", param)
+    return bad_request("Invalid sampling parameters.")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """pydantic's error -> a 400 naming the top-level field (never the input, which is user text)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    if not errors:
+        return bad_request("Invalid request body.")
+    err = errors[0]
+    kind = err.get("type", "")
+    if kind in ("json_invalid", "json_type"):
+        return bad_request("The request body is not valid JSON.", code="invalid_json")
+    if kind in ("model_type", "model_attributes_type") or not err.get("loc"):
+        return bad_request("The request body must be a JSON object.")
+    param = str(err["loc"][0])
+    if kind == "missing":
+        return bad_request(f"Missing required parameter '{param}'.", param)
+    return bad_request(f"Invalid type or value for '{param}'.", param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Request bodies
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = None
+
+
+Number = Union[int, float]  # strict mode: JSON numbers only, no strings
+
+
+class _Sampling(_Body):
+    """Fields shared by both endpoints, OpenAI's and vLLM's extras (top_k, min_p, ...)."""
+    model: Optional[str] = None
+    n: int = 1
+    max_tokens: Optional[int] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[Dict[str, Number]] = None
+    user: Optional[str] = None
+    # vLLM's extra sampling parameters (the openai client sends them through extra_body)
+    top_k: Optional[int] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, List[Union[int, str, List[int]]]]   # a prompt, token ids, or a list of either
+    max_tokens: Optional[int] = 16          # OpenAI's default for completions
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[TextPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[List[Any]] = None
+    functions: Optional[List[Any]] = None   # the deprecated form of tools
+    response_format: Optional[Dict[str, Any]] = None
+
+
+BODIES = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Body -> GenerationRequest
+
+Prompt = Union[str, List[int]]
+
+
+@dataclass
+class GenerationRequest:
+    """One validated body, ready for an engine: chat requests carry one conversation (`messages`),
+    completions one or more `prompts` (text or token ids); each prompt gets params.n choices, choice
+    index = prompt index * n + k."""
+    chat: bool
+    params: SamplingParams
+    prompts: List[Prompt]
+    messages: Optional[List[Dict[str, str]]] = None
+    stream: bool = False
+    include_usage: bool = False
+    model: Optional[str] = None
+
+    @property
+    def prompt_param(self) -> str:
+        """The body field prompt errors are reported against."""
+        return "messages" if self.chat else "prompt"
+
+    @property
+    def num_choices(self) -> int:
+        return self.params.n * (1 if self.chat else len(self.prompts))
+
+
+def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> GenerationRequest:
+    """A body (JSON text, or already parsed) for `url` -> GenerationRequest; APIError when it is
+    invalid or asks for something corelm does not do. Needs no model."""
+    try:
+        req = BODIES[url].model_validate(body) if isinstance(body, dict) else BODIES[url].model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if isinstance(req, ChatCompletionRequest):
+        return GenerationRequest(True, _chat_params(req), [], _chat_messages(req), req.stream, include_usage,
+                                 req.model)
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix:
+        raise unsupported("suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of", "'best_of' must equal 'n' (or be omitted).")
+    params = _sampling_params(req, req.max_tokens, req.logprobs, {})
+    prompts = req.prompt
+    if isinstance(prompts, str) or (prompts and all(isinstance(p, int) for p in prompts)):
+        prompts = [prompts]
+    elif any(isinstance(p, int) for p in prompts):
+        raise bad_request("'prompt' mixes token ids and prompts.", "prompt")
+    if not prompts or len(prompts) * params.n > MAX_N:
+        raise bad_request(f"Give from 1 to {MAX_N} prompts (times 'n').", "prompt")
+    return GenerationRequest(False, params, list(prompts), None, req.stream, include_usage, req.model)
+
+
+def _chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise unsupported("tools")
+    if req.functions:
+        raise unsupported("functions")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "Only the 'text' response_format is supported.")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    rename = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+              "logprobs": "top_logprobs"}
+    return _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename)
+
+
+def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, str]]:
+    # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
+    return [{"role": "system" if m.role == "developer" else m.role, "content": _chat_text(m.content)}
+            for m in req.messages]
+
+
+def _chat_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise unsupported("messages", "Only text content parts are supported.")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Optional[int],
+                     rename: Dict[str, str]) -> SamplingParams:
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"Invalid value for 'n': it must be an integer from 1 to {MAX_N}.", "n")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        p = rename.get("logprobs", "logprobs")
+        raise bad_request(f"Invalid value for '{p}': it must be an integer from 0 to {MAX_LOGPROBS}.", p)
+    # a null field takes SamplingParams' default
+    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                    repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty)
+    try:
+        return SamplingParams(
+            n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            **{k: v for k, v in optional.items() if v is not None})
+    except ValueError as e:
+        raise sampling_error(e, rename) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts -> token ids (needs the engine)
+
+def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
+    """The token ids of each prompt (chat: of the rendered conversation), checked against the
+    vocabulary and the context; APIError otherwise. Slow for long inputs: run it off an event loop."""
+    if req.chat:
+        try:
+            prompts = [engine.encode_chat(req.messages)]
+        except ValueError:
+            raise bad_request("The chat template could not be applied to these messages.", "messages") from None
+    else:
+        prompts = []
+        for p in req.prompts:
+            if not isinstance(p, str) and any(not 0 <= t < engine.vocab_size for t in p):
+                raise bad_request("The prompt contains token ids outside the vocabulary.", "prompt")
+            prompts.append(engine.encode_prompt(p))
+    for ids in prompts:
+        check_context(ids, engine.max_seq_len, req.prompt_param)
+        try:
+            engine.check_prompt(ids)     # and the KV cache, which a context-sized prompt may outgrow
+        except ValueError:
+            raise bad_request("The prompt needs more KV-cache blocks than the server has.", req.prompt_param,
+                              code="context_length_exceeded") from None
+    try:
+        req.params.validate_against_vocab(engine.vocab_size)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    return prompts
+
+
+def check_context(ids: List[int], limit: int, param: str) -> None:
+    if not ids:
+        raise bad_request(f"The '{param}' is empty.", param)
+    if len(ids) >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                          f"{len(ids)} tokens (at least one token must be left to generate).",
+                          param, code="context_length_exceeded")

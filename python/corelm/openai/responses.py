@@ -1,0 +1,199 @@
+"""OpenAI response bodies: whole completions, streaming chunks, usage and logprobs, built from the
+engine's StreamChunks as they arrive (Response), for the server and for batch files alike."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .protocol import GenerationRequest
+
+# ---------------------------------------------------------------------------------------------------
+# Token text for logprobs
+
+_GPT2_BYTES: Optional[Dict[str, int]] = None
+
+
+def _gpt2_byte_decoder() -> Dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode (byte-level BPE vocabularies spell bytes this way)."""
+    global _GPT2_BYTES
+    if _GPT2_BYTES is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _GPT2_BYTES = {chr(c): b for b, c in zip(bs, cs)}
+    return _GPT2_BYTES
+
+
+class TokenText:
+    """A token id -> (text, UTF-8 bytes) for logprobs. Text of a partial UTF-8 sequence uses U+FFFD;
+    `bytes` carries the exact bytes, as OpenAI's API does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.byte_level = tokenizer.is_byte_level()
+        self._cache: Dict[int, Tuple[str, List[int]]] = {}
+
+    def get(self, token_id: int) -> Tuple[str, List[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self._bytes(token_id)
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return hit
+
+    def _bytes(self, token_id: int) -> bytes:
+        tok = self.tokenizer
+        piece = tok.id_to_token(token_id) or ""
+        if tok.is_special(token_id):
+            return piece.encode("utf-8")
+        if tok.is_byte_fallback(token_id) and len(piece) == 6 and piece.startswith("<0x"):
+            return bytes([int(piece[3:5], 16)])
+        if self.byte_level:
+            table = _gpt2_byte_decoder()
+            if piece and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if "▁" in piece:
+            return piece.replace("▁", " ").encode("utf-8")
+        return tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def chat_logprobs(tokens: TokenText, entries) -> Dict[str, Any]:
+    content = []
+    for tid, lp, top, _ in entries:
+        text, raw = tokens.get(tid)
+        tops = []
+        for t, l in top:
+            tt, tb = tokens.get(t)
+            tops.append({"token": tt, "logprob": l, "bytes": tb})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+    return {"content": content}
+
+
+def completion_logprobs(tokens: TokenText, entries) -> Dict[str, Any]:
+    out: Dict[str, List[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, top, offset in entries:
+        out["tokens"].append(tokens.get(tid)[0])
+        out["token_logprobs"].append(lp)
+        tops: Dict[str, float] = {}
+        for t, l in top:
+            tops.setdefault(tokens.get(t)[0], l)
+        out["top_logprobs"].append(tops)
+        out["text_offset"].append(offset)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# One request's choices
+
+@dataclass
+class Choice:
+    index: int
+    text: List[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: Optional[str] = None
+    logprobs: List[Tuple[int, float, list, int]] = field(default_factory=list)  # (id, lp, top, text offset)
+    offset: int = 0
+
+    def add(self, chunk) -> None:
+        if chunk.token_id is not None:
+            self.tokens += 1
+            if chunk.logprob is not None:
+                self.logprobs.append((chunk.token_id, chunk.logprob, chunk.top_logprobs or [], self.offset))
+        self.text.append(chunk.text)
+        self.offset += len(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+
+
+class Response:
+    """Collects one request's chunks (choice index = prompt index * n + the chunk's index) and builds
+    its bodies: `body()` once every choice has finished, or `stream_*` as the chunks come."""
+
+    def __init__(self, req: GenerationRequest, prompt_tokens: int, model: str, tokens: TokenText):
+        self.chat = req.chat
+        self.n = req.params.n
+        self.prompt_tokens = prompt_tokens
+        self.tokens = tokens
+        self.want_logprobs = req.params.logprobs is not None
+        self.include_usage = req.include_usage
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.choices = [Choice(i) for i in range(req.num_choices)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def add(self, prompt_index: int, chunk) -> Optional[Dict[str, Any]]:
+        """Files a chunk under its choice; returns the choice's streaming entry for what it added
+        (None when it added nothing a client sees)."""
+        c = self.choices[prompt_index * self.n + chunk.index]
+        start = len(c.logprobs)
+        c.add(chunk)
+        new_lp = c.logprobs[start:]
+        if not (chunk.text or chunk.finish_reason or (self.want_logprobs and new_lp)):
+            return None
+        entry: Dict[str, Any] = {"index": c.index}
+        if self.chat:
+            entry["delta"] = {"content": chunk.text} if chunk.text else {}
+        else:
+            entry["text"] = chunk.text
+        entry["logprobs"] = self._logprobs(new_lp)
+        entry["finish_reason"] = chunk.finish_reason
+        return entry
+
+    def _logprobs(self, entries) -> Optional[Dict[str, Any]]:
+        if not self.want_logprobs:
+            return None
+        return chat_logprobs(self.tokens, entries) if self.chat else completion_logprobs(self.tokens, entries)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> Dict[str, int]:
+        done = self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def body(self) -> Dict[str, Any]:
+        """The whole (non-streaming) response."""
+        out = []
+        for c in self.choices:
+            text = "".join(c.text)
+            item: Dict[str, Any] = {"index": c.index}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            item["logprobs"] = self._logprobs(c.logprobs)
+            item["finish_reason"] = c.finish_reason
+            out.append(item)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out, "usage": self.usage()}
+
+    # -- streaming ----------------------------------------------------------------------------------
+    def stream_chunk(self, choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        """A streamed event; with include_usage every event has "usage" (null until the last)."""
+        event = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            event["usage"] = usage
+        return event
+
+    def stream_start(self) -> List[Dict[str, Any]]:
+        """The events before any text: chat announces the assistant role of each choice."""
+        if not self.chat:
+            return []
+        return [self.stream_chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]) for c in self.choices]
+
+    def stream_end(self) -> List[Dict[str, Any]]:
+        """The events after the last choice finished: the usage, when asked for."""
+        return [self.stream_chunk([], self.usage())] if self.include_usage else []
