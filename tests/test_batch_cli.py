@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from corelm import cli
+from corelm.entrypoints import cli
 from corelm.entrypoints.batch import parse_line, run_batch, split_cpus, BatchLineError
 from corelm.entrypoints.batch.runner import load_done
 from corelm.entrypoints.batch.topology import numa_nodes

@@ -1,15 +1,21 @@
 """The `corelm` command line, driven in-process with a fake engine (and once for real when built)."""
+import argparse
+import ast
 import builtins
+import dataclasses
+import importlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import types
 
 import pytest
 
-from corelm import cli
+from corelm import options
+from corelm.entrypoints import cli
 from corelm.loader.spec import LoadedModel, ModelLoadError, ModelSpec
 from corelm.engine.sampling import SamplingParams
 
@@ -68,7 +74,7 @@ def fake(monkeypatch):
     def factory(**kwargs):
         state.llm = FakeLLM(**state.options, **kwargs)
         return state.llm
-    monkeypatch.setattr(cli, "_make_llm", factory)
+    monkeypatch.setattr(cli.flags, "_make_llm", factory)
     return state
 
 
@@ -219,7 +225,7 @@ def test_interactive_ctrl_c_at_the_prompt_hints_then_second_one_exits(monkeypatc
         return item
     monkeypatch.setattr(builtins, "input", fake_input)
     llm = FakeLLM()
-    repl = cli.ChatREPL(llm, SamplingParams(), interactive=True)
+    repl = cli.chat.ChatREPL(llm, SamplingParams(), interactive=True)
     assert repl.run() == 0
     out = capsys.readouterr().out
     assert out.count("Use /exit or Ctrl-D to quit") == 2
@@ -230,7 +236,7 @@ def test_interactive_eof_exits_cleanly(monkeypatch, capsys):
     def eof(prompt):
         raise EOFError
     monkeypatch.setattr(builtins, "input", eof)
-    assert cli.ChatREPL(FakeLLM(), SamplingParams(), interactive=True).run() == 0
+    assert cli.chat.ChatREPL(FakeLLM(), SamplingParams(), interactive=True).run() == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,7 +261,7 @@ def test_bad_flag_values_exit_1_with_an_error_line(capsys, fake, argv, message):
 def test_model_errors_exit_1(monkeypatch, capsys, exc):
     def factory(**kwargs):
         raise exc
-    monkeypatch.setattr(cli, "_make_llm", factory)
+    monkeypatch.setattr(cli.flags, "_make_llm", factory)
     assert cli.main(["generate", "x.gguf", "-p", "hi"]) == 1
     assert capsys.readouterr().err == f"error: {exc}\n"
 
@@ -268,7 +274,7 @@ def test_argparse_errors_return_2(capsys):
 
 def test_no_traceback_from_the_installed_entry_point():
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "corelm.cli", "chat", "--temp", "-1"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "corelm.entrypoints.cli", "chat", "--temp", "-1"], capture_output=True,
                           text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr == "error: temperature must be non-negative, got -1.0.\n"
@@ -383,3 +389,112 @@ def test_chat_drops_oldest_turns_when_the_context_fills(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "dropped the" in err and "error:" not in err
     assert len([line for line in out.splitlines() if line.strip()]) == 5
+
+
+# --------------------------------------------------------------------------------------------------
+# batch: MODEL first, as for every command
+
+@pytest.fixture
+def fake_batch(monkeypatch):
+    """Replaces corelm.entrypoints.batch.run_batch; returns what it was called with."""
+    import corelm.entrypoints.batch
+    seen = {}
+
+    def run_batch(input_path, output_path, **kwargs):
+        seen.clear()
+        seen.update(kwargs, input=input_path, output=output_path)
+        return dict(requests=0, errors=0, skipped=0, generated_tokens=0, seconds=0.0, restarts=0)
+    monkeypatch.setattr(corelm.entrypoints.batch, "run_batch", run_batch)
+    return seen
+
+
+def test_batch_takes_the_model_first_and_in_jsonl_alone(capsys, fake_batch):
+    assert cli.main(["batch", "m.gguf", "in.jsonl", "-o", "out.jsonl", "-w", "2", "--numa", "isolate"]) == 0
+    assert (fake_batch["model"], fake_batch["input"], fake_batch["output"]) == ("m.gguf", "in.jsonl", "out.jsonl")
+    assert (fake_batch["workers"], fake_batch["numa"]) == (2, "isolate")
+    assert cli.main(["batch", "in.jsonl", "-o", "out.jsonl"]) == 0          # no MODEL: the embedded one
+    assert (fake_batch["model"], fake_batch["input"]) == (None, "in.jsonl")
+    assert "deprecated" not in capsys.readouterr().err
+
+
+def test_batch_still_takes_the_deprecated_model_flag(capsys, fake_batch):
+    assert cli.main(["batch", "in.jsonl", "-o", "out.jsonl", "-m", "old.gguf"]) == 0
+    assert (fake_batch["model"], fake_batch["input"]) == ("old.gguf", "in.jsonl")
+    assert "-m/--model is deprecated" in capsys.readouterr().err
+    assert cli.main(["batch", "m.gguf", "in.jsonl", "-o", "out.jsonl", "--model", "old.gguf"]) == 1
+    assert "two models" in capsys.readouterr().err
+
+
+def test_batch_needs_in_jsonl_and_out(capsys, fake_batch):
+    assert cli.main(["batch", "-o", "out.jsonl"]) == 2
+    assert cli.main(["batch", "in.jsonl"]) == 2
+    assert not fake_batch
+
+
+# --------------------------------------------------------------------------------------------------
+# one vocabulary: every command's option values come from corelm.options
+
+# The commands and the registry options their flags take.
+CHOICE_FLAGS = {"chat": {"--dtype": "dtype", "--activations": "activations", "--schedule": "schedule",
+                         "--numa": "numa"},
+                "info": {"--numa": "numa"},
+                "convert": {"--weights": "weights"}}
+for _command in ("generate", "serve", "batch"):
+    CHOICE_FLAGS[_command] = CHOICE_FLAGS["chat"]
+
+
+def command_parsers():
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices
+
+
+def choice_actions(parser):
+    """{flag: action} for the flags that take a registry option's values."""
+    names = {"--dtype", "--activations", "--schedule", "--numa", "--weights"}
+    return {flag: a for a in parser._actions for flag in a.option_strings if flag in names}
+
+
+def test_every_commands_choices_and_help_come_from_the_options_registry():
+    parsers = command_parsers()
+    assert set(parsers) == set(CHOICE_FLAGS)
+    for command, parser in parsers.items():
+        actions = choice_actions(parser)
+        assert {flag: a.dest for flag, a in actions.items()} == CHOICE_FLAGS[command]
+        for flag, option in CHOICE_FLAGS[command].items():
+            assert tuple(actions[flag].choices) == options.argparse_choices(option), (command, flag)
+            assert options.CHOICES[option].help in actions[flag].help, (command, flag)
+
+
+def test_a_name_added_to_the_registry_reaches_every_command(monkeypatch):
+    for option in ("dtype", "activations", "schedule", "numa", "weights"):
+        c = options.CHOICES[option]
+        monkeypatch.setitem(options.CHOICES, option, dataclasses.replace(c, values=c.values + ("newname",)))
+    for command, parser in command_parsers().items():
+        for flag, action in choice_actions(parser).items():
+            assert "newname" in action.choices, (command, flag)
+
+
+def test_the_command_line_never_reaches_past_the_engine():
+    """Entry points use the engine layer: no corelm._core import, no sysfs or /proc path of their own."""
+    folder = os.path.dirname(cli.__file__)
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] + [a.name for a in node.names]
+            else:
+                modules = []
+            assert not any(m.split(".")[-1] == "_core" for m in modules), f"{name} imports _core"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not any(s in node.value for s in ("corelm._core", "/sys/", "/proc/")), f"{name}: {node.value!r}"
+
+
+def test_the_installed_command_is_this_main():
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        target = re.search(r'^corelm = "(.+)"$', f.read(), re.M).group(1)   # [project.scripts]
+    module, _, attr = target.partition(":")
+    assert getattr(importlib.import_module(module), attr) is cli.main

@@ -16,7 +16,7 @@ from test_quant import ggml_quantize
 import corelm
 from corelm import _core
 from corelm.calibrate import activation_importance, calibration_ids
-from corelm.cli import main as cli_main
+from corelm.entrypoints.cli import main as cli_main
 from corelm.convert import (cached_conversion, convert, quantize_q4_0, quantize_q4_1, quantize_q4_1_search,
                             quantize_q8_0, to_bf16)
 from corelm.engine.model_builder import build_core_model

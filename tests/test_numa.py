@@ -9,7 +9,9 @@ import pytest
 
 from conftest import DATA
 
-from corelm import _core, cli
+from corelm import _core
+from corelm.engine import system
+from corelm.entrypoints import cli
 from corelm.engine import model_builder
 from corelm.engine.model_builder import core_config
 from corelm.loader.spec import ModelSpec, weight_shapes
@@ -322,7 +324,7 @@ def test_cli_passes_numa_to_the_engine(monkeypatch):
         seen.update(kw)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(cli, "_make_llm", fake_llm)
+    monkeypatch.setattr(cli.flags, "_make_llm", fake_llm)
     for cmd in (["generate", "m.gguf", "-p", "hi"], ["chat", "m.gguf"]):
         seen.clear()
         assert cli.main(cmd + ["--numa", "distribute"]) == 1 and seen["numa"] == "distribute"
@@ -336,15 +338,15 @@ def test_info_shows_the_policy_and_where_weights_go(capsys):
     assert cli.main(["info", "--numa", "isolate"]) == 0
     out = capsys.readouterr().out
     assert "Placement: --numa isolate" in out
-    topo = cli.topology_info(XEON, numa="distribute")
+    topo = system.topology_info(XEON, numa="distribute")
     assert topo["numa"] == {"policy": "distribute", "shares": [[0, 8], [1, 8]]}
     model = dict(head_dim=64, hidden_size=896, intermediate_size=4864, heads=14, kv_heads=2, vocab_size=151936)
-    split = cli.numa_split(model, topo["numa"]["shares"])
+    split = system.numa_split(model, topo["numa"]["shares"])
     assert split["wqkv"] == [[0, 0, 576], [1, 576, 1152]] and split["lm_head"][1] == [1, 75968, 151936]
-    lines = cli.format_numa(dict(topo["numa"], model_split=split), n_nodes=2)
+    lines = cli.info.format_numa(dict(topo["numa"], model_split=split), n_nodes=2)
     assert "node 0 50% (8 threads), node 1 50% (8 threads)" in lines[0]
     assert "           w_gate_up: rows 0-4863 on node 0, rows 4864-9727 on node 1" in lines
-    assert cli.format_numa({"policy": "default", "shares": [[0, 2]]}, 1)[0].startswith("Placement: --numa not set")
+    assert cli.info.format_numa({"policy": "default", "shares": [[0, 2]]}, 1)[0].startswith("Placement: --numa not set")
 
 
 def test_batch_takes_numa(monkeypatch, tmp_path):

@@ -11,7 +11,9 @@ import pytest
 
 from conftest import DATA, MODELS, ROOT
 
-from corelm import _core, cli
+from corelm import _core
+from corelm.engine import system
+from corelm.entrypoints import cli
 from corelm.engine import model_builder
 from corelm.loader import load_model
 
@@ -332,11 +334,11 @@ def test_info_shows_topology_and_plan(capsys):
 
 
 def test_info_formats_a_hybrid_plan():
-    topo = cli.topology_info(ALDERLAKE)
-    text = "\n".join(cli.format_topology(topo, topo.pop("thread_plan"), pinned=True))
+    topo = system.topology_info(ALDERLAKE)
+    text = "\n".join(cli.info.format_topology(topo, topo.pop("thread_plan"), pinned=True))
     assert "16 cores (8 P + 8 E), 24 logical CPUs, SMT 2" in text
     assert "thread 0 -> cpu 0 (core 0, node 0, P)" in text and "thread 8 -> cpu 16 (core 8, node 0, E)" in text
     assert "L2 2 MiB x2 (shared by 4 CPUs)" in text
-    topo = cli.topology_info(EPYC, threads=20)
-    text = "\n".join(cli.format_topology(topo, topo.pop("thread_plan"), pinned=False))
+    topo = system.topology_info(EPYC, threads=20)
+    text = "\n".join(cli.info.format_topology(topo, topo.pop("thread_plan"), pinned=False))
     assert "4 NUMA nodes" in text and "node 3: CPUs 12-15,28-31 (4 cores)" in text and "4 more" in text

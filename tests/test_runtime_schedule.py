@@ -9,7 +9,8 @@ import pytest
 
 from conftest import MODELS
 
-from corelm import _core, cli
+from corelm import _core
+from corelm.entrypoints import cli
 from corelm.engine import model_builder
 from corelm.loader import load_model
 
@@ -105,8 +106,8 @@ def test_schedule_option_env_and_cli(monkeypatch, models):
     with pytest.raises(ValueError, match="schedule"):
         model.schedule = "other"
     seen = {}
-    monkeypatch.setattr(cli, "_make_llm", lambda **kw: seen.update(kw))
-    cli.llm_from_args(cli.build_parser().parse_args(["generate", "m", "--schedule", "static", "-p", "hi"]))
+    monkeypatch.setattr(cli.flags, "_make_llm", lambda **kw: seen.update(kw))
+    cli.flags.llm_from_args(cli.build_parser().parse_args(["generate", "m", "--schedule", "static", "-p", "hi"]))
     assert seen["schedule"] == "static"
 
 

@@ -478,7 +478,7 @@ def _env():
 
 def test_corelm_serve_command():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "corelm.cli", "serve", os.path.join(MODELS, "stories260K"),
+    proc = subprocess.Popen([sys.executable, "-m", "corelm.entrypoints.cli", "serve", os.path.join(MODELS, "stories260K"),
                              "--port", str(port), "--dtype", "fp32", "-t", "1", "--api-key", KEY,
                              "--log-level", "warning"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -506,14 +506,14 @@ def test_corelm_serve_command():
 def test_corelm_serve_exits_when_the_model_fails_to_load(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)
-    proc = subprocess.run([sys.executable, "-m", "corelm.cli", "serve", str(bad), "--port", str(_free_port()),
+    proc = subprocess.run([sys.executable, "-m", "corelm.entrypoints.cli", "serve", str(bad), "--port", str(_free_port()),
                            "--log-level", "warning"], env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "error:" in proc.stderr
 
 
 def test_serve_flag_errors():
-    from corelm import cli
+    from corelm.entrypoints import cli
     assert cli.main(["serve", "--port", "70000"]) == 1
     assert cli.main(["serve", "--max-body-bytes", "5"]) == 1
 

@@ -55,7 +55,7 @@ def free_port() -> int:
 
 def start_server(model: Optional[str], threads: Optional[int], api_key: Optional[str]) -> (subprocess.Popen, str):
     port = free_port()
-    cmd = [sys.executable, "-m", "corelm.cli", "serve"] + ([model] if model else []) + [
+    cmd = [sys.executable, "-m", "corelm.entrypoints.cli", "serve"] + ([model] if model else []) + [
         "--port", str(port), "--log-level", "warning"]
     if threads:
         cmd += ["--threads", str(threads)]

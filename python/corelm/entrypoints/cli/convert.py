@@ -1,0 +1,34 @@
+"""`corelm convert`: write a corelm model folder from an HF folder or a GGUF file (corelm.convert)."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from ...options import WEIGHT_FORMATS
+from .flags import add_choice_flag
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "convert", help="convert an HF folder or GGUF file to a corelm model folder",
+        description="Write a corelm model folder (config.json, tokenizer files and a memory-mapped weights.corelm, "
+                    "see docs/model-format.md) from an HF folder or .gguf file. GGUF Q8_0/Q4_0/Q4_1 blocks are "
+                    "copied without a float round trip.",
+        epilog="weight formats: " + "; ".join(f"{f.name}: {f.description}" for f in WEIGHT_FORMATS.values()))
+    p.add_argument("src", metavar="SRC", help="HF model folder or .gguf file")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="the corelm folder to write")
+    add_choice_flag(p, "--weights", "weights", "q8_0", "q8_0")
+    p.add_argument("-f", "--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="show a progress bar (default: on)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...convert import convert
+    t0 = time.perf_counter()
+    out = convert(args.src, args.output, weights=args.weights, progress=args.progress, overwrite=args.force)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"wrote {out} ({args.weights}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
+    return 0

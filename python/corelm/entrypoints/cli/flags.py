@@ -1,0 +1,106 @@
+"""The flags several commands share, each defined once: MODEL, the engine flags (threads, NUMA, dtype,
+activations, schedule, context) and the sampling flags (llama-cli's names and defaults), and what
+they become: the engine's keyword arguments, an LLM, SamplingParams. Option values and help texts
+come from corelm.options, so a name added there reaches every command."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Optional
+
+from ...engine import SamplingParams
+from ...options import CHOICES, argparse_choices
+
+
+def _make_llm(**kwargs):
+    """Builds the engine. A module-level hook so tests can put a fake engine in its place."""
+    from ...llm import LLM
+    return LLM(**kwargs)
+
+
+def add_choice_flag(p: argparse.ArgumentParser, flag: str, option: str, default: Optional[str],
+                    shown_default: Optional[str]) -> None:
+    """A flag taking one of corelm.options.CHOICES[option]'s values or aliases, with its help text
+    (the usage shows the canonical values; the aliases are accepted too)."""
+    c = CHOICES[option]
+    p.add_argument(flag, choices=argparse_choices(option), default=default, metavar="|".join(c.values),
+                   help=c.help + (f" (default: {shown_default})" if shown_default else ""))
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def add_threads_flag(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("-t", "--threads", type=int, default=None, help=help)
+
+
+def add_numa_flag(p: argparse.ArgumentParser) -> None:
+    add_choice_flag(p, "--numa", "numa", None, None)   # the registry's help says what neither means
+
+
+def add_engine_flags(p: argparse.ArgumentParser,
+                     threads_help: str = "worker threads (default: physical cores)") -> None:
+    """How the engine is built: threads, NUMA policy, weight dtype, kernels' schedule and input, context."""
+    add_threads_flag(p, threads_help)
+    add_numa_flag(p)
+    add_choice_flag(p, "--dtype", "dtype", "auto", "auto")
+    add_choice_flag(p, "--activations", "activations", "auto", "auto")
+    add_choice_flag(p, "--schedule", "schedule", None, "$CORELM_SCHEDULE or dynamic")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="context length in tokens (default 0: the model's own)")
+
+
+def add_verbose_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print prompt and generation speed after each answer (and tracebacks of errors)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (llama-cli names and defaults)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
+                   help="temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=40, help="0 = disabled (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="1.0 = disabled (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.05, help="0.0 = disabled (default: %(default)s)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="on prompt and output tokens; 1.0 = disabled (default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
+    g.add_argument("-s", "--seed", type=int, default=-1, help="-1 = random (default: %(default)s)")
+    g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=-1, metavar="N",
+                   help="tokens to generate per answer; -1 = until the context is full (default: %(default)s)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when this text is generated (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """llama-cli flag conventions -> vLLM SamplingParams (which validates every value)."""
+    return SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=None if args.seed == -1 else args.seed,
+        max_tokens=None if args.max_tokens < 0 else args.max_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine flags as LLMEngine keyword arguments; schedule and activations only when chosen,
+    so the engine's own defaults (and $CORELM_SCHEDULE) apply otherwise."""
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
+    options = dict(threads=args.threads, dtype=args.dtype, max_seq_len=args.ctx_size or None, numa=args.numa)
+    if args.schedule:
+        options["schedule"] = args.schedule
+    if args.activations != "auto":
+        options["activations"] = args.activations
+    return options
+
+
+def llm_from_args(args: argparse.Namespace):
+    """The corelm.LLM (over its LLMEngine) that MODEL and the engine flags describe."""
+    return _make_llm(model=args.model, **engine_options(args))

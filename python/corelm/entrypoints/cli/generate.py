@@ -1,0 +1,74 @@
+"""`corelm generate`: complete one prompt (from -p, a file or stdin) and print the completion."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterable, List
+
+from .flags import add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, llm_from_args, sampling_params
+from .terminal import close_stream, print_stats
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("generate", help="complete one prompt",
+                            description="Complete one prompt and print the completion.")
+    add_model_arg(p)
+    add_engine_flags(p)
+    add_verbose_flag(p)
+    p.add_argument("-p", "--prompt", default=None, help="the prompt (default: read stdin)")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system message (implies --chat)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print text as it is generated (default: on)")
+    add_sampling_flags(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise ValueError("no prompt: pass -p PROMPT, -f FILE, or pipe the prompt on stdin.")
+
+
+def write_stream(stream: Iterable, live: bool) -> str:
+    """Prints the chunks' text (as it comes when live, else at the end) and returns all of it."""
+    parts: List[str] = []
+    for chunk in stream:
+        if chunk.text:
+            parts.append(chunk.text)
+            if live:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    text = "".join(parts)
+    if not live:
+        sys.stdout.write(text)
+    if text and not text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    prompt = read_prompt(args)
+    llm = llm_from_args(args)
+    if args.chat or args.system:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        stream = llm.chat_stream(messages + [{"role": "user", "content": prompt}], params)
+    else:
+        stream = llm.stream(prompt, params)
+    try:
+        write_stream(stream, live=args.stream)
+    except KeyboardInterrupt:
+        close_stream(stream)
+        print(flush=True)
+        return 130
+    if args.verbose:
+        print_stats(llm)
+    return 0

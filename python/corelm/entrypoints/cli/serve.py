@@ -1,0 +1,46 @@
+"""`corelm serve`: the OpenAI-compatible HTTP server (corelm.entrypoints.server) over one LLMEngine."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ...engine import served_model_name
+from .flags import add_engine_flags, add_model_arg, add_verbose_flag, llm_from_args
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                                        "and /metrics (needs the serve extra: pip install 'corelm[serve]').")
+    add_model_arg(p)
+    add_engine_flags(p)
+    add_verbose_flag(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("CORELM_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $CORELM_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id in /v1/models and responses (default: the model's file name)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="refuse request bodies larger than this (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}.")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+    try:
+        from .. import server
+    except ImportError as e:
+        print(f"error: corelm serve needs FastAPI and uvicorn: pip install 'corelm[serve]' ({e})", file=sys.stderr)
+        return 1
+    # The model loads in the server's background thread, so /health answers while it does.
+    return server.run(lambda: llm_from_args(args), args.served_model_name or served_model_name(args.model),
+                      host=args.host, port=args.port, api_key=args.api_key,
+                      max_body_bytes=args.max_body_bytes, log_level=args.log_level)
