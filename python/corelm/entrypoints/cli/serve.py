@@ -6,7 +6,7 @@ import os
 import sys
 
 from ...engine import served_model_name
-from .flags import add_engine_flags, add_model_arg, add_verbose_flag, llm_from_args
+from .flags import add_engine_flags, add_model_arg, add_verbose_flag, engine_options, llm_from_args
 
 
 def add_parser(commands) -> None:
@@ -33,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}.")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+    engine_options(args)   # bad engine flags fail now, not in the thread that loads the model
     try:
         from .. import server
     except ImportError as e:
