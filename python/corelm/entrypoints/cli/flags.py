@@ -26,9 +26,10 @@ def add_choice_flag(p: argparse.ArgumentParser, flag: str, option: str, default:
                    help=c.help + (f" (default: {shown_default})" if shown_default else ""))
 
 
-def add_model_arg(p: argparse.ArgumentParser) -> None:
+def add_model_arg(p: argparse.ArgumentParser,
+                  default: str = "the embedded SmolLM2-135M-Instruct") -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+                   help=f"HF folder, .gguf file or hub repo id (default: {default})")
 
 
 def add_threads_flag(p: argparse.ArgumentParser, help: str) -> None:

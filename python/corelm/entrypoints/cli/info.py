@@ -15,7 +15,7 @@ def add_parser(commands) -> None:
     p = commands.add_parser("info", help="show the CPU, the kernels chosen, and a model's shape",
                             description="Show the CPU, its features, the kernels corelm picked, memory, "
                                         "and with MODEL the model's hyper-parameters (without building it).")
-    add_model_arg(p)
+    add_model_arg(p, default="none, the machine only")
     add_threads_flag(p, "show the thread plan for this many threads (default: the default count)")
     add_numa_flag(p)
     p.add_argument("--json", action="store_true", help="print JSON")
