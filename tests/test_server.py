@@ -651,9 +651,10 @@ def test_server_and_batch_refuse_alike(recording_server, batch_worker, url, body
 
 def test_one_served_model_name(tmp_path):
     """`corelm serve` and `corelm batch` name a model alike: its file or folder name without .gguf."""
-    from corelm.entrypoints.server import model_name_for
+    from corelm.entrypoints.cli import serve   # names the served model with served_model_name
+    assert serve.served_model_name is served_model_name
     gguf = os.path.join(MODELS, "stories260K", "stories260K.gguf")
-    assert served_model_name(gguf) == model_name_for(gguf) == "stories260K"
+    assert served_model_name(gguf) == "stories260K"
     worker = BatchWorker(gguf, 1, {"dtype": "fp32"})
     line, _ = batch_answer(worker, "/v1/completions", {"prompt": "Once", "max_tokens": 2})
     assert line["response"]["body"]["model"] == "stories260K"

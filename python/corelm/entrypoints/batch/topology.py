@@ -8,15 +8,12 @@ from typing import Dict, List, Optional, Sequence
 
 
 def numa_nodes(root: Optional[str] = None) -> Dict[int, List[int]]:
-    """{node id: its CPUs} as the C++ core reads the topology (sysfs below root, default this machine:
-    one place reads sysfs); {} when the core cannot tell."""
-    try:
-        from ... import _core
-        cpus = _core.topology(root)["cpus"]
-    except Exception:   # not built: split_cpus then slices the allowed CPUs without nodes
-        return {}
+    """{node id: its CPUs} as the engine layer reports the C++ core's topology (sysfs below root,
+    default this machine: only the core reads sysfs); {} when it cannot tell."""
+    from ...engine.system import topology_info
+    topo = topology_info(root)
     nodes: Dict[int, List[int]] = {}
-    for cpu in cpus:
+    for cpu in topo["cpus"] if topo else ():   # no core: split_cpus slices the allowed CPUs without nodes
         nodes.setdefault(cpu["node"], []).append(cpu["id"])
     return {node: sorted(ids) for node, ids in sorted(nodes.items())}
 

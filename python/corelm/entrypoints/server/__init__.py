@@ -20,11 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from ...openai import served_model_name  # noqa: F401
 from .app import DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
 from .runner import make_engine  # noqa: F401
-
-model_name_for = served_model_name   # the name cli.py calls it by
 
 
 def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", port: int = 8000,
