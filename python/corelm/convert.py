@@ -244,7 +244,7 @@ def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan) -> N
         return
     # GGUF: save the tokenizer corelm built from the metadata, and the settings HF keeps beside it.
     tok = loaded.tokenizer
-    tok._tk.save(os.path.join(folder, "tokenizer.json"))
+    tok.save(os.path.join(folder, "tokenizer.json"))
     cfg = {"add_bos_token": bool(tok.add_bos_token), "bos_token": tok.bos_token, "eos_token": tok.eos_token}
     named = dict(tok.named_chat_templates)
     if named:

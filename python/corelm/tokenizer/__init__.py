@@ -144,6 +144,10 @@ class Tokenizer:
         except (ValueError, AttributeError):
             return False
 
+    def save(self, path: str) -> None:
+        """Writes the tokenizer as an HF tokenizer.json (a GGUF's vocabulary included)."""
+        self._tk.save(path)
+
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tk.id_to_token(int(token_id))
 

@@ -93,7 +93,17 @@ class RayBackend:
             events.append(("ready", slot, value) if task_id is None else ("result", slot, task_id, value))
         return events
 
-    def close(self) -> None:
+    def close(self) -> Dict[int, Dict[str, Any]]:
+        """Stops every actor; returns {slot: info} of those whose "ready" had not been collected."""
+        late: Dict[int, Dict[str, Any]] = {}
+        pending = [ref for ref, (_, task_id) in self.refs.items() if task_id is None]
+        if pending:
+            done, _ = self.ray.wait(pending, num_returns=len(pending), timeout=10)
+            for ref in done:
+                try:
+                    late[self.refs[ref][0]] = self.ray.get(ref)
+                except Exception:
+                    pass
         for actor in self.actors.values():
             try:
                 self.ray.kill(actor)
@@ -103,3 +113,4 @@ class RayBackend:
         self.refs.clear()
         if self._owns_ray:
             self.ray.shutdown()
+        return late

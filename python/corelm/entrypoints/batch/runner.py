@@ -158,7 +158,9 @@ class ProcessBackend:
             events.append(("died", slot, f"exit code {p.exitcode}"))
         return events
 
-    def close(self) -> None:
+    def close(self) -> Dict[int, Dict[str, Any]]:
+        """Stops every worker; returns {slot: info} of those that said "ready" only now (a worker still
+        loading when the work ran out loads, says so, reads the stop and exits)."""
         for slot, c in list(self.conns.items()):
             try:
                 c.send(None)
@@ -170,10 +172,19 @@ class ProcessBackend:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for c in self.conns.values():
+        late: Dict[int, Dict[str, Any]] = {}
+        for slot, c in self.conns.items():
+            try:
+                while c.poll():
+                    msg = c.recv()
+                    if msg[0] == "ready":
+                        late[slot] = msg[1]
+            except (EOFError, OSError):
+                pass
             c.close()
         self.procs.clear()
         self.conns.clear()
+        return late
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,7 +233,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     writer = _Writer(output_path, done_ids)
     bar = _progress(total, progress)
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "restarts": 0,
-                             "workers": {}}   # workers: slot -> what its engine reported when ready
+                             "workers": {}}   # workers: slot -> what its engine reported (every worker that loaded)
     t0 = time.perf_counter()
     seen: Set[str] = set()
 
@@ -334,7 +345,8 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                         backend.start(slot)
     finally:
         if backend is not None:
-            backend.close()
+            for slot, info in (backend.close() or {}).items():   # ready only after the work ran out
+                stats["workers"].setdefault(slot, info)
         bar.close()
         writer.close()
     stats["seconds"] = time.perf_counter() - t0
