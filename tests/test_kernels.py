@@ -141,16 +141,6 @@ def test_softmax(isa, n):
     assert abs(float(y.sum()) - 1) < 1e-5
 
 
-@pytest.mark.parametrize("isa", TABLES)
-@pytest.mark.parametrize("n", [1, 8, 16, 31, 32, 33, 64, 1000])
-def test_dot_and_axpy(isa, n):
-    a = RNG.standard_normal(n).astype(np.float32)
-    b = RNG.standard_normal(n).astype(np.float32)
-    assert abs(_core.kernel_dot(isa, a, b) - float(a.astype(np.float64) @ b)) < 1e-5 * n
-    y = RNG.standard_normal(n).astype(np.float32)
-    np.testing.assert_allclose(_core.kernel_axpy(isa, y, 0.75, a), y + 0.75 * a.astype(np.float64), rtol=1e-6, atol=1e-6)
-
-
 def test_tables_agree_with_scalar_on_large_matmul():
     x = RNG.standard_normal((33, 300)).astype(np.float32)
     w = RNG.standard_normal((77, 300)).astype(np.float32)

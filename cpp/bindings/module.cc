@@ -324,17 +324,6 @@ PYBIND11_MODULE(_core, m) {
     table(isa).softmax(y.mutable_data(), x.shape(0));
     return y;
   });
-  m.def("kernel_dot", [](const std::string& isa, FloatArray a, FloatArray b) {
-    if (a.ndim() != 1 || b.ndim() != 1 || a.shape(0) != b.shape(0)) throw std::invalid_argument("shape mismatch");
-    return table(isa).dot(a.data(), b.data(), a.shape(0));
-  });
-  m.def("kernel_axpy", [](const std::string& isa, FloatArray y, float a, FloatArray x) {
-    if (x.ndim() != 1 || y.ndim() != 1 || x.shape(0) != y.shape(0)) throw std::invalid_argument("shape mismatch");
-    py::array_t<float> out(y.shape(0));
-    std::copy(y.data(), y.data() + y.shape(0), out.mutable_data());
-    table(isa).axpy(out.mutable_data(), a, x.data(), x.shape(0));
-    return out;
-  });
   // The attention kernels over one KV block; keys [hd][ldk] and values [n][hd] are given as arrays of
   // the cache's element type (float32, bf16 bits as uint16, int8).
   auto kv_array = [](const std::string& kv, py::array a, int64_t need) {

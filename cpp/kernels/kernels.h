@@ -69,9 +69,6 @@ struct KernelTable {
   void (*rmsnorm)(float* out, const float* x, const float* weight, int64_t n, float eps);
   // out[i] = silu(gate[i]) * up[i]
   void (*silu_mul)(float* out, const float* gate, const float* up, int64_t n);
-  float (*dot)(const float* a, const float* b, int64_t n);
-  // y += a * x
-  void (*axpy)(float* y, float a, const float* x, int64_t n);
   // Attention over n cached tokens (part of one KV block) for the G query heads that share a kv head.
   // Keys are stored transposed, K[d * ldk + j]: one vector load is one channel of 16 consecutive tokens,
   // so scores come out 16 at a time with no horizontal sums, and each key load serves all G heads.
