@@ -48,8 +48,8 @@ def test_q4_0_matches_the_engines_quantizer():
     """Stored blocks dequantize to what the engine's own dtype="q4" packing gives (the best table)."""
     w = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
     w[2] = 0
-    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_0(w), "Q4_0", *w.shape)
-    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4", r) for r in range(w.shape[0])])
+    ours = _core.testing.kernel_raw_to_f32(BEST, quantize_q4_0(w), "Q4_0", *w.shape)
+    engine = np.stack([_core.testing.kernel_row_to_f32(BEST, w, "q4", r) for r in range(w.shape[0])])
     assert np.mean(ours != engine) < 1e-4       # at most a rare near-tie rounds the other way
     ref = _DECODERS["Q4_0"](ggml_quantize(w, "Q4_0").reshape(-1), w.size).reshape(w.shape)
     assert np.mean(ours != ref) < 1e-3
@@ -58,8 +58,8 @@ def test_q4_0_matches_the_engines_quantizer():
 def test_q4_1_matches_the_engines_quantizer():
     w = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32)
     w[2], w[5] = 0, w[5] + 3
-    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_1(w), "Q4_1", *w.shape)
-    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4m", r) for r in range(w.shape[0])])
+    ours = _core.testing.kernel_raw_to_f32(BEST, quantize_q4_1(w), "Q4_1", *w.shape)
+    engine = np.stack([_core.testing.kernel_row_to_f32(BEST, w, "q4m", r) for r in range(w.shape[0])])
     assert np.mean(ours != engine) < 1e-4
     ref = _DECODERS["Q4_1"](ggml_quantize(w, "Q4_1").reshape(-1), w.size).reshape(w.shape)
     assert np.mean(ours != ref) < 1e-3

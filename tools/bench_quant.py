@@ -93,7 +93,7 @@ def bench_gemm(a):
     for r in range(a.rounds):
         for key in keys if r % 2 == 0 else keys[::-1]:
             table, d, act, n, k, t = key
-            got = _core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
+            got = _core.testing.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
             gops[key].append(got["gflops"])
             wbytes[key] = got["weight_bytes"]
     for key, v in gops.items():
@@ -126,7 +126,7 @@ def bench_stream(a):
     for r in range(a.rounds):
         for run in runs_of if r % 2 == 0 else runs_of[::-1]:
             k, act, t, sync = run
-            got[run].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync, act))
+            got[run].append(_core.testing.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync, act))
     for (k, act, t, sync), runs in got.items():
         g = [d["gemv_GBps"] for d in runs]
         p = [d["read_GBps"] for d in runs]
