@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, MODELS
+from conftest import DEFAULT_GGUF, MODELS, core_forward
 from test_quant import ggml_quantize
 
 import corelm
@@ -31,7 +31,7 @@ BEST = _core.cpu_info()["kernels"]["matmul_fp32"]
 
 
 def logits(path, dtype, ids=IDS):
-    return build_core_model(load_model(path), dtype=dtype, threads=1).forward(ids, 0, True)
+    return core_forward(build_core_model(load_model(path), dtype=dtype, threads=1), ids, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype)
     assert m.source_format == "corelm" and m.spec == load_model(src).spec
     b = logits(out, dtype)
     if weights == "q4":
-        a = build_core_model(q4m_reference(src), dtype="q4", threads=1).forward(IDS, 0, True)
+        a = core_forward(build_core_model(q4m_reference(src), dtype="q4", threads=1), IDS, 0, True)
         assert np.array_equal(a, b)
     else:
         assert np.array_equal(logits(src, dtype), b)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DATA
+from conftest import DATA, core_forward
 
 from corelm import _core, cli, engine
 from corelm.engine import core_config
@@ -245,7 +245,7 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
             assert [(r["node"], r["begin"], r["end"]) for r in p["ranges"]] == \
                 _core.testing.numa_split_per_layer(SPEC.num_layers, SPEC.num_kv_heads, p["bytes"], [(0, 2)])
             assert all(set(r["pages"]) == {ENOENT} for r in p["ranges"])       # untouched until used
-    m.forward(np.arange(40, dtype=np.int32), 0, False)
+    core_forward(m, np.arange(40, dtype=np.int32), 0, False)
     for name in kv:
         placed = {p["name"]: p for p in m.numa_info(pages=True)["placed"]}
         for r in placed[name]["ranges"]:
@@ -254,10 +254,10 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
 
 def test_placement_does_not_change_results(monkeypatch):
     toks = np.arange(1, 30, dtype=np.int32)
-    ref = random_model(None).forward(toks, 0, True)
+    ref = core_forward(random_model(None), toks, 0, True)
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
     for policy in ("distribute", "isolate"):
-        assert np.array_equal(random_model(policy).forward(toks, 0, True), ref)
+        assert np.array_equal(core_forward(random_model(policy), toks, 0, True), ref)
 
 
 def test_kv_heads_split_by_node_per_layer():
@@ -277,8 +277,8 @@ def test_kv_heads_split_by_node_per_layer():
 
 def run_steps(m):
     """A prompt, decode steps and a batch of two sequences (their own block tables) on one model."""
-    out = [m.forward(np.arange(1, 30, dtype=np.int32), 0, True)]
-    out += [m.forward(np.array([t], np.int32), 29 + i, False) for i, t in enumerate((7, 300, 11))]
+    out = [core_forward(m, np.arange(1, 30, dtype=np.int32), 0, True)]
+    out += [core_forward(m, np.array([t], np.int32), 29 + i, False) for i, t in enumerate((7, 300, 11))]
     a, b = np.array([3, 4, 5], np.int32), np.array([9, 10], np.int32)
     out.append(m.forward_batch(np.arange(40, 61, dtype=np.int32), [(19, 0, a, True), (2, 0, b, True)]))
     out.append(m.forward_batch(np.array([1, 2], np.int32), [(1, 19, a, False), (1, 2, b, False)]))

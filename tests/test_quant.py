@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, MODELS, ROOT
+from conftest import DEFAULT_GGUF, MODELS, ROOT, core_forward
 from test_models import fixture, matching_prefix, nmse
 
 import corelm
@@ -389,7 +389,7 @@ def test_q8_greedy_matches_first_32(name, path):
         n = matching_prefix(out.token_ids, case["generated_ids"][:32])
         assert n == 32 or case["margins"][n] < 0.2, f"diverged at {n}, margin {case['margins'][n]}"
         llm.reset()
-        logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+        logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -401,7 +401,7 @@ def test_quantized_models_run_on_awkward_shapes(dtype):
     assert llm._core.weight_type == dtype
     case = fx["cases"][1]
     prompt = case["prompt_ids"]
-    whole = llm._core.forward(np.asarray(prompt, np.int32), 0, True)
+    whole = core_forward(llm._core, np.asarray(prompt, np.int32), 0, True)
     assert np.isfinite(whole).all()
     assert nmse(whole[-1], case["last"]) < (0.05 if dtype == "q4" else 3e-3)
 
@@ -423,7 +423,7 @@ def test_default_gguf_keeps_q4_1_blocks():
     errors = []
     for case in fx["cases"]:
         llm.reset()
-        errors.append(nmse(llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
+        errors.append(nmse(core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
         assert errors[-1] < 1e-2
         llm.reset()
         expected, margins = case["generated_ids"], case["margins"]
@@ -461,11 +461,11 @@ def _tiny_raw_model(mix):
 
 def test_set_weight_raw_fuses_mixed_partners():
     toks = np.arange(1, 20, dtype=np.int32)
-    ref = _tiny_raw_model(None).forward(toks, 0, True)
+    ref = core_forward(_tiny_raw_model(None), toks, 0, True)
     for mix in (False, True):  # the same weight values; int8 activations where weights stay quantized
-        got = _tiny_raw_model(mix).forward(toks, 0, True)
+        got = core_forward(_tiny_raw_model(mix), toks, 0, True)
         assert nmse(got, ref) < 3e-3
-        first = _tiny_raw_model(mix).forward(toks[:1], 0, False)
+        first = core_forward(_tiny_raw_model(mix), toks[:1], 0, False)
         assert nmse(first, ref[0]) < 3e-3
         assert nmse(got[0], first) < 1e-9   # the first token alone (decode) as within the prompt (prefill)
 
@@ -490,7 +490,7 @@ def test_q4_keeps_q4_1_blocks():
     fx = fixture("smollm2")
     llm = get_llm(DEFAULT_GGUF, "q4")
     case = fx["cases"][0]
-    logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+    logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
     assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -503,7 +503,7 @@ def test_float_weights_quantized_on_the_pool_match_one_thread(dtype):
     from corelm.loader import load_model
     loaded = load_model(os.path.join(ROOT, "tests", "data", "models", "tiny-qwen2"))
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
-    logits = [build_core_model(loaded, dtype=dtype, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    logits = [core_forward(build_core_model(loaded, dtype=dtype, threads=t), tokens, 0, True) for t in (1, 2, 3)]
     assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
 
 
@@ -515,7 +515,7 @@ def test_raw_blocks_packed_on_the_pool_match_one_thread():
     from corelm.loader import load_model
     loaded = load_model(default_model_path())
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
-    logits = [build_core_model(loaded, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    logits = [core_forward(build_core_model(loaded, threads=t), tokens, 0, True) for t in (1, 2, 3)]
     assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
 
 
@@ -585,8 +585,8 @@ def test_int16_activations_close_the_gap_to_fp32():
     for case in fx["cases"]:
         ids = np.asarray(case["prompt_ids"], np.int32)
         one.reset(), two.reset()
-        e1.append(nmse(one._core.forward(ids, 0, False), case["last"]))
-        e2.append(nmse(two._core.forward(ids, 0, False), case["last"]))
+        e1.append(nmse(core_forward(one._core, ids, 0, False), case["last"]))
+        e2.append(nmse(core_forward(two._core, ids, 0, False), case["last"]))
         two.reset()
         expected, margins = case["generated_ids"], case["margins"]
         out = two.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
@@ -602,10 +602,10 @@ def test_int16_prefill_and_decode_agree(dtype):
     ~fp32 rounding."""
     llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype=dtype, threads=2, activations="int16")
     prompt = np.asarray(fixture("stories260K")["cases"][1]["prompt_ids"], np.int32)
-    whole = llm._core.forward(prompt, 0, False)
+    whole = core_forward(llm._core, prompt, 0, False)
     llm.reset()
     for i, t in enumerate(prompt):
-        step = llm._core.forward(prompt[i:i + 1], i, False)
+        step = core_forward(llm._core, prompt[i:i + 1], i, False)
     assert np.isfinite(whole).all()
     assert nmse(step, whole) < 1e-6
 
@@ -625,7 +625,7 @@ def test_activations_option_checked():
     a = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1)
     b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int16")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    assert np.array_equal(a._core.forward(ids, 0, True), b._core.forward(ids, 0, True))
+    assert np.array_equal(core_forward(a._core, ids, 0, True), core_forward(b._core, ids, 0, True))
 
 
 def test_auto_activations_follow_the_stored_weights():
@@ -639,13 +639,13 @@ def test_auto_activations_follow_the_stored_weights():
     assert corelm.LLM(stories, threads=1, dtype="q8", activations="int8").activations == "int8"
     llm = corelm.LLM(stories, threads=1, dtype="q8")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    a16 = llm._core.forward(ids, 0, True)
+    a16 = core_forward(llm._core, ids, 0, True)
     llm._core.activations = "int8"
     llm.reset()
-    a8 = llm._core.forward(ids, 0, True)
+    a8 = core_forward(llm._core, ids, 0, True)
     llm._core.activations = "int16"
     llm.reset()
-    assert np.array_equal(llm._core.forward(ids, 0, True), a16) and not np.array_equal(a8, a16)
+    assert np.array_equal(core_forward(llm._core, ids, 0, True), a16) and not np.array_equal(a8, a16)
     with pytest.raises(ValueError, match="activations"):
         llm._core.activations = "int4"
     assert llm._core.activations == "int16"

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DATA, MODELS, ROOT
+from conftest import DATA, MODELS, ROOT, core_forward
 
 from corelm import _core, cli, engine
 from corelm.loader import load_model
@@ -308,12 +308,12 @@ def test_pinned_model_matches_unpinned(stories, threads):
     plan = _core.plan_threads(threads)
     assert pinned.thread_cpus[0] == -1 and pinned.thread_cpus[1:] == plan[1:]   # the caller is never pinned
     tokens = np.array([1, 403, 407, 261, 378, 317, 378], dtype=np.int32)
-    a = pinned.forward(tokens, 0, all_logits=True)
-    b = loose.forward(tokens, 0, all_logits=True)
+    a = core_forward(pinned, tokens, 0, all_logits=True)
+    b = core_forward(loose, tokens, 0, all_logits=True)
     assert np.array_equal(a, b)                      # the same split of work, so the same bits
     for step, tok in enumerate([262, 300]):          # decode steps too
-        assert np.array_equal(pinned.forward(np.array([tok], np.int32), len(tokens) + step),
-                              loose.forward(np.array([tok], np.int32), len(tokens) + step))
+        assert np.array_equal(core_forward(pinned, np.array([tok], np.int32), len(tokens) + step),
+                              core_forward(loose, np.array([tok], np.int32), len(tokens) + step))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, core_forward
 
 from corelm import _core, cli, engine
 from corelm.loader import load_model
@@ -62,9 +62,9 @@ def models():
 
 def run_all(model, prompt):
     """Prefill logits of every token, two decode steps and a two-sequence batch, in one array."""
-    out = [model.forward(prompt, 0, all_logits=True)]
+    out = [core_forward(model, prompt, 0, all_logits=True)]
     for step, tok in enumerate([5, 9]):
-        out.append(model.forward(np.array([tok], np.int32), len(prompt) + step, all_logits=False)[None])
+        out.append(core_forward(model, np.array([tok], np.int32), len(prompt) + step, all_logits=False)[None])
     table = list(range(model.kv_blocks))
     out.append(model.forward_batch(np.concatenate([prompt[:3], prompt[:5]]),
                                    [(3, 0, table[:4], True), (5, 0, table[4:8], False)]))

@@ -1,6 +1,6 @@
 // corelm._core: the C++ engine as a Python module. Model takes weights one by one (fp32 numpy
-// arrays) and packs them; forward() releases the GIL. The kernel_* functions expose single kernels
-// of any available table, so tests can compare every ISA with the scalar reference.
+// arrays) and packs them; forward_batch() releases the GIL. Tests' and tools' entry points live in
+// the submodule corelm._core.testing (bindings/testing_*.cc).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -118,22 +118,6 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
          "Takes a matrix as raw GGUF Q8_0/Q4_0/Q4_1 blocks (uint8), repacked without dequantizing.")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
-      .def("forward", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-                         int64_t pos, bool all_logits) {
-        if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
-        const int64_t n = tokens.shape(0), vocab = self.model.config().vocab_size;
-        if (n < 1) throw std::invalid_argument("forward needs at least one token");
-        py::array_t<float> logits = all_logits ? py::array_t<float>({n, vocab}) : py::array_t<float>({vocab});
-        const int32_t* tp = tokens.data();
-        float* lp = logits.mutable_data();
-        {
-          py::gil_scoped_release release;
-          std::lock_guard<std::mutex> lock(self.mu);
-          self.model.forward(tp, n, pos, all_logits, lp);
-        }
-        return logits;
-      }, py::arg("tokens"), py::arg("pos"), py::arg("all_logits") = false,
-         "Run tokens at positions [pos, pos+len); returns the last token's logits, or all of them.")
       .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                                py::list seqs) {
         if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
@@ -197,15 +181,6 @@ PYBIND11_MODULE(_core, m) {
              s.model.set_thread_nodes(nodes);
            }, py::arg("nodes"), "Which node's rows each thread works on first (fake nodes, for tests on one node).")
       .def("numa_info", [](PyModel& s, bool pages) { return numa_dict(s.model, pages); }, py::arg("pages") = false,
-  m.def("kernel_tables", &available_kernel_tables, "The kernel tables this CPU can run, the default first.");
-
-  py::module_ testing = m.def_submodule(
-      "testing", "Entry points for tests and tools, not for the package: single kernels of any table, AMX tile "
-      "instructions, benchmarks, and the runtime's placement functions.");
-  register_testing_kernels(testing);
-  register_testing_bench(testing);
-  register_testing_runtime(testing);
-  py::module_::import("sys").attr("modules")["corelm._core.testing"] = testing;  // `import corelm._core.testing`
            "The NUMA policy, each thread's node, the buffers placed by node and (pages=True, a move_pages "
            "call per range) where their pages are now.")
       .def_property_readonly("max_seq_len", [](PyModel& s) { return s.model.config().max_seq_len; })
@@ -222,6 +197,15 @@ PYBIND11_MODULE(_core, m) {
                     }, "How quantized matmuls take their input: int8 or int16 per block of 32 (settable between forwards).");
 
   register_amx(m);
+  m.def("kernel_tables", &available_kernel_tables, "The kernel tables this CPU can run, the default first.");
+
+  py::module_ testing = m.def_submodule(
+      "testing", "Entry points for tests and tools, not for the package: single kernels of any table, AMX tile "
+      "instructions, benchmarks, and the runtime's placement functions.");
+  register_testing_kernels(testing);
+  register_testing_bench(testing);
+  register_testing_runtime(testing);
+  py::module_::import("sys").attr("modules")["corelm._core.testing"] = testing;  // `import corelm._core.testing`
 
   m.def("quantize_q4_1_search", [](FloatArray w, std::optional<FloatArray> importance) {
     if (w.ndim() != 2 || w.shape(1) % quant::kBlock != 0 || w.shape(0) < 1)

@@ -11,8 +11,6 @@
 
 namespace corelm {
 
-static constexpr int64_t kMaxChunk = 256;  // prompt tokens per forward chunk: bounds scratch memory
-
 static void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
@@ -77,8 +75,6 @@ Model::Model(const ModelConfig& cfg)
       rope_cos_[p * half + i] = (float)std::cos((double)angle);
       rope_sin_[p * half + i] = (float)std::sin((double)angle);
     }
-  identity_blocks_.resize(kv_.n_blocks());
-  for (int64_t b = 0; b < kv_.n_blocks(); b++) identity_blocks_[b] = (int32_t)b;
   place_kv_cache();
   split_kv_heads();
 }
@@ -449,24 +445,6 @@ void Model::ensure_scratch(int64_t n) {
   tok_seq_.assign(T, 0);
   tok_pos_.assign(T, 0);
   scratch_tokens_ = T;
-}
-
-void Model::forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits) {
-  require(n >= 1, "forward needs at least one token");
-  for (int64_t c0 = 0; c0 < n; c0 += kMaxChunk) {
-    SeqSlice s;
-    s.n_tokens = std::min(kMaxChunk, n - c0);
-    s.pos = pos + c0;
-    s.blocks = identity_blocks_.data();
-    s.n_blocks = (int64_t)identity_blocks_.size();
-    s.all_logits = all_logits;
-    bool last = c0 + s.n_tokens == n;
-    check_batch(tokens + c0, &s, 1);
-    if (all_logits || last)
-      run(tokens + c0, &s, 1, all_logits ? logits + c0 * cfg_.vocab_size : logits);
-    else
-      run(tokens + c0, &s, 1, nullptr);  // an inner chunk of a prompt: only its KV-cache entries are needed
-  }
 }
 
 int64_t Model::logit_rows(const SeqSlice* seqs, int64_t n_seqs) const {

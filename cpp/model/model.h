@@ -103,11 +103,6 @@ class Model {
   void finalize();  // throws if any weight is missing
   bool ready() const { return ready_; }
 
-  // Runs tokens[0..n) at positions [pos, pos + n) of the single default sequence (blocks 0, 1, 2, ...),
-  // writing their keys and values into the cache. Writes the logits of the last token ([vocab]) or,
-  // with all_logits, of every token ([n][vocab]).
-  void forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
-
   // Runs several sequences in one pass: matrix products over all their tokens together, attention per
   // sequence. tokens holds each sequence's new tokens in order; logits gets, per sequence, one row
   // (or n_tokens rows with all_logits) of [vocab].
@@ -183,7 +178,6 @@ class Model {
 
   std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
   KVCache kv_;
-  std::vector<int32_t> identity_blocks_;     // the default sequence's block table: 0, 1, 2, ...
   // The kv heads each node's threads attend over first (the pool's nodes, split as place_kv_cache
   // places them); empty where the pool does not split by node.
   std::vector<RowRange> kv_head_nodes_;
