@@ -180,7 +180,9 @@ void bind_runtime(py::module_& m) {
     return range_tuples(split_by_node(rows, grain, s));
   }, py::arg("rows"), py::arg("grain"), py::arg("shares"),
      "[(node, begin, end)]: rows cut into one range per (node, threads) share, in groups of grain rows.");
-  m.def("numa_row_grain", &Model::row_grain, py::arg("matrix"), py::arg("head_dim"),
+  m.def("numa_row_grain", [](const std::string& matrix, int64_t head_dim) {
+    return Model::row_grain(matrix, head_dim, kernels());
+  }, py::arg("matrix"), py::arg("head_dim"),
         "The rows a matrix's parallel loop (and so its NUMA split) cuts in: 'wqkv', 'wo', 'w_gate_up', "
         "'w_down' or 'lm_head'.");
 

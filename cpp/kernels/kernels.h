@@ -68,6 +68,9 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
   const char* name;  // "avx512_bf16", "avx512", "avx2", "scalar"
+  // The rows a parallel loop over a matrix's rows (and so its NUMA split) cuts in: a multiple of what
+  // this table's layouts keep together, so no chunk starts inside a group and runs its first rows slowly.
+  int64_t row_grain;
   // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout;
   // par (may be null): threads lent to quantizing it, which splits by whole row groups.
   PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);

@@ -544,7 +544,8 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
 
 }  // namespace
 
-const KernelTable kAvx2Kernels = {"avx2", pack, matmul, rmsnorm, silu_mul, kv_scores, kv_accum, softmax,
+// row_grain 32: the quantized layout's super-group
+const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, kv_scores, kv_accum, softmax,
                                   row_to_f32, quant::avx2_pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};
 

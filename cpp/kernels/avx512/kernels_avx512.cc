@@ -371,11 +371,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, kv_scores,
+const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
-const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", pack, matmul_bf16dp, rmsnorm, silu_mul, kv_scores,
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, kv_scores,
                                         kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant};

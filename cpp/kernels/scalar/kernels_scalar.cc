@@ -98,7 +98,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, kv_scores,
+const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::scalar_pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};
