@@ -158,6 +158,28 @@ def test_bad_kernel_arguments_raise():
         _core.testing.kernel_matmul("scalar", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "q3")
 
 
+def test_option_names_are_canonical_and_agree_with_the_python_layer():
+    names = _core.option_names()
+    assert names == {"weight_type": ["fp32", "bf16", "q8", "q4", "q4m"], "kv_type": ["fp32", "bf16", "int8"],
+                     "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
+                     "numa": ["default", "distribute", "isolate"], "gguf_raw": ["Q8_0", "Q4_0", "Q4_1"]}
+    from corelm import engine
+    assert set(engine.DTYPES) - {"auto"} <= set(names["weight_type"])
+    assert set(engine.KV_DTYPES) == set(names["kv_type"])
+    assert set(engine.ACTIVATIONS) - {"auto"} == set(names["activations"])
+    assert set(engine.SCHEDULES) == set(names["schedule"])
+    assert set(engine.NUMA_POLICIES) <= set(names["numa"])
+    assert set(engine._RAW_STORAGE) == set(names["gguf_raw"])
+    x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)
+    for alias in ("f32", "i8", "FP32"):  # the core takes canonical names only
+        with pytest.raises(ValueError, match="weight type must be"):
+            _core.testing.kernel_matmul("scalar", x, w, alias)
+    with pytest.raises(ValueError, match="activations must be"):
+        _core.testing.kernel_matmul("scalar", x, w, "q8", activations="i8")
+    with pytest.raises(ValueError, match="numa must be"):
+        _core.plan_threads(numa="")
+
+
 def _kv_values(kv, rng, shape):
     """Random cached elements of type kv and their exact fp32 values."""
     if kv == "fp32":
