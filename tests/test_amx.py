@@ -61,7 +61,7 @@ def bf16_tile(vals, rows=1):
 
 
 def dpbf16(c, a, b, b_rows=1, emulated=True):
-    out = _core.amx_tile_dp("tdpbf16ps", f32_bytes(c), bf16_tile(a), bf16_tile(b, b_rows), emulated)
+    out = _core.testing.amx_tile_dp("tdpbf16ps", f32_bytes(c), bf16_tile(a), bf16_tile(b, b_rows), emulated)
     return out.view(np.float32)
 
 
@@ -69,7 +69,7 @@ def dpbssd(c, a, b, c_rows=1, b_rows=1, emulated=True):
     cb = np.asarray(c, np.int32).view(np.uint8).reshape(c_rows, -1)
     ab = np.asarray(a, np.int8).view(np.uint8).reshape(c_rows, -1)
     bb = np.asarray(b, np.int8).view(np.uint8).reshape(b_rows, -1)
-    return _core.amx_tile_dp("tdpbssd", cb, ab, bb, emulated).view(np.int32)
+    return _core.testing.amx_tile_dp("tdpbssd", cb, ab, bb, emulated).view(np.int32)
 
 
 @pytest.mark.parametrize("emulated", [True, pytest.param(False, marks=needs_amx)])
@@ -98,7 +98,7 @@ def test_tdpbf16ps_emulation_follows_the_sdm():
     assert dpbf16([1.0], [1.0, 0.0] * 16, [e, 0.0] * 16, b_rows=16)[0, 0] == 1.0
     # DAZ: a bf16 denormal input is zero (2^-128 * 2^100 would be 2^-28 otherwise).
     den = np.array([0x0020], np.uint16)  # bf16 denormal 2^-128
-    out = _core.amx_tile_dp("tdpbf16ps", f32_bytes([1.0]), np.concatenate([den, bf16_bits([0.0])]).view(np.uint8)[None],
+    out = _core.testing.amx_tile_dp("tdpbf16ps", f32_bytes([1.0]), np.concatenate([den, bf16_bits([0.0])]).view(np.uint8)[None],
                             bf16_tile([2.0 ** 100, 0.0]), True)
     assert out.view(np.float32)[0, 0] == 1.0
     # FTZ: a denormal result is flushed to zero (2^-70 * 2^-70 = 2^-140).
@@ -114,7 +114,7 @@ def test_tdpbf16ps_hardware_on_exact_examples():
     w = RNG.integers(-8, 9, size=(16, 32)).astype(np.float32)
     tile_b = bf16_bits(w.reshape(16, 16, 2).transpose(1, 0, 2)).view(np.uint8).reshape(16, 64)  # {k/2, n, 2}
     for emulated in (True, False):
-        out = _core.amx_tile_dp("tdpbf16ps", np.zeros((1, 64), np.uint8), bf16_tile(x), tile_b, emulated)
+        out = _core.testing.amx_tile_dp("tdpbf16ps", np.zeros((1, 64), np.uint8), bf16_tile(x), tile_b, emulated)
         np.testing.assert_array_equal(out.view(np.float32)[0], w @ x)
 
 
@@ -129,13 +129,13 @@ def test_tdpbf16ps_hardware_summation_order():
 
 def test_emulation_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="A.colsb != 4 \\* B.rows"):
-        _core.amx_tile_dp("tdpbssd", np.zeros((1, 4), np.uint8), np.zeros((1, 8), np.uint8),
+        _core.testing.amx_tile_dp("tdpbssd", np.zeros((1, 4), np.uint8), np.zeros((1, 8), np.uint8),
                           np.zeros((1, 4), np.uint8), True)
     with pytest.raises(RuntimeError, match="B.colsb != C.colsb"):
-        _core.amx_tile_dp("tdpbf16ps", np.zeros((1, 8), np.uint8), np.zeros((1, 4), np.uint8),
+        _core.testing.amx_tile_dp("tdpbf16ps", np.zeros((1, 8), np.uint8), np.zeros((1, 4), np.uint8),
                           np.zeros((1, 4), np.uint8), True)
     with pytest.raises(RuntimeError, match="larger than 16 rows"):
-        _core.amx_tile_dp("tdpbssd", np.zeros((17, 4), np.uint8), np.zeros((17, 4), np.uint8),
+        _core.testing.amx_tile_dp("tdpbssd", np.zeros((17, 4), np.uint8), np.zeros((17, 4), np.uint8),
                           np.zeros((1, 4), np.uint8), True)
     # After a fault the emulated state is released and the kernels still work.
     assert dpbf16([0.25], [1.0, 2.0], [3.0, 0.5])[0, 0] == 4.25
@@ -149,7 +149,7 @@ def test_emulation_rejects_bad_shapes():
 @pytest.mark.parametrize("m", MS)
 def test_bf16_gemm_emulated(m, n, k):
     x, w = normal((m, k)), normal((n, k))
-    y = _core.kernel_amx_bf16_gemm(x, w, True)
+    y = _core.testing.kernel_amx_bf16_gemm(x, w, True)
     assert y.shape == (m, n) and y.dtype == np.float32
     # Zero-padded K adds exact zeros, so the emulation equals the sequential fp32 order bit for bit.
     np.testing.assert_array_equal(y, sequential_reference(x, w))
@@ -163,8 +163,8 @@ def test_bf16_gemm_emulated(m, n, k):
 @pytest.mark.parametrize("m", MS)
 def test_bf16_gemm_real_vs_emulated(m, n, k):
     x, w = normal((m, k)), normal((n, k))
-    real = _core.kernel_amx_bf16_gemm(x, w, False)
-    emu = _core.kernel_amx_bf16_gemm(x, w, True)
+    real = _core.testing.kernel_amx_bf16_gemm(x, w, False)
+    emu = _core.testing.kernel_amx_bf16_gemm(x, w, True)
     # The hardware sums an instruction's products before adding them to C (the SDM writes one FMA
     # at a time), so the two differ by fp32 rounding only.
     assert np.all(np.abs(real - emu) <= 2 * fp32_tolerance(x, w))
@@ -175,7 +175,7 @@ def test_bf16_gemm_large_and_special_values():
     w = RNG.standard_normal((48, 96)).astype(np.float32)
     x[3, :] = 0.0
     w[5, 7] = 3.0e38
-    y = _core.kernel_amx_bf16_gemm(x, w, True)
+    y = _core.testing.kernel_amx_bf16_gemm(x, w, True)
     np.testing.assert_array_equal(y[3], np.zeros(48, np.float32))
     with np.errstate(over="ignore", invalid="ignore"):  # 3e38 * |x| > fp32 max: inf in both
         np.testing.assert_array_equal(y, sequential_reference(x, w))
@@ -185,7 +185,7 @@ def test_bf16_gemm_real_without_amx_raises():
     if HAVE_AMX:
         pytest.skip("AMX is available here")
     with pytest.raises(RuntimeError, match="not available"):
-        _core.kernel_amx_bf16_gemm(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32), False)
+        _core.testing.kernel_amx_bf16_gemm(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32), False)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def int8(shape):
 @pytest.mark.parametrize("m", MS)
 def test_int8_gemm_emulated_exact(m, n, k):
     xq, wq = int8((m, k)), int8((n, k))
-    y = _core.kernel_amx_int8_gemm(xq, wq, True)
+    y = _core.testing.kernel_amx_int8_gemm(xq, wq, True)
     assert y.dtype == np.int32 and y.shape == (m, n)
     np.testing.assert_array_equal(y, xq.astype(np.int64) @ wq.astype(np.int64).T)
 
@@ -223,7 +223,7 @@ def test_int8_gemm_scaled(emulated, m, n, k, group):
     ng = 1 if group == 0 else k // group
     xs = RNG.uniform(0.001, 0.02, (m, ng)).astype(np.float32)
     ws = RNG.uniform(0.001, 0.02, (n, ng)).astype(np.float32)
-    y = _core.kernel_amx_int8_gemm(xq, wq, emulated, xs, ws, group)
+    y = _core.testing.kernel_amx_int8_gemm(xq, wq, emulated, xs, ws, group)
     assert y.dtype == np.float32
     ref = scaled_reference(xq, wq, xs, ws, group)
     np.testing.assert_allclose(y, ref, rtol=2e-6 * ng, atol=1e-6 * np.abs(ref).max())
@@ -243,7 +243,7 @@ def quantize_reference(x, group):
 def test_quantize_rows(m, k, group):
     x = normal((m, k)) * 3
     x[0, : min(k, 64 if group else k)] = 0.0  # an all-zero group gets scale 0
-    q, s = _core.amx_quantize_rows(x, group)
+    q, s = _core.testing.amx_quantize_rows(x, group)
     q_ref, s_ref = quantize_reference(x, group)
     np.testing.assert_array_equal(q, q_ref)
     np.testing.assert_array_equal(s, s_ref)
@@ -257,9 +257,9 @@ def test_quantize_rows(m, k, group):
 def test_int8_gemm_from_fp32(emulated, group):
     """fp32 x and W through the int8 formats end to end: close to the fp32 product."""
     x, w = normal((33, 256)), normal((40, 256))
-    xq, xs = _core.amx_quantize_rows(x, group)
-    wq, ws = _core.amx_quantize_rows(w, group)
-    y = _core.kernel_amx_int8_gemm(xq, wq, emulated, xs, ws, group)
+    xq, xs = _core.testing.amx_quantize_rows(x, group)
+    wq, ws = _core.testing.amx_quantize_rows(w, group)
+    y = _core.testing.kernel_amx_int8_gemm(xq, wq, emulated, xs, ws, group)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     assert np.mean((y - ref) ** 2) / np.mean(ref ** 2) < 1e-3
 
@@ -267,7 +267,7 @@ def test_int8_gemm_from_fp32(emulated, group):
 def test_int8_gemm_rejects_bad_groups():
     xq, wq = int8((2, 100)), int8((3, 100))
     with pytest.raises(ValueError):
-        _core.kernel_amx_int8_gemm(xq, wq, True, np.ones((2, 2), np.float32), np.ones((3, 2), np.float32), 50)
+        _core.testing.kernel_amx_int8_gemm(xq, wq, True, np.ones((2, 2), np.float32), np.ones((3, 2), np.float32), 50)
 
 
 @needs_amx
@@ -276,7 +276,7 @@ def test_int8_gemm_rejects_bad_groups():
 @pytest.mark.parametrize("m", MS)
 def test_int8_gemm_real_vs_emulated(m, n, k):
     xq, wq = int8((m, k)), int8((n, k))
-    np.testing.assert_array_equal(_core.kernel_amx_int8_gemm(xq, wq, False), _core.kernel_amx_int8_gemm(xq, wq, True))
+    np.testing.assert_array_equal(_core.testing.kernel_amx_int8_gemm(xq, wq, False), _core.testing.kernel_amx_int8_gemm(xq, wq, True))
 
 
 @pytest.mark.parametrize("emulated", [True, pytest.param(False, marks=needs_amx)])
@@ -284,21 +284,21 @@ def test_int8_gemm_real_vs_emulated(m, n, k):
 def test_column_ranges(emulated, n0, n1):
     """The callers split N across threads in whole 16-column tiles: a range computes exactly its columns."""
     x, w = normal((19, 70)), normal((70, 70))
-    y = _core.kernel_amx_bf16_gemm(x, w, emulated, n0, n1)
-    full = _core.kernel_amx_bf16_gemm(x, w, emulated)
+    y = _core.testing.kernel_amx_bf16_gemm(x, w, emulated, n0, n1)
+    full = _core.testing.kernel_amx_bf16_gemm(x, w, emulated)
     np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
     assert not y[:, :n0].any() and not y[:, n1:].any()
     xq, wq = int8((19, 70)), int8((70, 70))
-    yq = _core.kernel_amx_int8_gemm(xq, wq, emulated, n0=n0, n1=n1)
+    yq = _core.testing.kernel_amx_int8_gemm(xq, wq, emulated, n0=n0, n1=n1)
     np.testing.assert_array_equal(yq[:, n0:n1], (xq.astype(np.int64) @ wq.astype(np.int64).T)[:, n0:n1])
     assert not yq[:, :n0].any() and not yq[:, n1:].any()
 
 
 def test_column_range_must_start_on_a_tile():
     with pytest.raises(ValueError, match="multiple of 16"):
-        _core.kernel_amx_bf16_gemm(normal((2, 8)), normal((40, 8)), True, 8, 40)
+        _core.testing.kernel_amx_bf16_gemm(normal((2, 8)), normal((40, 8)), True, 8, 40)
     with pytest.raises(ValueError):
-        _core.kernel_amx_int8_gemm(int8((2, 8)), int8((40, 8)), True, n0=0, n1=41)
+        _core.testing.kernel_amx_int8_gemm(int8((2, 8)), int8((40, 8)), True, n0=0, n1=41)
 
 
 def test_amx_info_reports_a_reason():
@@ -331,7 +331,7 @@ def test_amx_tables_are_listed_only_where_they_run():
     assert not tables[0].startswith("amx")          # never the default
     if not HAVE_AMX:
         with pytest.raises(Exception):
-            _core.kernel_matmul("amx", normal((1, 32)), normal((16, 32)), "bf16")
+            _core.testing.kernel_matmul("amx", normal((1, 32)), normal((16, 32)), "bf16")
 
 
 @pytest.mark.parametrize("isa", AMX_TABLES)
@@ -341,8 +341,8 @@ def test_amx_tables_are_listed_only_where_they_run():
 def test_amx_table_bf16_matmul_is_the_gemm(isa, m, n, k):
     """The table's bf16 matmul is the AMX GEMM on the same tiles, for decode's single row and prefill's many."""
     x, w = normal((m, k)), normal((n, k))
-    y = _core.kernel_matmul(isa, x, w, "bf16")
-    np.testing.assert_array_equal(y, _core.kernel_amx_bf16_gemm(x, w, isa == "amx_emulated"))
+    y = _core.testing.kernel_matmul(isa, x, w, "bf16")
+    np.testing.assert_array_equal(y, _core.testing.kernel_amx_bf16_gemm(x, w, isa == "amx_emulated"))
 
 
 @pytest.mark.parametrize("isa", AMX_TABLES)
@@ -351,8 +351,8 @@ def test_amx_table_any_row_range(isa, n0, n1):
     """The model splits rows in multiples of 16, but the table takes any range (a scratch panel covers
     a start inside a panel) and writes nothing outside it."""
     x, w = normal((19, 70)), normal((70, 70))
-    full = _core.kernel_matmul(isa, x, w, "bf16")
-    y = _core.kernel_matmul(isa, x, w, "bf16", n0, n1)
+    full = _core.testing.kernel_matmul(isa, x, w, "bf16")
+    y = _core.testing.kernel_matmul(isa, x, w, "bf16", n0, n1)
     np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
     assert not y[:, :n0].any() and not y[:, n1:].any()
 
@@ -363,7 +363,7 @@ def test_amx_table_reads_rows_back(isa, n, k):
     """Embedding lookups read rows out of the tiles: bf16(W[row]) exactly, past the N and K padding."""
     w = normal((n, k))
     for row in sorted({0, n // 2, 15 % n, n - 1}):
-        np.testing.assert_array_equal(_core.kernel_row_to_f32(isa, w, "bf16", row), bf16_round(w[row]))
+        np.testing.assert_array_equal(_core.testing.kernel_row_to_f32(isa, w, "bf16", row), bf16_round(w[row]))
 
 
 @pytest.mark.parametrize("isa", AMX_TABLES)
@@ -371,8 +371,8 @@ def test_amx_table_reads_rows_back(isa, n, k):
 def test_amx_table_leaves_other_formats_to_the_base_table(isa, wtype):
     base = _core.cpu_info()["kernels"]["matmul_q8"]  # the best non-AMX table here
     x, w = normal((5, 96)), normal((40, 96))
-    np.testing.assert_array_equal(_core.kernel_matmul(isa, x, w, wtype), _core.kernel_matmul(base, x, w, wtype))
-    assert _core.kernel_packed_bytes(isa, w, wtype) == _core.kernel_packed_bytes(base, w, wtype)
+    np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype), _core.testing.kernel_matmul(base, x, w, wtype))
+    assert _core.testing.kernel_packed_bytes(isa, w, wtype) == _core.testing.kernel_packed_bytes(base, w, wtype)
 
 
 @pytest.mark.parametrize("isa", AMX_TABLES)
@@ -383,6 +383,8 @@ def test_amx_table_runs_the_forward_pass(isa):
     code = (
         "import json, os, sys, numpy as np, corelm\n"
         "from corelm import cli, _core\n"
+        "sys.path.insert(0, 'tools')\n"
+        "from core_forward import core_forward\n"
         "fixtures, models, isa = sys.argv[1:4]\n"
         "assert _core.cpu_info()['kernels']['matmul_bf16'] == isa\n"
         "for name in ('stories260K', 'tiny-qwen2'):\n"
@@ -392,7 +394,7 @@ def test_amx_table_runs_the_forward_pass(isa):
         "    for c in fx['cases']:\n"
         "        ref = np.load(os.path.join(fixtures, c['last_logits']))\n"
         "        llm.reset()\n"
-        "        y = llm._core.forward(np.asarray(c['prompt_ids'], np.int32), 0, False)\n"
+        "        y = core_forward(llm._core, c['prompt_ids'], 0, False)\n"
         "        nmse = float(np.mean((y - ref) ** 2) / np.mean(ref ** 2))\n"
         "        assert nmse < 1e-3, (name, nmse)\n"
         "        llm.reset()\n"

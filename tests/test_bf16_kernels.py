@@ -41,9 +41,9 @@ def test_table_follows_cpuid():
 def test_batched_decode_shapes(m, n, k):
     x = RNG.standard_normal((m, k)).astype(np.float32)
     w = RNG.standard_normal((n, k)).astype(np.float32)
-    y = _core.kernel_matmul("avx512_bf16", x, w, "bf16")
+    y = _core.testing.kernel_matmul("avx512_bf16", x, w, "bf16")
     if m == 1:  # single-row decode keeps fp32 activations: same as the plain table
-        np.testing.assert_array_equal(y, _core.kernel_matmul("avx512", x, w, "bf16"))
+        np.testing.assert_array_equal(y, _core.testing.kernel_matmul("avx512", x, w, "bf16"))
     else:
         check(y, x, w)
 
@@ -58,10 +58,10 @@ def test_prefill_shapes(m, n, k):
         # single-row decode keeps fp32 activations (the plain table's GEMV), so bf16-exact x makes the
         # bf16-rounded reference below exact for it too: m = 1 is checked against the same reference
         x = bf16_round(x)
-    y = _core.kernel_matmul("avx512_bf16", x, w, "bf16")
+    y = _core.testing.kernel_matmul("avx512_bf16", x, w, "bf16")
     check(y, x, w)
     if m == 1:
-        np.testing.assert_array_equal(y, _core.kernel_matmul("avx512", x, w, "bf16"))
+        np.testing.assert_array_equal(y, _core.testing.kernel_matmul("avx512", x, w, "bf16"))
 
 
 @needs_bf16
@@ -70,7 +70,7 @@ def test_prefill_shapes(m, n, k):
 def test_column_ranges(m, n0, n1):
     x = RNG.standard_normal((m, 65)).astype(np.float32)
     w = RNG.standard_normal((70, 65)).astype(np.float32)
-    check(_core.kernel_matmul("avx512_bf16", x, w, "bf16", n0, n1), x, w, n0, n1)
+    check(_core.testing.kernel_matmul("avx512_bf16", x, w, "bf16", n0, n1), x, w, n0, n1)
 
 
 @needs_bf16
@@ -78,17 +78,17 @@ def test_rounding_and_special_values():
     # exact bf16 inputs with an exactly representable result: any activation rounding error shows
     x = np.array([[1.0, 2.0, -3.0, 0.5], [1.00390625, 1.0, 0.0, -0.0]], np.float32)  # 1 + 2^-8 is a tie: rounds to 1
     w = np.array([[1.0, 1.0, 1.0, 1.0], [2.0, -1.0, 4.0, 8.0]], np.float32)
-    y = _core.kernel_matmul("avx512_bf16", x, w, "bf16")
+    y = _core.testing.kernel_matmul("avx512_bf16", x, w, "bf16")
     np.testing.assert_array_equal(y, [[0.5, -8.0], [2.0, 1.0]])
     x[0, 0] = np.inf
-    assert np.isposinf(_core.kernel_matmul("avx512_bf16", x, w, "bf16")[0, 0])
+    assert np.isposinf(_core.testing.kernel_matmul("avx512_bf16", x, w, "bf16")[0, 0])
     x[0, 0] = np.nan
-    assert np.isnan(_core.kernel_matmul("avx512_bf16", x, w, "bf16")[0]).all()
+    assert np.isnan(_core.testing.kernel_matmul("avx512_bf16", x, w, "bf16")[0]).all()
 
 
 @needs_bf16
 def test_fp32_weights_unchanged():
     x = RNG.standard_normal((20, 100)).astype(np.float32)
     w = RNG.standard_normal((30, 100)).astype(np.float32)
-    np.testing.assert_array_equal(_core.kernel_matmul("avx512_bf16", x, w, "fp32"),
-                                  _core.kernel_matmul("avx512", x, w, "fp32"))
+    np.testing.assert_array_equal(_core.testing.kernel_matmul("avx512_bf16", x, w, "fp32"),
+                                  _core.testing.kernel_matmul("avx512", x, w, "fp32"))

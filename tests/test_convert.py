@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, MODELS
+from conftest import DEFAULT_GGUF, MODELS, core_forward
 from test_quant import ggml_quantize
 
 import corelm
@@ -31,7 +31,7 @@ BEST = _core.cpu_info()["kernels"]["matmul_fp32"]
 
 
 def logits(path, dtype, ids=IDS):
-    return build_core_model(load_model(path), dtype=dtype, threads=1).forward(ids, 0, True)
+    return core_forward(build_core_model(load_model(path), dtype=dtype, threads=1), ids, 0, True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -48,8 +48,8 @@ def test_q4_0_matches_the_engines_quantizer():
     """Stored blocks dequantize to what the engine's own dtype="q4" packing gives (the best table)."""
     w = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
     w[2] = 0
-    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_0(w), "Q4_0", *w.shape)
-    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4", r) for r in range(w.shape[0])])
+    ours = _core.testing.kernel_raw_to_f32(BEST, quantize_q4_0(w), "Q4_0", *w.shape)
+    engine = np.stack([_core.testing.kernel_row_to_f32(BEST, w, "q4", r) for r in range(w.shape[0])])
     assert np.mean(ours != engine) < 1e-4       # at most a rare near-tie rounds the other way
     ref = _DECODERS["Q4_0"](ggml_quantize(w, "Q4_0").reshape(-1), w.size).reshape(w.shape)
     assert np.mean(ours != ref) < 1e-3
@@ -58,8 +58,8 @@ def test_q4_0_matches_the_engines_quantizer():
 def test_q4_1_matches_the_engines_quantizer():
     w = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32)
     w[2], w[5] = 0, w[5] + 3
-    ours = _core.kernel_raw_to_f32(BEST, quantize_q4_1(w), "Q4_1", *w.shape)
-    engine = np.stack([_core.kernel_row_to_f32(BEST, w, "q4m", r) for r in range(w.shape[0])])
+    ours = _core.testing.kernel_raw_to_f32(BEST, quantize_q4_1(w), "Q4_1", *w.shape)
+    engine = np.stack([_core.testing.kernel_row_to_f32(BEST, w, "q4m", r) for r in range(w.shape[0])])
     assert np.mean(ours != engine) < 1e-4
     ref = _DECODERS["Q4_1"](ggml_quantize(w, "Q4_1").reshape(-1), w.size).reshape(w.shape)
     assert np.mean(ours != ref) < 1e-3
@@ -125,7 +125,7 @@ def test_converted_folder_matches_in_memory_dtype(tmp_path, src, weights, dtype)
     assert m.source_format == "corelm" and m.spec == load_model(src).spec
     b = logits(out, dtype)
     if weights in ("q4_0", "q4_1"):
-        a = build_core_model(four_bit_reference(src, weights), dtype=dtype, threads=1).forward(IDS, 0, True)
+        a = core_forward(build_core_model(four_bit_reference(src, weights), dtype=dtype, threads=1), IDS, 0, True)
         assert np.array_equal(a, b)
     else:
         assert np.array_equal(logits(src, dtype), b)

@@ -47,7 +47,7 @@ def test_matmul(isa, wtype, m, n, k):
     w_used = bf16_round(w) if wtype == "bf16" else w
     x_used = bf16_round(x) if rounds_activations(isa, wtype, m) else x
     ref = x_used.astype(np.float64) @ w_used.astype(np.float64).T
-    y = _core.kernel_matmul(isa, x, w, wtype)
+    y = _core.testing.kernel_matmul(isa, x, w, wtype)
     assert y.shape == (m, n)
     # fp32 accumulation over K terms: error grows like sqrt(K) * eps * |terms|
     tol = 2e-6 * k + 1e-6
@@ -64,7 +64,7 @@ def test_matmul_every_batch_size(isa, wtype, n, k):
     for m in range(1, 41):
         x = RNG.standard_normal((m, k)).astype(np.float32)
         x_used = bf16_round(x) if rounds_activations(isa, wtype, m) else x
-        y = _core.kernel_matmul(isa, x, w, wtype)
+        y = _core.testing.kernel_matmul(isa, x, w, wtype)
         np.testing.assert_allclose(y, x_used.astype(np.float64) @ w_used.T, rtol=0, atol=2e-6 * k + 1e-6,
                                    err_msg=f"m={m}")
 
@@ -80,7 +80,7 @@ def test_matmul_row_ranges(isa, wtype, m, n0, n1):
     w = RNG.standard_normal((70, 65)).astype(np.float32)
     x_used = bf16_round(x) if rounds_activations(isa, wtype, m) else x
     ref = x_used.astype(np.float64) @ (bf16_round(w) if wtype == "bf16" else w).astype(np.float64).T
-    y = _core.kernel_matmul(isa, x, w, wtype, n0, n1)
+    y = _core.testing.kernel_matmul(isa, x, w, wtype, n0, n1)
     np.testing.assert_allclose(y[:, n0:n1], ref[:, n0:n1], rtol=0, atol=2e-6 * 65 + 1e-6)
     assert not y[:, :n0].any() and not y[:, n1:].any()
 
@@ -93,9 +93,9 @@ def test_matmul_row_split_keeps_the_bits(isa, wtype, m):
     relies on it: logits must not depend on the thread count or the NUMA split)."""
     x = RNG.standard_normal((m, 70)).astype(np.float32)
     w = RNG.standard_normal((150, 70)).astype(np.float32)
-    full = _core.kernel_matmul(isa, x, w, wtype)
+    full = _core.testing.kernel_matmul(isa, x, w, wtype)
     for cuts in ([0, 32, 64, 150], [0, 17, 48, 49, 112, 150], [0, 80, 150]):
-        y = sum(_core.kernel_matmul(isa, x, w, wtype, a, b) for a, b in zip(cuts, cuts[1:]))
+        y = sum(_core.testing.kernel_matmul(isa, x, w, wtype, a, b) for a, b in zip(cuts, cuts[1:]))
         np.testing.assert_array_equal(y, full, err_msg=f"cuts {cuts}")
 
 
@@ -103,9 +103,9 @@ def test_bf16_rounding_matches_reference():
     special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.0078125, 3.0e38, -1e-40, 1.5, 65504.0], np.float32)
     w = np.concatenate([special, RNG.standard_normal(1000).astype(np.float32)])[None, :]
     for isa in TABLES:
-        got = _core.kernel_row_to_f32(isa, w, "bf16", 0)
+        got = _core.testing.kernel_row_to_f32(isa, w, "bf16", 0)
         np.testing.assert_array_equal(got, bf16_round(w[0]))
-        np.testing.assert_array_equal(_core.kernel_row_to_f32(isa, w, "fp32", 0), w[0])
+        np.testing.assert_array_equal(_core.testing.kernel_row_to_f32(isa, w, "fp32", 0), w[0])
 
 
 @pytest.mark.parametrize("isa", TABLES)
@@ -115,7 +115,7 @@ def test_rmsnorm(isa, n):
     w = RNG.standard_normal(n).astype(np.float32)
     x64 = x.astype(np.float64)
     ref = w * (x64 / np.sqrt(np.mean(x64 * x64) + 1e-5))
-    np.testing.assert_allclose(_core.kernel_rmsnorm(isa, x, w, 1e-5), ref, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(_core.testing.kernel_rmsnorm(isa, x, w, 1e-5), ref, rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("isa", TABLES)
@@ -126,7 +126,7 @@ def test_silu_mul(isa, n):
     u = RNG.standard_normal(n).astype(np.float32)
     g64 = g.astype(np.float64)
     ref = g64 / (1 + np.exp(-g64)) * u
-    np.testing.assert_allclose(_core.kernel_silu_mul(isa, g, u), ref, rtol=3e-6, atol=1e-6)
+    np.testing.assert_allclose(_core.testing.kernel_silu_mul(isa, g, u), ref, rtol=3e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("isa", TABLES)
@@ -136,19 +136,9 @@ def test_softmax(isa, n):
     x64 = x.astype(np.float64)
     ref = np.exp(x64 - x64.max())
     ref /= ref.sum()
-    y = _core.kernel_softmax(isa, x)
+    y = _core.testing.kernel_softmax(isa, x)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-7)
     assert abs(float(y.sum()) - 1) < 1e-5
-
-
-@pytest.mark.parametrize("isa", TABLES)
-@pytest.mark.parametrize("n", [1, 8, 16, 31, 32, 33, 64, 1000])
-def test_dot_and_axpy(isa, n):
-    a = RNG.standard_normal(n).astype(np.float32)
-    b = RNG.standard_normal(n).astype(np.float32)
-    assert abs(_core.kernel_dot(isa, a, b) - float(a.astype(np.float64) @ b)) < 1e-5 * n
-    y = RNG.standard_normal(n).astype(np.float32)
-    np.testing.assert_allclose(_core.kernel_axpy(isa, y, 0.75, a), y + 0.75 * a.astype(np.float64), rtol=1e-6, atol=1e-6)
 
 
 def test_tables_agree_with_scalar_on_large_matmul():
@@ -156,16 +146,32 @@ def test_tables_agree_with_scalar_on_large_matmul():
     w = RNG.standard_normal((77, 300)).astype(np.float32)
     for isa in TABLES:
         xs = bf16_round(x) if rounds_activations(isa, "bf16", len(x)) else x
-        assert nmse(_core.kernel_matmul(isa, x, w, "bf16"), _core.kernel_matmul("scalar", xs, w, "bf16")) < 1e-12
+        assert nmse(_core.testing.kernel_matmul(isa, x, w, "bf16"), _core.testing.kernel_matmul("scalar", xs, w, "bf16")) < 1e-12
 
 
 def test_bad_kernel_arguments_raise():
     with pytest.raises(ValueError):
-        _core.kernel_matmul("scalar", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), "fp32")
+        _core.testing.kernel_matmul("scalar", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), "fp32")
     with pytest.raises(ValueError):
-        _core.kernel_matmul("no-such-isa", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "fp32")
+        _core.testing.kernel_matmul("no-such-isa", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "fp32")
     with pytest.raises(ValueError):
-        _core.kernel_matmul("scalar", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "q3")
+        _core.testing.kernel_matmul("scalar", np.zeros((1, 4), np.float32), np.zeros((2, 4), np.float32), "q3")
+
+
+def test_option_names_are_canonical():
+    names = _core.option_names()
+    assert names == {"weight_type": ["fp32", "bf16", "q8", "q4", "q4m"], "kv_type": ["fp32", "bf16", "int8"],
+                     "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
+                     "numa": ["default", "distribute", "isolate"], "gguf_raw": ["Q8_0", "Q4_0", "Q4_1"]}
+    # agreement with corelm.options: tests/test_options.py
+    x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)
+    for alias in ("f32", "i8", "FP32"):  # the core takes canonical names only
+        with pytest.raises(ValueError, match="weight type must be"):
+            _core.testing.kernel_matmul("scalar", x, w, alias)
+    with pytest.raises(ValueError, match="activations must be"):
+        _core.testing.kernel_matmul("scalar", x, w, "q8", activations="i8")
+    with pytest.raises(ValueError, match="numa must be"):
+        _core.plan_threads(numa="")
 
 
 def _kv_values(kv, rng, shape):
@@ -193,21 +199,21 @@ def test_kv_scores_and_accum(isa, kv, G, hd, ldk, n):
     rng = np.random.default_rng(G * 1000 + hd + n)
     q = rng.standard_normal((G, hd)).astype(np.float32)
     k, k64 = _kv_values(kv, rng, (hd, ldk))
-    s = _core.kernel_kv_scores(isa, kv, q, k, ldk, n)
+    s = _core.testing.kernel_kv_scores(isa, kv, q, k, ldk, n)
     ref = q.astype(np.float64) @ k64[:, :n]
     np.testing.assert_allclose(s, ref, rtol=1e-5, atol=1e-4 * np.sqrt(hd) * np.abs(k64).max())
     p = rng.random((G, n)).astype(np.float32)
     v, v64 = _kv_values(kv, rng, (n, hd))
     out0 = rng.standard_normal((G, hd)).astype(np.float32)
-    y = _core.kernel_kv_accum(isa, kv, p, v, hd, out0)
+    y = _core.testing.kernel_kv_accum(isa, kv, p, v, hd, out0)
     np.testing.assert_allclose(y, out0 + p.astype(np.float64) @ v64, rtol=1e-5, atol=1e-4 * np.sqrt(n) * np.abs(v64).max())
 
 
 def test_kv_kernel_arguments_are_checked():
     q = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError):
-        _core.kernel_kv_scores("scalar", "bf16", q, np.zeros((8, 16), np.float32), 16, 16)  # wrong dtype
+        _core.testing.kernel_kv_scores("scalar", "bf16", q, np.zeros((8, 16), np.float32), 16, 16)  # wrong dtype
     with pytest.raises(ValueError):
-        _core.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 4), np.float32), 16, 16)   # too small
+        _core.testing.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 4), np.float32), 16, 16)   # too small
     with pytest.raises(ValueError):
-        _core.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 16), np.float32), 16, 17)  # n > ldk
+        _core.testing.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 16), np.float32), 16, 17)  # n > ldk

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, FIXTURES, MODELS
+from conftest import DEFAULT_GGUF, FIXTURES, MODELS, core_forward
 
 import corelm
 from corelm import SamplingParams, _core
@@ -82,7 +82,7 @@ def test_int8_kv_attention_close_to_fp32_on_awkward_shapes(head_dim):
     """head_dim 6 and 24 rotate in blocks of 2 and 8; logits over 150 positions (several KV blocks)."""
     spec = tiny_spec(n_layers=2, n_kv_heads=2, head_dim=head_dim, bias=True)
     tokens = np.random.default_rng(head_dim).integers(0, spec.vocab_size, 150).astype(np.int32)
-    logits = {kv: random_model(spec, kv).forward(tokens, 0, True) for kv in ("fp32", "bf16", "int8")}
+    logits = {kv: core_forward(random_model(spec, kv), tokens, 0, True) for kv in ("fp32", "bf16", "int8")}
     ref = logits["fp32"].astype(np.float64)
     err = {kv: float(np.sqrt(np.mean((logits[kv] - ref) ** 2) / np.mean(ref ** 2))) for kv in ("bf16", "int8")}
     assert 0 < err["int8"] < 4 * err["bf16"], err  # measured: 1.9-2.9x
@@ -113,7 +113,7 @@ def test_int8_kv_greedy_256_tokens_follow_fp32(path, name, n_prompts):
         tf = {}
         for kv, llm in llms.items():  # logits of every step, teacher-forced on the fp32 tokens
             llm.reset()
-            tf[kv] = llm._core.forward(ids, 0, True)[len(prompt) - 1:]
+            tf[kv] = core_forward(llm._core, ids, 0, True)[len(prompt) - 1:]
             llm.reset()
         assert (tf["fp32"].argmax(axis=1) == expected).all()  # prefill and decode agree, so the gaps are the decode's
         top2 = np.sort(tf["fp32"], axis=1)[:, -2:]
@@ -143,7 +143,7 @@ def test_bf16_and_int8_kv_follow_fp32_until_a_near_tie(name):
     for prompt in prompts:
         expected = ref.generate([prompt], params)[0].outputs[0].token_ids
         ref.reset()
-        logits = ref._core.forward(np.asarray(prompt + expected[:-1], np.int32), 0, True)[len(prompt) - 1:]
+        logits = core_forward(ref._core, np.asarray(prompt + expected[:-1], np.int32), 0, True)[len(prompt) - 1:]
         top2 = np.sort(logits, axis=1)[:, -2:]
         gaps = top2[:, 1] - top2[:, 0]
         for kv, llm in llms.items():

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DATA
+from conftest import DATA, core_forward
 
 from corelm import _core
 from corelm.engine import system
@@ -129,11 +129,11 @@ def test_row_offsets_match_the_packed_layouts(wtype):
     count is a multiple of 32 starts at nbytes * r / rows; checked against the size of 32 packed rows."""
     rows, cols = 96, 96
     for isa in _core.kernel_tables():
-        nbytes = _core.kernel_packed_bytes(isa, np.zeros((rows, cols), np.float32), wtype)
-        per_32 = _core.kernel_packed_bytes(isa, np.zeros((32, cols), np.float32), wtype)
+        nbytes = _core.testing.kernel_packed_bytes(isa, np.zeros((rows, cols), np.float32), wtype)
+        per_32 = _core.testing.kernel_packed_bytes(isa, np.zeros((32, cols), np.float32), wtype)
         for r in (0, 32, 64, 96):
-            assert _core.numa_row_offset(r, rows, nbytes) == r // 32 * per_32
-    assert _core.numa_row_offset(5, 10, 1000) == 500 and _core.numa_row_offset(99, 10, 1000) == 1000
+            assert _core.testing.numa_row_offset(r, rows, nbytes) == r // 32 * per_32
+    assert _core.testing.numa_row_offset(5, 10, 1000) == 500 and _core.testing.numa_row_offset(99, 10, 1000) == 1000
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_row_offsets_match_the_packed_layouts(wtype):
 @pytest.fixture
 def pages():
     """An mmap-backed buffer of 8 pages (page-aligned, sharing no page), as aligned_buffer makes them."""
-    size = 8 * _core.page_bytes()
+    size = 8 * _core.testing.page_bytes()
     m = mmap.mmap(-1, size)
     yield np.frombuffer(m, dtype=np.uint8), size
     # the numpy view must go before the mapping closes
@@ -150,25 +150,25 @@ def pages():
 
 def test_place_and_read_back_pages(pages):
     buf, size = pages
-    page = _core.page_bytes()
-    assert _core.numa_page_nodes(buf, 0, size) == [ENOENT] * 8      # nothing touched yet
+    page = _core.testing.page_bytes()
+    assert _core.testing.numa_page_nodes(buf, 0, size) == [ENOENT] * 8      # nothing touched yet
     buf[: 3 * page] = 1
-    assert _core.numa_page_nodes(buf, 0, size) == [0] * 3 + [ENOENT] * 5
-    assert _core.numa_place(buf, 0, 4 * page, 0, True) == ""        # bind (and move) the first half
-    assert _core.numa_place(buf, 4 * page, size, 0, False) == ""    # prefer node 0 for the rest
+    assert _core.testing.numa_page_nodes(buf, 0, size) == [0] * 3 + [ENOENT] * 5
+    assert _core.testing.numa_place(buf, 0, 4 * page, 0, True) == ""        # bind (and move) the first half
+    assert _core.testing.numa_place(buf, 4 * page, size, 0, False) == ""    # prefer node 0 for the rest
     buf[:] = 2
-    assert _core.numa_page_nodes(buf, 0, size) == [0] * 8
+    assert _core.testing.numa_page_nodes(buf, 0, size) == [0] * 8
     # A range covers the pages whose first byte lies in it: [100, page + 100) holds one page start.
-    assert len(_core.numa_page_nodes(buf, 100, page + 100)) == 1
-    assert _core.numa_place(buf, 100, 200, 0, True) == ""            # no page starts there: nothing to do
+    assert len(_core.testing.numa_page_nodes(buf, 100, page + 100)) == 1
+    assert _core.testing.numa_place(buf, 100, 200, 0, True) == ""            # no page starts there: nothing to do
 
 
 def test_placement_errors_are_reported_not_raised(pages):
     buf, size = pages
-    assert "mbind" in _core.numa_place(buf, 0, size, 1000, True)     # no such node: the kernel refuses
-    assert _core.numa_place(buf, 0, size, -1, True) != ""
+    assert "mbind" in _core.testing.numa_place(buf, 0, size, 1000, True)     # no such node: the kernel refuses
+    assert _core.testing.numa_place(buf, 0, size, -1, True) != ""
     with pytest.raises(ValueError):
-        _core.numa_place(buf, 0, size + 1, 0, True)
+        _core.testing.numa_place(buf, 0, size + 1, 0, True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
     assert sorted(placed) == sorted([f"layers.{l}.{w}" for l in range(2) for w in ("wqkv", "wo", "w_gate_up", "w_down")]
                                     + ["lm_head"] + kv)
     assert "11 buffers placed by node" in numa["status"] and "failed" not in numa["status"]
-    page = _core.page_bytes()
+    page = _core.testing.page_bytes()
     for name, p in placed.items():
         assert p["error"] == "", (name, p["error"])
         assert all(r["node"] == 0 for r in p["ranges"])
@@ -246,9 +246,9 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
             # one range of kv heads per layer: [layer][kv_head][block][slot][head_dim], split as decided
             assert len(p["ranges"]) == SPEC.num_layers
             assert [(r["node"], r["begin"], r["end"]) for r in p["ranges"]] == \
-                _core.numa_split_per_layer(SPEC.num_layers, SPEC.num_kv_heads, p["bytes"], [(0, 2)])
+                _core.testing.numa_split_per_layer(SPEC.num_layers, SPEC.num_kv_heads, p["bytes"], [(0, 2)])
             assert all(set(r["pages"]) == {ENOENT} for r in p["ranges"])       # untouched until used
-    m.forward(np.arange(40, dtype=np.int32), 0, False)
+    core_forward(m, np.arange(40, dtype=np.int32), 0, False)
     for name in kv:
         placed = {p["name"]: p for p in m.numa_info(pages=True)["placed"]}
         for r in placed[name]["ranges"]:
@@ -257,10 +257,10 @@ def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_t
 
 def test_placement_does_not_change_results(monkeypatch):
     toks = np.arange(1, 30, dtype=np.int32)
-    ref = random_model(None).forward(toks, 0, True)
+    ref = core_forward(random_model(None), toks, 0, True)
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
     for policy in ("distribute", "isolate"):
-        assert np.array_equal(random_model(policy).forward(toks, 0, True), ref)
+        assert np.array_equal(core_forward(random_model(policy), toks, 0, True), ref)
 
 
 def test_kv_heads_split_by_node_per_layer():
@@ -268,20 +268,20 @@ def test_kv_heads_split_by_node_per_layer():
     them (grain 1), the same for keys, values and int8 scales (any buffer of layers x heads rows)."""
     S = 1000                                                   # bytes per (layer, kv head)
     two = [(0, 8), (1, 8)]
-    assert _core.numa_split_per_layer(2, 2, 4 * S, two) == [(0, 0, S), (1, S, 2 * S), (0, 2 * S, 3 * S), (1, 3 * S, 4 * S)]
+    assert _core.testing.numa_split_per_layer(2, 2, 4 * S, two) == [(0, 0, S), (1, S, 2 * S), (0, 2 * S, 3 * S), (1, 3 * S, 4 * S)]
     # 8 kv heads on 4 unequal nodes: heads in proportion to threads, per layer.
     epyc = [(0, 4), (1, 4), (2, 4), (3, 4)]
-    assert _core.numa_split_per_layer(3, 8, 24 * S, epyc)[4:8] == [(n, (8 + 2 * n) * S, (10 + 2 * n) * S) for n in range(4)]
-    assert _core.numa_split_per_layer(1, 8, 8 * S, [(0, 3), (1, 1)]) == [(0, 0, 6 * S), (1, 6 * S, 8 * S)]
+    assert _core.testing.numa_split_per_layer(3, 8, 24 * S, epyc)[4:8] == [(n, (8 + 2 * n) * S, (10 + 2 * n) * S) for n in range(4)]
+    assert _core.testing.numa_split_per_layer(1, 8, 8 * S, [(0, 3), (1, 1)]) == [(0, 0, 6 * S), (1, 6 * S, 8 * S)]
     # Fewer kv heads than nodes: some nodes get none (empty ranges), every head still goes somewhere.
-    assert _core.numa_split_per_layer(1, 2, 2 * S, [(0, 1), (1, 1), (2, 1)]) == [(0, 0, 0), (1, 0, S), (2, S, 2 * S)]
-    assert _core.numa_split_per_layer(2, 2, 4 * S, []) == []
+    assert _core.testing.numa_split_per_layer(1, 2, 2 * S, [(0, 1), (1, 1), (2, 1)]) == [(0, 0, 0), (1, 0, S), (2, S, 2 * S)]
+    assert _core.testing.numa_split_per_layer(2, 2, 4 * S, []) == []
 
 
 def run_steps(m):
     """A prompt, decode steps and a batch of two sequences (their own block tables) on one model."""
-    out = [m.forward(np.arange(1, 30, dtype=np.int32), 0, True)]
-    out += [m.forward(np.array([t], np.int32), 29 + i, False) for i, t in enumerate((7, 300, 11))]
+    out = [core_forward(m, np.arange(1, 30, dtype=np.int32), 0, True)]
+    out += [core_forward(m, np.array([t], np.int32), 29 + i, False) for i, t in enumerate((7, 300, 11))]
     a, b = np.array([3, 4, 5], np.int32), np.array([9, 10], np.int32)
     out.append(m.forward_batch(np.arange(40, 61, dtype=np.int32), [(19, 0, a, True), (2, 0, b, True)]))
     out.append(m.forward_batch(np.array([1, 2], np.int32), [(1, 19, a, False), (1, 2, b, False)]))

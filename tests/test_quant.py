@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_GGUF, MODELS, ROOT
+from conftest import DEFAULT_GGUF, MODELS, ROOT, core_forward
 from test_models import fixture, matching_prefix, nmse
 
 import corelm
@@ -97,7 +97,7 @@ def test_round_trip_error_bound(isa, wtype, shape):
     """Each element is within half a step of its value (a full step for q4, whose top code is clipped),
     plus the fp16 rounding of the scale."""
     w = weights(*shape)
-    deq = np.stack([_core.kernel_row_to_f32(isa, w, wtype, r) for r in range(shape[0])])
+    deq = np.stack([_core.testing.kernel_row_to_f32(isa, w, wtype, r) for r in range(shape[0])])
     K = shape[1]
     pad = np.zeros((shape[0], -(-K // 32) * 32), np.float32)
     pad[:, :K] = w
@@ -126,7 +126,7 @@ def test_quantizer_matches_ggml_reference(isa, wtype):
     w[3] *= 1e-6                                     # tiny scales
     raw = ggml_quantize(w, GGML[wtype])
     ref = dequant(raw, GGML[wtype], w.shape)
-    got = np.stack([_core.kernel_row_to_f32(isa, w, wtype, r) for r in range(w.shape[0])])
+    got = np.stack([_core.testing.kernel_row_to_f32(isa, w, wtype, r) for r in range(w.shape[0])])
     np.testing.assert_allclose(got, ref, rtol=2e-7, atol=0)
 
 
@@ -138,13 +138,13 @@ def test_raw_blocks_equal_float_path(isa, wtype, shape):
     w = weights(*shape, seed=2)
     raw = ggml_quantize(w, GGML[wtype])
     deq = dequant(raw, GGML[wtype], shape)
-    back = _core.kernel_raw_to_f32(isa, raw, GGML[wtype], *shape)
+    back = _core.testing.kernel_raw_to_f32(isa, raw, GGML[wtype], *shape)
     np.testing.assert_allclose(back, deq, rtol=2e-7, atol=0)
     rng = np.random.default_rng(3)
     for m in (1, 2, 7):
         x = rng.standard_normal((m, shape[1])).astype(np.float32)
-        y_raw = _core.kernel_matmul_raw(isa, x, raw, GGML[wtype], *shape)
-        y_float = _core.kernel_matmul(isa, x, deq, wtype)
+        y_raw = _core.testing.kernel_matmul_raw(isa, x, raw, GGML[wtype], *shape)
+        y_float = _core.testing.kernel_matmul(isa, x, deq, wtype)
         np.testing.assert_array_equal(y_raw, y_float)
 
 
@@ -161,27 +161,27 @@ def test_raw_q8_extreme_quants_match_scalar(isa):
     for m in (1, 5):
         x = rng.standard_normal((m, cols)).astype(np.float32)
         x[:, ::3] *= -1
-        y = _core.kernel_matmul_raw(isa, x, raw, "Q8_0", rows, cols)
-        ref = _core.kernel_matmul_raw("scalar", x, raw, "Q8_0", rows, cols)
+        y = _core.testing.kernel_matmul_raw(isa, x, raw, "Q8_0", rows, cols)
+        ref = _core.testing.kernel_matmul_raw("scalar", x, raw, "Q8_0", rows, cols)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_raw_path_rejects_bad_input():
     raw = ggml_quantize(weights(4, 64), "Q4_1")
     with pytest.raises(ValueError):
-        _core.kernel_matmul_raw("scalar", np.zeros((1, 64), np.float32), raw[:, :-1], "Q4_1", 4, 64)
+        _core.testing.kernel_matmul_raw("scalar", np.zeros((1, 64), np.float32), raw[:, :-1], "Q4_1", 4, 64)
     with pytest.raises(ValueError):
-        _core.kernel_matmul_raw("scalar", np.zeros((1, 64), np.float32), raw, "Q5_0", 4, 64)
+        _core.testing.kernel_matmul_raw("scalar", np.zeros((1, 64), np.float32), raw, "Q5_0", 4, 64)
     with pytest.raises(ValueError):
-        _core.kernel_matmul_raw("scalar", np.zeros((1, 48), np.float32), raw, "Q4_1", 4, 48)
+        _core.testing.kernel_matmul_raw("scalar", np.zeros((1, 48), np.float32), raw, "Q4_1", 4, 48)
 
 
 def test_packed_sizes():
     w = np.ones((64, 4864), np.float32)
     for isa in TABLES:
-        assert _core.kernel_packed_bytes(isa, w, "q8") <= 64 * 4864 * 34 // 32 + 64 * 64
-        assert _core.kernel_packed_bytes(isa, w, "q4") <= 64 * 4864 * 18 // 32 + 64 * 64
-        assert _core.kernel_packed_bytes(isa, w, "q4m") <= 64 * 4864 * 20 // 32 + 64 * 64
+        assert _core.testing.kernel_packed_bytes(isa, w, "q8") <= 64 * 4864 * 34 // 32 + 64 * 64
+        assert _core.testing.kernel_packed_bytes(isa, w, "q4") <= 64 * 4864 * 18 // 32 + 64 * 64
+        assert _core.testing.kernel_packed_bytes(isa, w, "q4m") <= 64 * 4864 * 20 // 32 + 64 * 64
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ GEMM_SHAPES = [(1, 32), (9, 32), (24, 544), (40, 1000), (17, 4864), (130, 160)]
 
 def matmul_reference(x, w, wtype, act="int8"):
     """Every m: the dequantized weights against each row's dequantized activations (float64)."""
-    deq = np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(w.shape[0])]).astype(np.float64)
+    deq = np.stack([_core.testing.kernel_row_to_f32("scalar", w, wtype, r) for r in range(w.shape[0])]).astype(np.float64)
     return np.stack([quantize_activations(r, act) for r in x]).astype(np.float64) @ deq.T, deq
 
 
@@ -211,11 +211,11 @@ def test_matmul_against_reference(isa, wtype, shape, m, act):
     x = rng.standard_normal((m, shape[1])).astype(np.float32)
     x[0, :min(shape[1], 32)] *= 30
     ref, _ = matmul_reference(x, w, wtype, act)
-    y = _core.kernel_matmul(isa, x, w, wtype, activations=act)
+    y = _core.testing.kernel_matmul(isa, x, w, wtype, activations=act)
     assert y.shape == (m, shape[0])
     assert rel_err(y, ref) < 2e-5
     if isa != "scalar":
-        assert rel_err(y, _core.kernel_matmul("scalar", x, w, wtype, activations=act).astype(np.float64)) < 2e-5
+        assert rel_err(y, _core.testing.kernel_matmul("scalar", x, w, wtype, activations=act).astype(np.float64)) < 2e-5
 
 
 @pytest.mark.parametrize("isa", TABLES)
@@ -233,11 +233,11 @@ def test_prefill_matmul(isa, wtype, shape, m, act):
     x[m // 2, :min(shape[1], 32)] *= 30
     x[m - 1, :] = 0                                   # a row of zeros: scale 0
     ref, deq = matmul_reference(x, w, wtype, act)
-    y = _core.kernel_matmul(isa, x, w, wtype, activations=act)
+    y = _core.testing.kernel_matmul(isa, x, w, wtype, activations=act)
     assert rel_err(y, ref) < 2e-5
     assert (y[m - 1] == 0).all()
     for i in (0, m // 2, m - 2):
-        one = _core.kernel_matmul(isa, x[i:i + 1], w, wtype, activations=act)[0]
+        one = _core.testing.kernel_matmul(isa, x[i:i + 1], w, wtype, activations=act)[0]
         assert rel_err(y[i], one.astype(np.float64)) < 2e-5
     # |sum_k x_k w_k - x'_k w'_k| <= sum_k |x_k - x'_k| |w'_k| + |x_k| |w_k - w'_k|: half an activation step of
     # each activation block against the dequantized weights, plus the weights' rounding (bounded per
@@ -264,10 +264,10 @@ def test_row_ranges(isa, wtype, m, act):
     rows, k = 4 * 32 + 3 * 8 + 5, 96
     w = weights(rows, k, seed=m)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-    full = _core.kernel_matmul(isa, x, w, wtype, activations=act)
+    full = _core.testing.kernel_matmul(isa, x, w, wtype, activations=act)
     for n0, n1 in [(0, 32), (32, 64), (8, 40), (3, 61), (16, 100), (0, 157), (96, 157), (150, 157), (130, 131),
                    (64, 64)]:
-        y = _core.kernel_matmul(isa, x, w, wtype, n0, n1, activations=act)
+        y = _core.testing.kernel_matmul(isa, x, w, wtype, n0, n1, activations=act)
         np.testing.assert_array_equal(y[:, n0:n1], full[:, n0:n1])
         assert not y[:, :n0].any() and not y[:, n1:].any()
 
@@ -286,7 +286,7 @@ def test_int16_activations_quantized_exactly(isa, wtype):
     x[1, 32:64] = 0                                     # scale 0
     x[2, 31] = 32767 / 1024                             # absmax: d = 2^-10 and 1/d exact ...
     x[2, 0], x[2, 1] = 100.5 / 1024, -3.5 / 1024        # ... so x / d = 100.5 and -3.5: ties, to even
-    deq = np.diag(np.stack([_core.kernel_row_to_f32("scalar", w, wtype, r) for r in range(K)]))
+    deq = np.diag(np.stack([_core.testing.kernel_row_to_f32("scalar", w, wtype, r) for r in range(K)]))
     qw = {"q8": 127, "q4": -8, "q4m": 15}[wtype]
     dw = (deq / np.float32(qw)).astype(np.float32)
     xp = np.zeros((3, 96), np.float32)
@@ -298,7 +298,7 @@ def test_int16_activations_quantized_exactly(isa, wtype):
     assert (q[2, 0], q[2, 1]) == (100, -4)
     dx = np.repeat(d, 32, axis=1)[:, :K]
     expected = (dw[None, :] * dx).astype(np.float32) * (qw * q).astype(np.float32)
-    y = _core.kernel_matmul(isa, x, w, wtype, activations="int16")   # y[i, n] = x[i, n] as quantized
+    y = _core.testing.kernel_matmul(isa, x, w, wtype, activations="int16")   # y[i, n] = x[i, n] as quantized
     np.testing.assert_array_equal(y, expected)
 
 
@@ -315,8 +315,8 @@ def test_avx512_without_vnni_matches():
         "        w = rng.standard_normal((13, K)).astype(np.float32); w[0] *= 50\n"
         "        for m, act in ((1, 'int8'), (9, 'int8'), (1, 'int16'), (9, 'int16')):\n"
         "            x = rng.standard_normal((m, K)).astype(np.float32)\n"
-        "            a = _core.kernel_matmul('avx512', x, w, wt, activations=act)\n"
-        "            s = _core.kernel_matmul('scalar', x, w, wt, activations=act)\n"
+        "            a = _core.testing.kernel_matmul('avx512', x, w, wt, activations=act)\n"
+        "            s = _core.testing.kernel_matmul('scalar', x, w, wt, activations=act)\n"
         "            assert np.abs(a - s).max() <= 2e-5 * np.abs(s).max(), (wt, K, m, act)\n"
     )
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
@@ -339,7 +339,7 @@ def test_decode_prefetch_switch_changes_no_result(tmp_path):
         "        for n, K in ((13, 96), (67, 4864)):\n"
         "            w = rng.standard_normal((n, K)).astype(np.float32)\n"
         "            x = rng.standard_normal((1, K)).astype(np.float32)\n"
-        "            out.append(_core.kernel_matmul(isa, x, w, wt))\n"
+        "            out.append(_core.testing.kernel_matmul(isa, x, w, wt))\n"
         "np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))\n"
     )
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
@@ -389,7 +389,7 @@ def test_q8_greedy_matches_first_32(name, path):
         n = matching_prefix(out.token_ids, case["generated_ids"][:32])
         assert n == 32 or case["margins"][n] < 0.2, f"diverged at {n}, margin {case['margins'][n]}"
         llm.reset()
-        logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+        logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -401,7 +401,7 @@ def test_quantized_models_run_on_awkward_shapes(dtype):
     assert llm._core.weight_type == dtype
     case = fx["cases"][1]
     prompt = case["prompt_ids"]
-    whole = llm._core.forward(np.asarray(prompt, np.int32), 0, True)
+    whole = core_forward(llm._core, np.asarray(prompt, np.int32), 0, True)
     assert np.isfinite(whole).all()
     assert nmse(whole[-1], case["last"]) < (0.05 if dtype == "q4" else 3e-3)
 
@@ -423,7 +423,7 @@ def test_default_gguf_keeps_q4_1_blocks():
     errors = []
     for case in fx["cases"]:
         llm.reset()
-        errors.append(nmse(llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
+        errors.append(nmse(core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
         assert errors[-1] < 1e-2
         llm.reset()
         expected, margins = case["generated_ids"], case["margins"]
@@ -461,11 +461,11 @@ def _tiny_raw_model(mix):
 
 def test_set_weight_raw_fuses_mixed_partners():
     toks = np.arange(1, 20, dtype=np.int32)
-    ref = _tiny_raw_model(None).forward(toks, 0, True)
+    ref = core_forward(_tiny_raw_model(None), toks, 0, True)
     for mix in (False, True):  # the same weight values; int8 activations where weights stay quantized
-        got = _tiny_raw_model(mix).forward(toks, 0, True)
+        got = core_forward(_tiny_raw_model(mix), toks, 0, True)
         assert nmse(got, ref) < 3e-3
-        first = _tiny_raw_model(mix).forward(toks[:1], 0, False)
+        first = core_forward(_tiny_raw_model(mix), toks[:1], 0, False)
         assert nmse(first, ref[0]) < 3e-3
         assert nmse(got[0], first) < 1e-9   # the first token alone (decode) as within the prompt (prefill)
 
@@ -490,7 +490,7 @@ def test_q4_keeps_q4_1_blocks():
     fx = fixture("smollm2")
     llm = get_llm(DEFAULT_GGUF, "q4")
     case = fx["cases"][0]
-    logits = llm._core.forward(np.asarray(case["prompt_ids"], np.int32), 0, False)
+    logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
     assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -503,7 +503,7 @@ def test_float_weights_quantized_on_the_pool_match_one_thread(dtype):
     from corelm.loader import load_model
     loaded = load_model(os.path.join(ROOT, "tests", "data", "models", "tiny-qwen2"))
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
-    logits = [build_core_model(loaded, dtype=dtype, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    logits = [core_forward(build_core_model(loaded, dtype=dtype, threads=t), tokens, 0, True) for t in (1, 2, 3)]
     assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
 
 
@@ -515,39 +515,39 @@ def test_raw_blocks_packed_on_the_pool_match_one_thread():
     from corelm.loader import load_model
     loaded = load_model(default_model_path())
     tokens = np.array([1, 42, 7, 300, 5], dtype=np.int32)
-    logits = [build_core_model(loaded, threads=t).forward(tokens, 0, True) for t in (1, 2, 3)]
+    logits = [core_forward(build_core_model(loaded, threads=t), tokens, 0, True) for t in (1, 2, 3)]
     assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
 
 
 def test_gemv_stream_benchmark_runs():
     """tools/bench_quant.py --stream's binding: bytes are the packed matrices', rates positive, bad kinds refused."""
     isa = "avx512" if "avx512" in TABLES else "scalar"
-    d = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1)
-    assert d["bytes"] == 2 * (_core.kernel_packed_bytes(isa, np.zeros((40, 64), np.float32), "q4")
-                              + _core.kernel_packed_bytes(isa, np.zeros((8, 96), np.float32), "q4"))
+    d = _core.testing.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1)
+    assert d["bytes"] == 2 * (_core.testing.kernel_packed_bytes(isa, np.zeros((40, 64), np.float32), "q4")
+                              + _core.testing.kernel_packed_bytes(isa, np.zeros((8, 96), np.float32), "q4"))
     assert d["gemv_GBps"] > 0 and d["read_GBps"] > 0
     for sync in (True, False):   # threads split each matrix's rows (40 rows: shares of 32 and 8, and 0 of 8)
-        d3 = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 3, sync)
+        d3 = _core.testing.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 3, sync)
         assert d3["bytes"] == d["bytes"] and d3["gemv_GBps"] > 0 and d3["read_GBps"] > 0
-    d16 = _core.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 2, True, "int16")
+    d16 = _core.testing.bench_gemv_stream(f"{isa}_q4", [(40, 64), (8, 96)], 2, 1, 2, True, "int16")
     assert d16["bytes"] == d["bytes"] and d16["gemv_GBps"] > 0
-    assert _core.bench_gemm(f"{isa}_q8", 3, 40, 64, 0.01, 1, "int16")["gflops"] > 0
+    assert _core.testing.bench_gemm(f"{isa}_q8", 3, 40, 64, 0.01, 1, "int16")["gflops"] > 0
     for bad_act in ("int4", ""):
         with pytest.raises(ValueError, match="activations"):
-            _core.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, 1, True, bad_act)
+            _core.testing.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, 1, True, bad_act)
         with pytest.raises(ValueError, match="activations"):
-            _core.bench_gemm(f"{isa}_q8", 1, 8, 32, 0.01, 1, bad_act)
+            _core.testing.bench_gemm(f"{isa}_q8", 1, 8, 32, 0.01, 1, bad_act)
     for threads in (0, 257):
         with pytest.raises(ValueError):
-            _core.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, threads)
+            _core.testing.bench_gemv_stream(f"{isa}_q4", [(8, 32)], 1, 1, threads)
     for bad in ("avx512_q5", "nosuch_q4", "q4"):
         with pytest.raises(ValueError):
-            _core.bench_gemv_stream(bad, [(8, 32)], 1, 1)
+            _core.testing.bench_gemv_stream(bad, [(8, 32)], 1, 1)
     with pytest.raises(ValueError):
-        _core.bench_gemv_stream(f"{isa}_q8", [], 1, 1)
+        _core.testing.bench_gemv_stream(f"{isa}_q8", [], 1, 1)
     for shapes, layers in (([(0, 32)], 1), ([(1 << 40, 1 << 40)], 1), ([(8, 32)], 1 << 40)):   # hostile sizes
         with pytest.raises(ValueError):
-            _core.bench_gemv_stream(f"{isa}_q8", shapes, layers, 1)
+            _core.testing.bench_gemv_stream(f"{isa}_q8", shapes, layers, 1)
 
 
 @pytest.mark.parametrize("dtype", ["q4", "bf16"])
@@ -585,8 +585,8 @@ def test_int16_activations_close_the_gap_to_fp32():
     for case in fx["cases"]:
         ids = np.asarray(case["prompt_ids"], np.int32)
         one.reset(), two.reset()
-        e1.append(nmse(one._core.forward(ids, 0, False), case["last"]))
-        e2.append(nmse(two._core.forward(ids, 0, False), case["last"]))
+        e1.append(nmse(core_forward(one._core, ids, 0, False), case["last"]))
+        e2.append(nmse(core_forward(two._core, ids, 0, False), case["last"]))
         two.reset()
         expected, margins = case["generated_ids"], case["margins"]
         out = two.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
@@ -602,10 +602,10 @@ def test_int16_prefill_and_decode_agree(dtype):
     ~fp32 rounding."""
     llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype=dtype, threads=2, activations="int16")
     prompt = np.asarray(fixture("stories260K")["cases"][1]["prompt_ids"], np.int32)
-    whole = llm._core.forward(prompt, 0, False)
+    whole = core_forward(llm._core, prompt, 0, False)
     llm.reset()
     for i, t in enumerate(prompt):
-        step = llm._core.forward(prompt[i:i + 1], i, False)
+        step = core_forward(llm._core, prompt[i:i + 1], i, False)
     assert np.isfinite(whole).all()
     assert nmse(step, whole) < 1e-6
 
@@ -625,7 +625,7 @@ def test_activations_option_checked():
     a = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1)
     b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int16")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    assert np.array_equal(a._core.forward(ids, 0, True), b._core.forward(ids, 0, True))
+    assert np.array_equal(core_forward(a._core, ids, 0, True), core_forward(b._core, ids, 0, True))
 
 
 def test_auto_activations_follow_the_stored_weights():
@@ -639,13 +639,13 @@ def test_auto_activations_follow_the_stored_weights():
     assert corelm.LLM(stories, threads=1, dtype="q8", activations="int8").activations == "int8"
     llm = corelm.LLM(stories, threads=1, dtype="q8")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    a16 = llm._core.forward(ids, 0, True)
+    a16 = core_forward(llm._core, ids, 0, True)
     llm._core.activations = "int8"
     llm.reset()
-    a8 = llm._core.forward(ids, 0, True)
+    a8 = core_forward(llm._core, ids, 0, True)
     llm._core.activations = "int16"
     llm.reset()
-    assert np.array_equal(llm._core.forward(ids, 0, True), a16) and not np.array_equal(a8, a16)
+    assert np.array_equal(core_forward(llm._core, ids, 0, True), a16) and not np.array_equal(a8, a16)
     with pytest.raises(ValueError, match="activations"):
         llm._core.activations = "int4"
     assert llm._core.activations == "int16"
@@ -663,13 +663,13 @@ def test_avx2_streamed_rows_keep_the_single_row_bits(wtype, act):
     rows, k = 4 * 32 + 3 * 8 + 5, 1536 + 64
     w = weights(rows, k, seed=3)
     x = np.random.default_rng(3).standard_normal((9, k)).astype(np.float32)
-    single = np.stack([_core.kernel_matmul("avx2", x[i:i + 1], w, wtype, activations=act)[0] for i in range(9)])
+    single = np.stack([_core.testing.kernel_matmul("avx2", x[i:i + 1], w, wtype, activations=act)[0] for i in range(9)])
     for m in (2, 3, 4, 5, 8) if act == "int8" else (2,):
-        np.testing.assert_array_equal(_core.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m])
+        np.testing.assert_array_equal(_core.testing.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m])
         for n0, n1 in [(3, 61), (96, 157), (130, 131)]:
-            y = _core.kernel_matmul("avx2", x[:m], w, wtype, n0, n1, activations=act)
+            y = _core.testing.kernel_matmul("avx2", x[:m], w, wtype, n0, n1, activations=act)
             np.testing.assert_array_equal(y[:, n0:n1], single[:m, n0:n1])
             assert not y[:, :n0].any() and not y[:, n1:].any()
     # more rows take the prefill tiles: equal up to float summation order
     for m in (9,) if act == "int8" else (3, 9):
-        assert np.allclose(_core.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m], rtol=1e-4, atol=1e-3)
+        assert np.allclose(_core.testing.kernel_matmul("avx2", x[:m], w, wtype, activations=act), single[:m], rtol=1e-4, atol=1e-3)

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DATA, MODELS, ROOT
+from conftest import DATA, MODELS, ROOT, core_forward
 
 from corelm import _core
 from corelm.engine import system
@@ -278,9 +278,9 @@ def test_pin_threads_env_switch(monkeypatch):
 def test_pool_pins_workers_only_when_asked():
     allowed = _core.topology()["allowed_cpus"]
     n = min(len(allowed), 4)
-    pinned = _core.bench_parallel_regions(n, 100, pin=True)
+    pinned = _core.testing.bench_parallel_regions(n, 100, pin=True)
     assert pinned["pinned_workers"] == n - 1         # plan CPUs lie in the affinity mask, so pinning works
-    assert _core.bench_parallel_regions(n, 100, pin=False)["pinned_workers"] == 0
+    assert _core.testing.bench_parallel_regions(n, 100, pin=False)["pinned_workers"] == 0
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -289,12 +289,12 @@ def test_regions_complete_and_stay_cheap(threads):
     # taken by whoever runs. The bound only catches a region that sleeps or waits on the kernel every
     # time (hundreds of microseconds), not noise from other processes.
     before = os.sched_getaffinity(0)
-    r = _core.bench_parallel_regions(threads, 2000, work=0, pin=True, pin_caller=True)
+    r = _core.testing.bench_parallel_regions(threads, 2000, work=0, pin=True, pin_caller=True)
     assert r["slots_ok"] and math.isfinite(r["region_us"]) and 0 <= r["region_us"] < 200
     assert os.sched_getaffinity(0) == before          # the benchmark unpins the caller it pinned
-    r = _core.bench_parallel_regions(threads, 20000, work=20, pin=False)
+    r = _core.testing.bench_parallel_regions(threads, 20000, work=20, pin=False)
     assert r["slots_ok"] and 0 <= r["worker_share"] <= 1
-    r = _core.bench_parallel_regions(threads, 200, work=200, pin=True, idle_us=3000.0)  # sleepers woken
+    r = _core.testing.bench_parallel_regions(threads, 200, work=200, pin=True, idle_us=3000.0)  # sleepers woken
     assert r["slots_ok"] and r["region_us"] < 20000
 
 
@@ -311,12 +311,12 @@ def test_pinned_model_matches_unpinned(stories, threads):
     plan = _core.plan_threads(threads)
     assert pinned.thread_cpus[0] == -1 and pinned.thread_cpus[1:] == plan[1:]   # the caller is never pinned
     tokens = np.array([1, 403, 407, 261, 378, 317, 378], dtype=np.int32)
-    a = pinned.forward(tokens, 0, all_logits=True)
-    b = loose.forward(tokens, 0, all_logits=True)
+    a = core_forward(pinned, tokens, 0, all_logits=True)
+    b = core_forward(loose, tokens, 0, all_logits=True)
     assert np.array_equal(a, b)                      # the same split of work, so the same bits
     for step, tok in enumerate([262, 300]):          # decode steps too
-        assert np.array_equal(pinned.forward(np.array([tok], np.int32), len(tokens) + step),
-                              loose.forward(np.array([tok], np.int32), len(tokens) + step))
+        assert np.array_equal(core_forward(pinned, np.array([tok], np.int32), len(tokens) + step),
+                              core_forward(loose, np.array([tok], np.int32), len(tokens) + step))
 
 
 # --------------------------------------------------------------------------------------------------

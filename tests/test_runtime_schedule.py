@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, core_forward
 
 from corelm import _core
 from corelm.entrypoints import cli
@@ -19,7 +19,7 @@ from corelm.loader import load_model
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("units,align,grain", [(1, 1, 1), (7, 1, 2), (257, 16, 64), (1000, 1, 3), (333, 16, 1000)])
 def test_every_unit_is_committed_exactly_once(schedule, threads, units, align, grain):
-    r = _core.bench_chunk_regions(threads, 200, units=units, align=align, grain=grain, work=5,
+    r = _core.testing.bench_chunk_regions(threads, 200, units=units, align=align, grain=grain, work=5,
                                   schedule=schedule, pin=False)
     assert r["exactly_once"] and r["no_late_commits"]
     assert r["redone"] == 0 or schedule == "dynamic"      # the static split never redoes
@@ -32,7 +32,7 @@ def test_chunks_of_a_descheduled_worker_are_redone_once(threads):
     # the worker's own result must then be dropped, in that region or (finishing late) in a later one.
     redone = False
     for _ in range(10):   # a worker starved by other processes may miss every stalled region; retry
-        r = _core.bench_chunk_regions(threads, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
+        r = _core.testing.bench_chunk_regions(threads, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
                                       stall_every=25, stall_us=20000.0)
         assert r["exactly_once"] and r["no_late_commits"]
         redone = redone or (r["stalls"] > 0 and r["redone"] > 0)
@@ -40,7 +40,7 @@ def test_chunks_of_a_descheduled_worker_are_redone_once(threads):
 
 
 def test_static_schedule_waits_for_a_descheduled_worker():
-    r = _core.bench_chunk_regions(2, 50, units=512, grain=4, work=200, schedule="static", pin=False,
+    r = _core.testing.bench_chunk_regions(2, 50, units=512, grain=4, work=200, schedule="static", pin=False,
                                   stall_every=10, stall_us=2000.0)
     assert r["exactly_once"] and r["no_late_commits"] and r["redone"] == 0
 
@@ -49,7 +49,7 @@ def test_speed_shares_follow_a_slower_worker():
     # Workers run three times the caller's steps per unit. Only the direction is checked: other
     # processes on a loaded machine blur the ratio.
     for _ in range(5):
-        r = _core.bench_chunk_regions(2, 3000, units=256, grain=4, work=100, schedule="dynamic", pin=False,
+        r = _core.testing.bench_chunk_regions(2, 3000, units=256, grain=4, work=100, schedule="dynamic", pin=False,
                                       slow_worker=3)
         assert r["exactly_once"]
         if r["shares"][0] > 0.55:
@@ -64,9 +64,9 @@ def models():
 
 def run_all(model, prompt):
     """Prefill logits of every token, two decode steps and a two-sequence batch, in one array."""
-    out = [model.forward(prompt, 0, all_logits=True)]
+    out = [core_forward(model, prompt, 0, all_logits=True)]
     for step, tok in enumerate([5, 9]):
-        out.append(model.forward(np.array([tok], np.int32), len(prompt) + step, all_logits=False)[None])
+        out.append(core_forward(model, np.array([tok], np.int32), len(prompt) + step, all_logits=False)[None])
     table = list(range(model.kv_blocks))
     out.append(model.forward_batch(np.concatenate([prompt[:3], prompt[:5]]),
                                    [(3, 0, table[:4], True), (5, 0, table[4:8], False)]))
@@ -138,7 +138,7 @@ def test_home_ranges_lie_in_their_nodes_rows(schedule, units, align, grain):
     rng = np.random.default_rng(units)
     for nodes in fake_layouts():
         weights = list(rng.uniform(0.2, 3.0, len(nodes)))
-        got = _core.pool_home_ranges(nodes, units, align, grain, schedule, weights)
+        got = _core.testing.pool_home_ranges(nodes, units, align, grain, schedule, weights)
         groups, homes = got["groups"], got["homes"]
         shares = node_shares(nodes)
         if len(shares) < 2:            # one node, or none: one group of everything, every thread in it
@@ -180,12 +180,12 @@ def test_one_node_splits_as_without_numa():
     """Threads of one node (or none) get the ranges the pool gave before the split by node existed."""
     for nodes in ([0, 0], [-1, -1, -1], [0, 0, -1], [5, 5, 5, 5, 5]):
         n, units, align = len(nodes), 1000, 16
-        static = _core.pool_home_ranges(nodes, units, align, 64, "static")["homes"]
+        static = _core.testing.pool_home_ranges(nodes, units, align, 64, "static")["homes"]
         blocks = -(-units // align)
         assert [h[1:] for h in static] == [(min(units, blocks * t // n * align), min(units, blocks * (t + 1) // n * align))
                                            for t in range(n)]
         weights = [0.5, 0.3, 0.2, 0.4, 0.6][:n]
-        dynamic = _core.pool_home_ranges(nodes, units, align, 64, "dynamic", weights)["homes"]
+        dynamic = _core.testing.pool_home_ranges(nodes, units, align, 64, "dynamic", weights)["homes"]
         chunks, cum, front, want = -(-units // 64), 0.0, 0, []
         for t in range(n):
             cum += weights[t] / sum(weights)
@@ -199,7 +199,7 @@ def test_one_node_splits_as_without_numa():
 @pytest.mark.parametrize("nodes", [[0, 1], [1, 0, 1], [0, 1, 2, 3], [3, -1, 0]])
 @pytest.mark.parametrize("units,align,grain", [(7, 1, 2), (257, 16, 64), (1000, 1, 3)])
 def test_split_by_node_commits_every_unit_exactly_once(schedule, nodes, units, align, grain):
-    r = _core.bench_chunk_regions(len(nodes), 200, units=units, align=align, grain=grain, work=5,
+    r = _core.testing.bench_chunk_regions(len(nodes), 200, units=units, align=align, grain=grain, work=5,
                                   schedule=schedule, pin=False, nodes=nodes)
     assert r["exactly_once"] and r["no_late_commits"]
 
@@ -207,7 +207,7 @@ def test_split_by_node_commits_every_unit_exactly_once(schedule, nodes, units, a
 def test_split_by_node_redoes_a_descheduled_workers_chunk_once():
     redone = False
     for _ in range(10):
-        r = _core.bench_chunk_regions(3, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
+        r = _core.testing.bench_chunk_regions(3, 100, units=512, grain=4, work=200, schedule="dynamic", pin=False,
                                       stall_every=25, stall_us=20000.0, nodes=[0, 1, 1])
         assert r["exactly_once"] and r["no_late_commits"]
         redone = redone or (r["stalls"] > 0 and r["redone"] > 0)

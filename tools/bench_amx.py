@@ -50,7 +50,7 @@ def main(argv=None) -> int:
             samples = {kind: [] for kind in kinds}
             for _ in range(args.rounds):
                 for kind in kinds:
-                    samples[kind].append(_core.bench_gemm(kind, m, n, k, args.seconds, threads)["gflops"])
+                    samples[kind].append(_core.testing.bench_gemm(kind, m, n, k, args.seconds, threads)["gflops"])
             for kind in kinds:
                 results.append({"kind": kind, "m": m, "n": n, "k": k, "threads": threads,
                                 "gflops_best": max(samples[kind]), "gflops_median": statistics.median(samples[kind]),

@@ -31,6 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
+from core_forward import core_forward  # noqa: E402
+
 DEFAULT_MODEL = os.path.expanduser("~/corelm-peers/models/qwen0.5b-dims-rand")
 
 # Each period the neighbour busy-loops until it has had duty * period of CPU ("cpu": a job that needs
@@ -78,10 +81,10 @@ def decode_rate(core, tokens: int, warmup: int = 4) -> float:
     """Tokens/s of one-token forwards (greedy, fed back) at positions 0.. of the default sequence."""
     tok = np.array([1], dtype=np.int32)
     for pos in range(warmup):
-        tok[0] = int(np.argmax(core.forward(tok, pos, False)))
+        tok[0] = int(np.argmax(core_forward(core, tok, pos, False)))
     t0 = time.perf_counter()
     for pos in range(warmup, warmup + tokens):
-        tok[0] = int(np.argmax(core.forward(tok, pos, False)))
+        tok[0] = int(np.argmax(core_forward(core, tok, pos, False)))
     return tokens / (time.perf_counter() - t0)
 
 

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from corelm import _core  # noqa: E402
 from corelm.engine.model_builder import core_config  # noqa: E402
 from corelm.loader.spec import ModelSpec, weight_shapes  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
+from core_forward import core_forward  # noqa: E402
 
 SPEC = ModelSpec(arch="qwen2", vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -66,12 +68,12 @@ def main():
     for r in range(a.rounds):
         for k, m in models.items():
             t0 = time.perf_counter()
-            m.forward(prompt, 0, False)
+            core_forward(m, prompt, 0, False)
             prefill[k].append(time.perf_counter() - t0)
             pos, ts = len(prompt), []
             for _ in range(a.tokens):
                 t0 = time.perf_counter()
-                m.forward(np.array([5], np.int32), pos, False)
+                core_forward(m, np.array([5], np.int32), pos, False)
                 ts.append(time.perf_counter() - t0)
                 pos += 1
             times[k].append(np.median(ts))
@@ -93,7 +95,7 @@ def bench_gemm(a):
     for r in range(a.rounds):
         for key in keys if r % 2 == 0 else keys[::-1]:
             table, d, act, n, k, t = key
-            got = _core.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
+            got = _core.testing.bench_gemm(f"{table}_{d}", a.m, n, k, 0.3, t, act)
             gops[key].append(got["gflops"])
             wbytes[key] = got["weight_bytes"]
     for key, v in gops.items():
@@ -126,7 +128,7 @@ def bench_stream(a):
     for r in range(a.rounds):
         for run in runs_of if r % 2 == 0 else runs_of[::-1]:
             k, act, t, sync = run
-            got[run].append(_core.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync, act))
+            got[run].append(_core.testing.bench_gemv_stream(k, shapes, SPEC.num_layers, 9, t, sync, act))
     for (k, act, t, sync), runs in got.items():
         g = [d["gemv_GBps"] for d in runs]
         p = [d["read_GBps"] for d in runs]

@@ -45,7 +45,7 @@ CASES = [  # name, work per slot, regions per run, idle microseconds between reg
 
 
 def measure(threads: int, pin: bool, work: int, regions: int, idle_us: float, repeats: int) -> dict:
-    runs = [_core.bench_parallel_regions(threads, regions, work, pin, False, idle_us) for _ in range(repeats)]
+    runs = [_core.testing.bench_parallel_regions(threads, regions, work, pin, False, idle_us) for _ in range(repeats)]
     region = statistics.median(r["region_us"] for r in runs)
     slot = statistics.median(r["slot_us"] for r in runs)
     return {"threads": threads, "pin": pin, "region_us": region, "slot_us": slot,
@@ -60,7 +60,7 @@ def measure_chunks(threads: int, work: int, regions: int, repeats: int) -> dict:
     runs = {"static": [], "dynamic": []}
     for _ in range(repeats):
         for sched in runs:
-            r = _core.bench_chunk_regions(threads, regions, units=64, align=1, grain=4, work=work, schedule=sched)
+            r = _core.testing.bench_chunk_regions(threads, regions, units=64, align=1, grain=4, work=work, schedule=sched)
             assert r["exactly_once"] and r["no_late_commits"]
             runs[sched].append(r["region_us"])
     return {s: statistics.median(v) for s, v in runs.items()}

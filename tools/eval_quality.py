@@ -33,6 +33,8 @@ try:
     import corelm  # noqa: F401
 except ImportError:  # a source checkout with the in-place build
     sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
+from core_forward import core_forward  # noqa: E402
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -61,7 +63,7 @@ def evaluate(reference, variants, ids, ctx: int, progress: bool = False):
         toks = np.asarray(chunk, dtype=np.int32)
         targets = toks[1:]
         t = time.perf_counter()
-        ref = log_softmax(reference.forward(toks, 0, True)[:-1])
+        ref = log_softmax(core_forward(reference, toks, 0, True)[:-1])
         stats["fp32"]["seconds"] += time.perf_counter() - t
         p_ref = np.exp(ref)
         ref_top = ref.argmax(-1)
@@ -70,7 +72,7 @@ def evaluate(reference, variants, ids, ctx: int, progress: bool = False):
         stats["fp32"]["n"] += len(targets)
         for label, model in variants.items():
             t = time.perf_counter()
-            lp = log_softmax(model.forward(toks, 0, True)[:-1])
+            lp = log_softmax(core_forward(model, toks, 0, True)[:-1])
             s = stats[label]
             s["seconds"] += time.perf_counter() - t
             s["nll"] -= lp[np.arange(len(targets)), targets].sum()

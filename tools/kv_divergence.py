@@ -17,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import corelm  # noqa: E402
 from corelm import SamplingParams  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
+from core_forward import core_forward  # noqa: E402
 
 CHAT = ["Write a short story about a robot who learns to paint.",
         "Explain how a hash map works, step by step.",
@@ -42,7 +44,7 @@ def prompts_for(llm, name, count):
 
 def teacher_forced(llm, ids, n_prompt):
     llm.reset()
-    logits = llm._core.forward(np.asarray(ids, np.int32), 0, True)[n_prompt - 1:]
+    logits = core_forward(llm._core, np.asarray(ids, np.int32), 0, True)[n_prompt - 1:]
     llm.reset()
     return logits
 

@@ -1,6 +1,6 @@
 // corelm._core: the C++ engine as a Python module. Model takes weights one by one (fp32 numpy
-// arrays) and packs them; forward() releases the GIL. The kernel_* functions expose single kernels
-// of any available table, so tests can compare every ISA with the scalar reference.
+// arrays) and packs them; forward_batch() releases the GIL. Tests' and tools' entry points live in
+// the submodule corelm._core.testing (bindings/testing_*.cc).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "bindings/bindings.h"
 #include "kernels/kernels.h"
 #include "kernels/amx/amx.h"
 #include "kernels/quant_formats.h"
@@ -19,39 +20,9 @@
 namespace py = pybind11;
 using namespace corelm;
 
-namespace corelm {
-py::dict amx_info();                 // bindings/amx.cc
-void register_amx(py::module_& m);   // bindings/amx.cc: AMX GEMM entry points
-void bind_runtime(py::module_& m);   // bindings/runtime.cc: topology, thread plan, region benchmark
-NumaPolicy numa_policy_arg(const std::string& s);  // bindings/runtime.cc
-py::dict numa_dict(const Model& model, bool pages);  // bindings/runtime.cc: Model.numa_info
-}
-
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 namespace {
-
-WeightType parse_weight_type(const std::string& s) {
-  if (s == "fp32" || s == "f32") return WeightType::F32;
-  if (s == "bf16") return WeightType::BF16;
-  if (s == "q8") return WeightType::Q8;
-  if (s == "q4") return WeightType::Q4;
-  if (s == "q4m") return WeightType::Q4M;
-  throw std::invalid_argument("weight type must be 'fp32', 'bf16', 'q8', 'q4' or 'q4m', got '" + s + "'");
-}
-
-KVType parse_kv_type(const std::string& s) {
-  if (s == "fp32" || s == "f32") return KVType::F32;
-  if (s == "bf16") return KVType::BF16;
-  if (s == "int8" || s == "i8") return KVType::I8;
-  throw std::invalid_argument("kv cache type must be 'fp32', 'bf16' or 'int8', got '" + s + "'");
-}
-
-const KernelTable& table(const std::string& isa) {
-  const KernelTable* t = kernels_by_name(isa);
-  if (!t) throw std::invalid_argument("kernel table '" + isa + "' is not available on this CPU");
-  return *t;
-}
 
 std::vector<int64_t> shape_of(const FloatArray& a) {
   return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
@@ -85,9 +56,8 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
   if (d.contains("activations")) c.act_type = parse_act_type(d["activations"].cast<std::string>());
   c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
-  if (d.contains("schedule") && !parse_schedule(d["schedule"].cast<std::string>(), &c.schedule))
-    throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
-  if (d.contains("numa") && !d["numa"].is_none()) c.numa = numa_policy_arg(d["numa"].cast<std::string>());
+  if (d.contains("schedule")) c.schedule = parse_schedule(d["schedule"].cast<std::string>());
+  if (d.contains("numa") && !d["numa"].is_none()) c.numa = parse_numa_policy(d["numa"].cast<std::string>());
   return c;
 }
 
@@ -122,6 +92,18 @@ PYBIND11_MODULE(_core, m) {
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
   bind_runtime(m);
 
+  m.def("option_names", [] {
+    py::dict d;
+    d["weight_type"] = names_of(kWeightTypeNames);
+    d["kv_type"] = names_of(kKVTypeNames);
+    d["activations"] = names_of(kActTypeNames);
+    d["schedule"] = names_of(kScheduleNames);
+    d["numa"] = names_of(kNumaPolicyNames);
+    d["gguf_raw"] = names_of(quant::kGgufRawNames);
+    return d;
+  }, "The canonical name of every option the core takes by string (its C++ name tables), so the Python "
+     "layer can check that its own names agree.");
+
   py::class_<PyModel>(m, "Model")
       .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
       .def("set_weight", [](PyModel& self, const std::string& name, FloatArray a) {
@@ -136,22 +118,6 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
          "Takes a matrix as raw GGUF Q8_0/Q4_0/Q4_1 blocks (uint8), repacked without dequantizing.")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
-      .def("forward", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-                         int64_t pos, bool all_logits) {
-        if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
-        const int64_t n = tokens.shape(0), vocab = self.model.config().vocab_size;
-        if (n < 1) throw std::invalid_argument("forward needs at least one token");
-        py::array_t<float> logits = all_logits ? py::array_t<float>({n, vocab}) : py::array_t<float>({vocab});
-        const int32_t* tp = tokens.data();
-        float* lp = logits.mutable_data();
-        {
-          py::gil_scoped_release release;
-          std::lock_guard<std::mutex> lock(self.mu);
-          self.model.forward(tp, n, pos, all_logits, lp);
-        }
-        return logits;
-      }, py::arg("tokens"), py::arg("pos"), py::arg("all_logits") = false,
-         "Run tokens at positions [pos, pos+len); returns the last token's logits, or all of them.")
       .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                                py::list seqs) {
         if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
@@ -200,8 +166,7 @@ PYBIND11_MODULE(_core, m) {
                              "The CPU each thread is pinned to (-1: not pinned); [0] is the calling thread.")
       .def_property("schedule", [](PyModel& s) { return std::string(schedule_name(s.model.pool().schedule())); },
                     [](PyModel& s, const std::string& name) {
-                      Schedule sched;
-                      if (!parse_schedule(name, &sched)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
+                      const Schedule sched = parse_schedule(name);
                       py::gil_scoped_release release;
                       std::lock_guard<std::mutex> lock(s.mu);
                       s.model.set_schedule(sched);
@@ -232,6 +197,15 @@ PYBIND11_MODULE(_core, m) {
                     }, "How quantized matmuls take their input: int8 or int16 per block of 32 (settable between forwards).");
 
   register_amx(m);
+  m.def("kernel_tables", &available_kernel_tables, "The kernel tables this CPU can run, the default first.");
+
+  py::module_ testing = m.def_submodule(
+      "testing", "Entry points for tests and tools, not for the package: single kernels of any table, AMX tile "
+      "instructions, benchmarks, and the runtime's placement functions.");
+  register_testing_kernels(testing);
+  register_testing_bench(testing);
+  register_testing_runtime(testing);
+  py::module_::import("sys").attr("modules")["corelm._core.testing"] = testing;  // `import corelm._core.testing`
 
   m.def("quantize_q4_1_search", [](FloatArray w, std::optional<FloatArray> importance) {
     if (w.ndim() != 2 || w.shape(1) % quant::kBlock != 0 || w.shape(0) < 1)
@@ -250,127 +224,4 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("w"), py::arg("importance") = py::none(),
      "float32 [rows, cols] -> ggml Q4_1 blocks uint8 [rows, cols/32*20], each block's scale and minimum "
      "searched for the least squared error, weighted per column by `importance` when given.");
-  // Single kernels, for tests against the scalar reference.
-  m.def("kernel_tables", &available_kernel_tables);
-  m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype, int64_t n0,
-                            int64_t n1, const std::string& activations) {
-    if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
-      throw std::invalid_argument("kernel_matmul needs x [M, K] and w [N, K]");
-    const int64_t M = x.shape(0), N = w.shape(0), K = w.shape(1);
-    if (n1 < 0) n1 = N;
-    if (n0 < 0 || n0 > n1 || n1 > N) throw std::invalid_argument("bad column range");
-    const KernelTable& kt = table(isa);
-    PackedMatrix pw = kt.pack(w.data(), N, K, parse_weight_type(wtype), nullptr);
-    py::array_t<float> y({M, N});
-    std::fill(y.mutable_data(), y.mutable_data() + M * N, 0.f);
-    const ActType act = parse_act_type(activations);
-    const size_t qbytes = kt.quant_act_bytes(pw, M, act);
-    if (act == ActType::I8 || !qbytes) {
-      kt.matmul(x.data(), M, K, pw, y.mutable_data(), N, n0, n1);
-    } else {
-      auto qa = aligned_buffer(qbytes);
-      kt.quantize_act(x.data(), M, K, pw, act, qa.get());
-      kt.matmul_quant(qa.get(), M, act, pw, y.mutable_data(), N, n0, n1);
-    }
-    return y;
-  }, py::arg("isa"), py::arg("x"), py::arg("w"), py::arg("wtype"), py::arg("n0") = 0, py::arg("n1") = -1,
-     py::arg("activations") = "int8",
-     "x W^T; with n0, n1 only columns [n0, n1) are computed (as one thread's share) and the rest stay 0. "
-     "activations: how quantized weights take x (int8 through matmul, int16 through quantize_act/matmul_quant).");
-  using RawArray = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
-  auto pack_raw = [](const KernelTable& kt, RawArray raw, const std::string& ggml_type, int64_t rows, int64_t cols) {
-    WeightType t = quant::type_of_ggml(ggml_type);
-    if (rows < 1 || cols < 1) throw std::invalid_argument("bad matrix shape");
-    quant::check_raw(t, (size_t)raw.size(), rows, cols);
-    return kt.pack_raw(t, raw.data(), rows, cols, nullptr);
-  };
-  m.def("kernel_matmul_raw", [pack_raw](const std::string& isa, FloatArray x, RawArray raw, const std::string& ggml_type,
-                                        int64_t rows, int64_t cols) {
-    if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("kernel_matmul_raw needs x [M, cols]");
-    const KernelTable& kt = table(isa);
-    PackedMatrix pw = pack_raw(kt, raw, ggml_type, rows, cols);
-    py::array_t<float> y({(int64_t)x.shape(0), rows});
-    kt.matmul(x.data(), x.shape(0), cols, pw, y.mutable_data(), rows, 0, rows);
-    return y;
-  });
-  m.def("kernel_raw_to_f32", [pack_raw](const std::string& isa, RawArray raw, const std::string& ggml_type, int64_t rows,
-                                        int64_t cols) {
-    const KernelTable& kt = table(isa);
-    PackedMatrix pw = pack_raw(kt, raw, ggml_type, rows, cols);
-    py::array_t<float> y({rows, cols});
-    for (int64_t r = 0; r < rows; r++) kt.row_to_f32(pw, r, y.mutable_data() + r * cols);
-    return y;
-  }, "Every row of raw GGUF blocks packed by a table, read back with row_to_f32.");
-  m.def("kernel_packed_bytes", [](const std::string& isa, FloatArray w, const std::string& wtype) {
-    if (w.ndim() != 2) throw std::invalid_argument("w must be 2-D");
-    return table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype), nullptr).bytes();
-  });
-  m.def("kernel_rmsnorm", [](const std::string& isa, FloatArray x, FloatArray w, float eps) {
-    if (x.ndim() != 1 || w.ndim() != 1 || x.shape(0) != w.shape(0)) throw std::invalid_argument("shape mismatch");
-    py::array_t<float> y(x.shape(0));
-    table(isa).rmsnorm(y.mutable_data(), x.data(), w.data(), x.shape(0), eps);
-    return y;
-  });
-  m.def("kernel_silu_mul", [](const std::string& isa, FloatArray g, FloatArray u) {
-    if (g.ndim() != 1 || u.ndim() != 1 || g.shape(0) != u.shape(0)) throw std::invalid_argument("shape mismatch");
-    py::array_t<float> y(g.shape(0));
-    table(isa).silu_mul(y.mutable_data(), g.data(), u.data(), g.shape(0));
-    return y;
-  });
-  m.def("kernel_softmax", [](const std::string& isa, FloatArray x) {
-    if (x.ndim() != 1 || x.shape(0) < 1) throw std::invalid_argument("softmax needs a non-empty 1-D array");
-    py::array_t<float> y(x.shape(0));
-    std::copy(x.data(), x.data() + x.shape(0), y.mutable_data());
-    table(isa).softmax(y.mutable_data(), x.shape(0));
-    return y;
-  });
-  m.def("kernel_dot", [](const std::string& isa, FloatArray a, FloatArray b) {
-    if (a.ndim() != 1 || b.ndim() != 1 || a.shape(0) != b.shape(0)) throw std::invalid_argument("shape mismatch");
-    return table(isa).dot(a.data(), b.data(), a.shape(0));
-  });
-  m.def("kernel_axpy", [](const std::string& isa, FloatArray y, float a, FloatArray x) {
-    if (x.ndim() != 1 || y.ndim() != 1 || x.shape(0) != y.shape(0)) throw std::invalid_argument("shape mismatch");
-    py::array_t<float> out(y.shape(0));
-    std::copy(y.data(), y.data() + y.shape(0), out.mutable_data());
-    table(isa).axpy(out.mutable_data(), a, x.data(), x.shape(0));
-    return out;
-  });
-  // The attention kernels over one KV block; keys [hd][ldk] and values [n][hd] are given as arrays of
-  // the cache's element type (float32, bf16 bits as uint16, int8).
-  auto kv_array = [](const std::string& kv, py::array a, int64_t need) {
-    const KVType t = parse_kv_type(kv);
-    const bool ok = t == KVType::F32 ? py::isinstance<py::array_t<float>>(a)
-                    : t == KVType::BF16 ? py::isinstance<py::array_t<uint16_t>>(a)
-                                        : py::isinstance<py::array_t<int8_t>>(a);
-    if (!ok || !(a.flags() & py::array::c_style)) throw std::invalid_argument("kv array: wrong dtype or not contiguous");
-    if (a.size() < need) throw std::invalid_argument("kv array too small");
-    return std::make_pair(t, a.data());
-  };
-  m.def("kernel_kv_scores", [kv_array](const std::string& isa, const std::string& kv, FloatArray q, py::array k,
-                                       int64_t ldk, int64_t n) {
-    if (q.ndim() != 2 || n < 1 || ldk < n) throw std::invalid_argument("kernel_kv_scores needs q [G, hd], 1 <= n <= ldk");
-    const int64_t G = q.shape(0), hd = q.shape(1);
-    auto [t, kp] = kv_array(kv, k, hd * ldk);
-    py::array_t<float> s({G, n});
-    table(isa).kv_scores(t, q.data(), G, hd, kp, ldk, n, s.mutable_data(), n);
-    return s;
-  });
-  m.def("kernel_kv_accum", [kv_array](const std::string& isa, const std::string& kv, FloatArray p, py::array v,
-                                      int64_t hd, FloatArray out) {
-    if (p.ndim() != 2 || out.ndim() != 2 || out.shape(0) != p.shape(0) || out.shape(1) != hd || p.shape(1) < 1)
-      throw std::invalid_argument("kernel_kv_accum needs p [G, n] and out [G, hd]");
-    const int64_t G = p.shape(0), n = p.shape(1);
-    auto [t, vp] = kv_array(kv, v, n * hd);
-    py::array_t<float> y({G, hd});
-    std::copy(out.data(), out.data() + G * hd, y.mutable_data());
-    table(isa).kv_accum(t, p.data(), n, G, vp, n, hd, y.mutable_data());
-    return y;
-  });
-  m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
-    if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
-    PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype), nullptr);
-    py::array_t<float> y(w.shape(1));
-    table(isa).row_to_f32(pw, row, y.mutable_data());
-    return y;
-  });
 }

@@ -1,4 +1,4 @@
-// corelm._core bindings of the runtime: the CPU topology, the thread plan and the region benchmark.
+// corelm._core bindings of the runtime: the CPU topology, the thread plan and the NUMA plan and split.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,25 +9,16 @@
 
 #include <pybind11/numpy.h>
 
+#include "bindings/bindings.h"
 #include "model/model.h"
 #include "runtime/numa.h"
-#include "runtime/region_bench.h"
 #include "runtime/topology.h"
 
 namespace py = pybind11;
 
 namespace corelm {
 
-NumaPolicy numa_policy_arg(const std::string& s);  // below: "default", "distribute" or "isolate", else throws
-
 namespace {
-
-// Runs f with the GIL released (the benchmarks start and time their own threads) and returns its result.
-template <class F>
-auto without_gil(F&& f) {
-  py::gil_scoped_release release;
-  return f();
-}
 
 py::dict topology_dict(const Topology& t, const std::string& root, const std::vector<int>& allowed) {
   py::list cpus, cores, caches;
@@ -97,7 +88,7 @@ PlanPolicy plan_policy(const Target& t, const std::optional<std::vector<int>>& a
   PlanPolicy policy;
   policy.smt_siblings = smt_siblings;
   policy.e_cores = e_cores;
-  policy.numa = numa ? numa_policy_arg(*numa) : NumaPolicy::Default;
+  policy.numa = numa ? parse_numa_policy(*numa) : NumaPolicy::Default;
   policy.home_node = home_node ? *home_node : t.topo == &system_topology() ? current_node(*t.topo) : -1;
   return policy;
 }
@@ -110,25 +101,7 @@ py::list shares_list(const std::vector<NodeShare>& shares) {
   return out;
 }
 
-py::list ranges_list(const std::vector<RowRange>& ranges) {
-  py::list out;
-  for (const RowRange& r : ranges) out.append(py::make_tuple(r.node, r.begin, r.end));
-  return out;
-}
-
-// The base address and byte size of a writable, C-contiguous array (the tests' mmap-backed buffers).
-std::pair<char*, size_t> array_bytes(py::array a) {
-  if (!(a.flags() & py::array::c_style) || !a.writeable()) throw std::invalid_argument("need a writable C-contiguous array");
-  return {static_cast<char*>(a.mutable_data()), (size_t)a.nbytes()};
-}
-
 }  // namespace
-
-NumaPolicy numa_policy_arg(const std::string& s) {
-  NumaPolicy p;
-  if (!parse_numa_policy(s, &p)) throw std::invalid_argument("numa must be 'default', 'distribute' or 'isolate', got '" + s + "'");
-  return p;
-}
 
 py::dict numa_dict(const Model& model, bool pages) {
   const NumaLayout& n = model.numa_layout();
@@ -204,104 +177,16 @@ void bind_runtime(py::module_& m) {
       if (p.first < 0 || p.second < 0) throw std::invalid_argument("shares are (node >= 0, threads >= 0)");
       s.push_back({p.first, p.second});
     }
-    return ranges_list(split_by_node(rows, grain, s));
+    return range_tuples(split_by_node(rows, grain, s));
   }, py::arg("rows"), py::arg("grain"), py::arg("shares"),
      "[(node, begin, end)]: rows cut into one range per (node, threads) share, in groups of grain rows.");
-
-  m.def("numa_split_per_layer", [](int64_t layers, int64_t rows, size_t bytes, const std::vector<std::pair<int, int>>& shares) {
-    std::vector<NodeShare> s;
-    for (const auto& p : shares) s.push_back({std::max(0, p.first), std::max(0, p.second)});
-    return ranges_list(split_per_layer(layers, rows, bytes, s));
-  }, py::arg("layers"), py::arg("rows"), py::arg("bytes"), py::arg("shares"),
-        "Byte ranges (node, begin, end) of a buffer of layers x rows equal rows, each layer's rows split by node "
-        "(the KV cache's kv heads).");
-  m.def("numa_row_grain", &Model::row_grain, py::arg("matrix"), py::arg("head_dim"),
+  m.def("numa_row_grain", [](const std::string& matrix, int64_t head_dim) {
+    return Model::row_grain(matrix, head_dim, kernels());
+  }, py::arg("matrix"), py::arg("head_dim"),
         "The rows a matrix's parallel loop (and so its NUMA split) cuts in: 'wqkv', 'wo', 'w_gate_up', "
         "'w_down' or 'lm_head'.");
-  m.def("numa_row_offset", &row_offset, py::arg("row"), py::arg("rows"), py::arg("nbytes"),
-        "The byte offset of a row in a packed matrix of rows rows and nbytes bytes.");
-  m.def("page_bytes", &page_bytes);
 
-  m.def("numa_place", [](py::array a, size_t begin, size_t end, int node, bool strict) {
-    auto [base, bytes] = array_bytes(a);
-    if (begin > end || end > bytes) throw std::invalid_argument("need 0 <= begin <= end <= the array's bytes");
-    return numa_place(base + begin, end - begin, node, strict);
-  }, py::arg("array"), py::arg("begin"), py::arg("end"), py::arg("node"), py::arg("strict") = true,
-     "Puts the pages starting in bytes [begin, end) of an array on node (mbind); '' or the error. The "
-     "array must own whole pages (an mmap-backed one does).");
 
-  m.def("numa_page_nodes", [](py::array a, size_t begin, size_t end) {
-    auto [base, bytes] = array_bytes(a);
-    if (begin > end || end > bytes) throw std::invalid_argument("need 0 <= begin <= end <= the array's bytes");
-    return numa_page_nodes(base + begin, end - begin);
-  }, py::arg("array"), py::arg("begin"), py::arg("end"),
-     "The node of each page starting in bytes [begin, end) of an array (move_pages); -2: not touched yet.");
-
-  m.def("bench_parallel_regions", [](int n_threads, int n_regions, int work, bool pin, bool pin_caller,
-                                     double idle_us) {
-    if (n_threads < 1 || n_threads > 1024) throw std::invalid_argument("n_threads must be in [1, 1024]");
-    RegionBenchConfig cfg;
-    cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.work = work;
-    cfg.pin = pin, cfg.pin_caller = pin_caller, cfg.idle_us = idle_us;
-    const RegionBenchResult r = without_gil([&] { return bench_regions(cfg); });
-    py::dict d;
-    d["region_us"] = r.region_us, d["slot_us"] = r.slot_us, d["worker_share"] = r.worker_share;
-    d["pinned_workers"] = r.pinned_workers, d["slots_ok"] = r.slots_ok;
-    return d;
-  }, py::arg("n_threads"), py::arg("n_regions") = 10000, py::arg("work") = 0, py::arg("pin") = true,
-     py::arg("pin_caller") = false, py::arg("idle_us") = 0.0,
-     "Mean wall time of a parallel region of a fresh pool (region_us), the serial time of one slot's "
-     "work (slot_us) and the share of slots run by workers.");
-
-  m.def("bench_chunk_regions", [](int n_threads, int n_regions, int64_t units, int64_t align, int64_t grain,
-                                  int work, const std::string& schedule, bool pin, int stall_every,
-                                  double stall_us, int slow_worker, const std::vector<int>& nodes) {
-    if (n_threads < 1 || n_threads > 1024) throw std::invalid_argument("n_threads must be in [1, 1024]");
-    if (units < 1 || units > (1 << 24)) throw std::invalid_argument("units must be in [1, 16M]");
-    ChunkBenchConfig cfg;
-    if (!parse_schedule(schedule, &cfg.schedule)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
-    cfg.n_threads = n_threads, cfg.n_regions = n_regions, cfg.units = units, cfg.align = align;
-    cfg.grain = grain, cfg.work = work, cfg.pin = pin, cfg.stall_every = stall_every;
-    cfg.stall_us = stall_us, cfg.slow_worker = slow_worker, cfg.thread_node = nodes;
-    const ChunkBenchResult r = without_gil([&] { return bench_chunk_regions(cfg); });
-    py::dict d;
-    d["region_us"] = r.region_us, d["exactly_once"] = r.exactly_once, d["no_late_commits"] = r.no_late_commits;
-    d["redone"] = r.redone, d["stalls"] = r.stalls, d["shares"] = r.shares;
-    return d;
-  }, py::arg("n_threads"), py::arg("n_regions") = 1000, py::arg("units") = 256, py::arg("align") = 1,
-     py::arg("grain") = 1, py::arg("work") = 0, py::arg("schedule") = "dynamic", py::arg("pin") = true,
-     py::arg("stall_every") = 0, py::arg("stall_us") = 2000.0, py::arg("slow_worker") = 1,
-     py::arg("nodes") = std::vector<int>{},
-     "Runs chunked regions whose every unit must be committed exactly once with its own region's value; "
-     "stall_every makes a worker sleep inside a chunk it holds (as if descheduled); nodes: a fake node per "
-     "thread, to split by node. Returns the mean region time, the checks, chunks redone by the caller, "
-     "stalls and the pool's speed shares.");
-
-  m.def("pool_home_ranges", [](const std::vector<int>& thread_node, int64_t units, int64_t align, int64_t grain,
-                               const std::string& schedule, std::optional<std::vector<double>> weights) {
-    Schedule sched;
-    if (!parse_schedule(schedule, &sched)) throw std::invalid_argument("schedule must be 'static' or 'dynamic'");
-    if (units < 1 || align < 1 || grain < align || grain % align != 0)
-      throw std::invalid_argument("need units >= 1, align >= 1 and grain a multiple of align");
-    if (thread_node.empty() || (weights && weights->size() != thread_node.size()))
-      throw std::invalid_argument("need a node per thread and as many weights");
-    const std::vector<NodeShare> shares = pool_node_shares(thread_node);
-    std::vector<ChunkGroup> groups(std::max<size_t>(1, shares.size()));
-    groups.resize(chunk_groups(units, align, grain, shares, groups.data()));
-    std::vector<HomeRange> homes(thread_node.size());
-    home_ranges(groups.data(), (int)groups.size(), thread_node, sched, align, weights ? weights->data() : nullptr,
-                homes.data());
-    py::list g, h;
-    for (const ChunkGroup& c : groups) g.append(py::make_tuple(c.node, c.unit_begin, c.unit_end, c.chunk_begin, c.chunk_end));
-    for (const HomeRange& r : homes) h.append(py::make_tuple(r.group, r.begin, r.end));
-    py::dict d;
-    d["groups"] = g, d["homes"] = h;
-    return d;
-  }, py::arg("thread_node"), py::arg("units"), py::arg("align"), py::arg("grain"), py::arg("schedule"),
-     py::arg("weights") = py::none(),
-     "The pool's split by node of a chunked region, for a node per thread (-1: none): groups "
-     "[(node, unit_begin, unit_end, chunk_begin, chunk_end)] and each thread's home range (group, begin, "
-     "end), in units (static) or chunks (dynamic, in proportion to weights).");
 }
 
 }  // namespace corelm

@@ -2,6 +2,7 @@
 // baseline ISA and only the files in kernels/<isa>/ use wider instructions.
 #include "kernels/kernels.h"
 #include "kernels/amx/amx.h"
+#include "kernels/stream_read.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -16,24 +17,6 @@
 #endif
 
 namespace corelm {
-
-const char* weight_type_name(WeightType t) {
-  switch (t) {
-    case WeightType::BF16: return "bf16";
-    case WeightType::Q8: return "q8";
-    case WeightType::Q4: return "q4";
-    case WeightType::Q4M: return "q4m";
-    default: return "fp32";
-  }
-}
-
-const char* act_type_name(ActType a) { return a == ActType::I16 ? "int16" : "int8"; }
-
-ActType parse_act_type(const std::string& name) {
-  if (name == "int8") return ActType::I8;
-  if (name == "int16") return ActType::I16;
-  throw std::invalid_argument("activations must be 'int8' or 'int16', got '" + name + "'");
-}
 
 // Buffers of at least this many bytes get their own mapping: page-aligned and sharing no page with
 // other data, so NUMA placement (runtime/numa.h) can move their pages without moving anything else,
@@ -215,6 +198,18 @@ std::vector<std::string> available_kernel_tables() {
   for (const char* n : {"avx512_bf16", "avx512", "avx2", "scalar", "amx"})
     if (kernels_by_name(n)) out.push_back(n);
   return out;
+}
+
+float stream_read_sum(const void* p, size_t bytes) {
+#if defined(CORELM_HAVE_X86)
+  const CpuFeatures& f = cpu_features();
+  if (f.os_avx512 && f.avx512f) return avx512::stream_read_sum(p, bytes);
+  if (f.os_avx && f.avx2) return avx2::stream_read_sum(p, bytes);
+#endif
+  const float* x = static_cast<const float*>(p);
+  float t = 0;
+  for (size_t i = 0; i < bytes / 4; i++) t += x[i];
+  return t;
 }
 
 static const KernelTable& choose() {

@@ -8,22 +8,31 @@
 #include <string>
 #include <vector>
 
+#include "common/names.h"
+
 namespace corelm {
 
 // Q8/Q4/Q4M: blocks of 32 along K with fp16 scales, see kernels/quant_formats.h.
 enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
-const char* weight_type_name(WeightType t);
+inline constexpr EnumName<WeightType> kWeightTypeNames[] = {
+    {WeightType::F32, "fp32"}, {WeightType::BF16, "bf16"}, {WeightType::Q8, "q8"}, {WeightType::Q4, "q4"},
+    {WeightType::Q4M, "q4m"}};
+inline const char* weight_type_name(WeightType t) { return name_of(kWeightTypeNames, t); }
+inline WeightType parse_weight_type(const std::string& name) { return parse_name(kWeightTypeNames, name, "weight type"); }
 
 // How a quantized matmul takes its input: each row per block of 32 as int8 (scale absmax/127, the
 // cheapest) or int16 (absmax/32767: ~15 bits, near fp32; on AVX2 about as cheap, VPMADDWD against
 // widened weights). Semantics in kernels/quant_formats.h.
 enum class ActType : int { I8 = 0, I16 = 1 };
-const char* act_type_name(ActType a);  // "int8", "int16"
-// "int8"/"int16" -> ActType; throws std::invalid_argument naming the choices.
-ActType parse_act_type(const std::string& name);
+inline constexpr EnumName<ActType> kActTypeNames[] = {{ActType::I8, "int8"}, {ActType::I16, "int16"}};
+inline const char* act_type_name(ActType a) { return name_of(kActTypeNames, a); }
+inline ActType parse_act_type(const std::string& name) { return parse_name(kActTypeNames, name, "activations"); }
 
 // How the KV cache stores keys and values; int8 rows carry a scale and offset the caller applies.
 enum class KVType : int { F32 = 0, BF16 = 1, I8 = 2 };
+inline constexpr EnumName<KVType> kKVTypeNames[] = {{KVType::F32, "fp32"}, {KVType::BF16, "bf16"}, {KVType::I8, "int8"}};
+inline const char* kv_type_name(KVType t) { return name_of(kKVTypeNames, t); }
+inline KVType parse_kv_type(const std::string& name) { return parse_name(kKVTypeNames, name, "kv cache type"); }
 
 struct KernelTable;
 
@@ -59,6 +68,9 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
   const char* name;  // "avx512_bf16", "avx512", "avx2", "scalar"
+  // The rows a parallel loop over a matrix's rows (and so its NUMA split) cuts in: a multiple of what
+  // this table's layouts keep together, so no chunk starts inside a group and runs its first rows slowly.
+  int64_t row_grain;
   // Packs a row-major fp32 matrix into `type` (bf16 by round-to-nearest-even) in this table's layout;
   // par (may be null): threads lent to quantizing it, which splits by whole row groups.
   PackedMatrix (*pack)(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par);
@@ -69,9 +81,6 @@ struct KernelTable {
   void (*rmsnorm)(float* out, const float* x, const float* weight, int64_t n, float eps);
   // out[i] = silu(gate[i]) * up[i]
   void (*silu_mul)(float* out, const float* gate, const float* up, int64_t n);
-  float (*dot)(const float* a, const float* b, int64_t n);
-  // y += a * x
-  void (*axpy)(float* y, float a, const float* x, int64_t n);
   // Attention over n cached tokens (part of one KV block) for the G query heads that share a kv head.
   // Keys are stored transposed, K[d * ldk + j]: one vector load is one channel of 16 consecutive tokens,
   // so scores come out 16 at a time with no horizontal sums, and each key load serves all G heads.

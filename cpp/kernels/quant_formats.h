@@ -28,6 +28,12 @@
 
 namespace corelm {
 namespace quant {
+
+// The GGUF block types whose raw blocks the tables repack as Q8, Q4 and Q4M (ggml's type names).
+inline constexpr EnumName<WeightType> kGgufRawNames[] = {
+    {WeightType::Q8, "Q8_0"}, {WeightType::Q4, "Q4_0"}, {WeightType::Q4M, "Q4_1"}};
+inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
+
 namespace {  // each ISA file's own copy, built with its flags (see kernels/kernel_util.h)
 
 constexpr int64_t kBlock = 32;
@@ -51,14 +57,6 @@ inline PackedMatrix new_matrix(WeightType type, int64_t rows, int64_t cols, cons
 // ggml block sizes of the raw formats, which are also the scalar table's blocks.
 inline size_t ggml_block_bytes(WeightType t) {
   return t == WeightType::Q8 ? 34 : t == WeightType::Q4 ? 18 : t == WeightType::Q4M ? 20 : 0;
-}
-
-// "Q8_0" -> Q8, "Q4_0" -> Q4, "Q4_1" -> Q4M.
-inline WeightType type_of_ggml(const std::string& name) {
-  if (name == "Q8_0") return WeightType::Q8;
-  if (name == "Q4_0") return WeightType::Q4;
-  if (name == "Q4_1") return WeightType::Q4M;
-  throw std::invalid_argument("raw weights must be GGUF Q8_0, Q4_0 or Q4_1 blocks, got '" + name + "'");
 }
 
 // IEEE half <-> float, round to nearest even (as F16C and ggml's software fallback).

@@ -8,8 +8,6 @@
 
 namespace corelm {
 
-const char* kv_type_name(KVType t) { return t == KVType::I8 ? "int8" : t == KVType::BF16 ? "bf16" : "fp32"; }
-
 KVCache::KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size,
                  KVType type)
     : n_layers_(n_layers), n_kv_heads_(n_kv_heads), head_dim_(head_dim), n_blocks_(n_blocks),

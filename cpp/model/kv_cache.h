@@ -14,8 +14,6 @@
 
 namespace corelm {
 
-const char* kv_type_name(KVType t);
-
 // How an int8 row maps back to floats: x[i] ~= lo + step * (q[i] + 128) = scale() * q[i] + zero(). Both
 // are fp16 (4 bytes a row, so int8 rows take 0.53 of bf16's bytes at head_dim 64); lo is rounded down and
 // step up before the row is quantized with them, so their rounding only widens the range a little

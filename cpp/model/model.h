@@ -1,6 +1,9 @@
 // The decoder-only transformer of the Llama family (Llama, Mistral, Qwen2): weights by layer, the KV
 // cache and the forward pass. The model knows layers, not instruction sets: every matrix is an opaque
 // PackedMatrix and all math goes through the kernel table.
+//   model.cc      construction            weights.cc    weight names, fusion, packing
+//   placement.cc  NUMA placement          forward.cc    the forward pass
+//   config.cc     ModelConfig::validate
 #pragma once
 #include <cstdint>
 #include <map>
@@ -10,58 +13,23 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/weights.h"
 #include "runtime/numa.h"
 #include "runtime/thread_pool.h"
 #include "runtime/topology.h"
 
 namespace corelm {
 
-struct ModelConfig {
-  int64_t vocab_size = 0;
-  int64_t dim = 0;           // hidden size
-  int64_t ffn_dim = 0;       // intermediate size
-  int64_t n_layers = 0;
-  int64_t n_heads = 0;
-  int64_t n_kv_heads = 0;    // grouped-query attention: n_heads / n_kv_heads query heads share a kv head
-  int64_t head_dim = 0;
-  float norm_eps = 1e-5f;
-  bool tie_embeddings = false;
-  bool attention_bias = false;     // q/k/v biases (Qwen2)
-  int64_t sliding_window = 0;      // 0: attend to the whole context
-  int64_t max_seq_len = 2048;      // KV cache capacity in tokens
-  std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
-  WeightType weight_type = WeightType::F32;
-  // How quantized matmuls take their input (kernels.h): int8 per block of 32, or int16 (near fp32).
-  ActType act_type = ActType::I8;
-  int n_threads = 1;
-  KVType kv_type = KVType::F32;
-  int64_t kv_block_size = 16;      // tokens per KV block
-  int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
-  bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)
-  Schedule schedule = Schedule::Dynamic;  // how the kernels' work is split across threads (thread_pool.h)
-  NumaPolicy numa = NumaPolicy::Default;  // thread plan and memory placement across NUMA nodes
-
-  void validate() const;  // throws std::invalid_argument
-};
-
-struct LayerWeights {
-  std::vector<float> attn_norm, ffn_norm;  // [dim]
-  PackedMatrix wqkv;                       // [(n_heads + 2*n_kv_heads) * head_dim, dim]: q, k, v rows fused
-  std::vector<float> bqkv;                 // [(n_heads + 2*n_kv_heads) * head_dim] or empty
-  PackedMatrix wo;                         // [dim, n_heads * head_dim]
-  PackedMatrix w_gate_up;                  // [2 * ffn_dim, dim]: gate and up rows interleaved in blocks
-  PackedMatrix w_down;                     // [dim, ffn_dim]
-};
-
 // Where the NUMA policy puts the threads and their shares of the memory (runtime/numa.h).
 //
-// For the scheduler: a parallel loop over n items in groups of grain (the split grains below) should
-// let each thread claim the items of ranges(n, grain) for its thread_node first, and take another
-// node's items only when its own are gone; a thread with node -1 takes any. A node's weight rows are
-// then read from its own memory. KV blocks: a sequence whose blocks lie in a node's ranges(kv_blocks,
-// 1) is attended fastest by that node's threads, so the block allocator should give a sequence blocks
-// of one node, and attention tasks should go to that node.
+// Weights: a matrix's rows are cut into ranges(rows, row_grain) and each range is bound to its node; the
+// pool's chunked regions let each thread claim its own node's rows first and take another node's only
+// when its own are gone (a thread with node -1 takes any), so a node's weight rows are read from its own
+// memory. KV cache: every layer's kv heads are split by node the same way (split_per_layer over
+// n_kv_heads, for every block alike), and attention gives node j's threads the tasks of node j's kv
+// heads first.
 struct NumaLayout {
   NumaPolicy policy = NumaPolicy::Default;
   std::vector<int> thread_cpus;   // the plan under this policy; [0] is the CPU left for the calling thread
@@ -103,11 +71,6 @@ class Model {
   void finalize();  // throws if any weight is missing
   bool ready() const { return ready_; }
 
-  // Runs tokens[0..n) at positions [pos, pos + n) of the single default sequence (blocks 0, 1, 2, ...),
-  // writing their keys and values into the cache. Writes the logits of the last token ([vocab]) or,
-  // with all_logits, of every token ([n][vocab]).
-  void forward(const int32_t* tokens, int64_t n, int64_t pos, bool all_logits, float* logits);
-
   // Runs several sequences in one pass: matrix products over all their tokens together, attention per
   // sequence. tokens holds each sequence's new tokens in order; logits gets, per sequence, one row
   // (or n_tokens rows with all_logits) of [vocab].
@@ -135,14 +98,11 @@ class Model {
     split_kv_heads();
   }
 
-  static constexpr int64_t kGateUpBlock = 16;  // rows of gate, then of up, alternating
   // The row grains the parallel loops split matrices by, which the NUMA split follows: wqkv by whole
   // heads (head_dim rows), w_gate_up by gate/up block pairs (2 * kGateUpBlock rows), wo, w_down and
-  // lm_head by kRowGrain rows (a multiple of what the kernels keep together: the AVX-512 quantized
-  // layout interleaves 32 rows, so a chunk starting inside them would run its first rows slowly).
-  // row_grain("wqkv" | "wo" | "w_gate_up" | "w_down" | "lm_head", head_dim).
-  static constexpr int64_t kRowGrain = 32;
-  static int64_t row_grain(const std::string& matrix, int64_t head_dim);
+  // lm_head by the kernel table's row_grain (what its layouts keep together).
+  // row_grain("wqkv" | "wo" | "w_gate_up" | "w_down" | "lm_head", head_dim, table).
+  static int64_t row_grain(const std::string& matrix, int64_t head_dim, const KernelTable& kt);
 
   const NumaLayout& numa_layout() const { return numa_; }
   const std::vector<PlacedBuffer>& numa_placed() const { return placed_; }
@@ -157,7 +117,7 @@ class Model {
   void place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges, bool strict);
   void place_kv_cache();
   void split_kv_heads();
-  void place_weights();
+  void place_weights();  // and says what became of it in numa_status_
   // The packed matrices in the order decode reads them: (name, kind for row_grain or "" for
   // tok_embeddings, matrix). The one list finalize(), place_weights() and weight_spans() walk.
   struct NamedMatrix {
@@ -179,11 +139,10 @@ class Model {
   std::vector<LayerWeights> layers_;
   std::map<std::string, std::vector<float>> pending_;  // wq/wk/wv/w_gate/w_up until fused
   std::map<std::string, std::pair<WeightType, std::vector<uint8_t>>> pending_raw_;  // the same, raw blocks
-  void raw_partners_to_f32(const std::string& name);
+  void raw_partners_to_f32(const WeightName& w);
 
   std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
   KVCache kv_;
-  std::vector<int32_t> identity_blocks_;     // the default sequence's block table: 0, 1, 2, ...
   // The kv heads each node's threads attend over first (the pool's nodes, split as place_kv_cache
   // places them); empty where the pool does not split by node.
   std::vector<RowRange> kv_head_nodes_;

@@ -48,8 +48,8 @@ std::vector<RowRange> split_by_node(int64_t rows, int64_t grain, const std::vect
 std::vector<RowRange> split_per_layer(int64_t layers, int64_t rows, size_t bytes, const std::vector<NodeShare>& shares);
 
 // The byte offset of row r in a packed matrix of `rows` rows and `nbytes` bytes. Every layout stores
-// rows in order, each group of rows (1 row-major, 8 or 16 in the AVX-512 float layouts, 32 in the
-// AVX-512 quantized one) in an equal stride, so this is exact when r and rows are multiples of the
+// rows in order, each group of rows (1 row-major, 8 or 16 in the wide float layouts, 32 in the
+// interleaved quantized ones) in an equal stride, so this is exact when r and rows are multiples of the
 // group, and otherwise off by less than one group (placement is by pages anyway).
 size_t row_offset(int64_t r, int64_t rows, size_t nbytes);
 

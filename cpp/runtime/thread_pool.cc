@@ -5,14 +5,8 @@
 #include <cmath>
 #include <cstddef>
 
+#include "runtime/cpu_relax.h"
 #include "runtime/topology.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-static inline void cpu_relax() { _mm_pause(); }
-#else
-static inline void cpu_relax() {}
-#endif
 
 namespace corelm {
 
@@ -40,14 +34,6 @@ static constexpr double kClaimWork = 1 << 20;
 static int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-const char* schedule_name(Schedule s) { return s == Schedule::Static ? "static" : "dynamic"; }
-
-bool parse_schedule(const std::string& name, Schedule* out) {
-  if (name == "static") return *out = Schedule::Static, true;
-  if (name == "dynamic") return *out = Schedule::Dynamic, true;
-  return false;
 }
 
 // A thread's home range of chunks [front, back), tagged with the low bits of the region's generation

@@ -50,13 +50,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/names.h"
 #include "runtime/numa.h"
 
 namespace corelm {
 
 enum class Schedule : int { Static = 0, Dynamic = 1 };
-const char* schedule_name(Schedule s);
-bool parse_schedule(const std::string& name, Schedule* out);  // "static" / "dynamic"
+inline constexpr EnumName<Schedule> kScheduleNames[] = {{Schedule::Dynamic, "dynamic"}, {Schedule::Static, "static"}};
+inline const char* schedule_name(Schedule s) { return name_of(kScheduleNames, s); }
+inline Schedule parse_schedule(const std::string& name) { return parse_name(kScheduleNames, name, "schedule"); }
 
 // How a chunked region's work is cut. units are the task's items (rows, heads, blocks); every chunk
 // boundary is a multiple of align (what the task's kernels need whole, e.g. 16 rows). grain is the

@@ -473,17 +473,6 @@ bool set_current_thread_cpus(const std::vector<int>& cpus) {
 
 bool pin_current_thread(int cpu) { return set_current_thread_cpus({cpu}); }
 
-const char* numa_policy_name(NumaPolicy p) {
-  return p == NumaPolicy::Distribute ? "distribute" : p == NumaPolicy::Isolate ? "isolate" : "default";
-}
-
-bool parse_numa_policy(const std::string& text, NumaPolicy* out) {
-  for (NumaPolicy p : {NumaPolicy::Default, NumaPolicy::Distribute, NumaPolicy::Isolate})
-    if (text == numa_policy_name(p)) return *out = p, true;
-  if (text.empty()) return *out = NumaPolicy::Default, true;
-  return false;
-}
-
 int current_node(const Topology& topo) {
 #if defined(__linux__)
   const LogicalCpu* c = topo.cpu(sched_getcpu());

@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/names.h"
+
 namespace corelm {
 
 enum class CoreType : uint8_t { Unknown, Performance, Efficiency };
@@ -79,9 +81,10 @@ std::vector<int> process_allowed_cpus();
 //               the weights are split by node (runtime/numa.h)
 //   Isolate     only the home node (the node the process started on)
 enum class NumaPolicy : uint8_t { Default, Distribute, Isolate };
-const char* numa_policy_name(NumaPolicy p);  // "default", "distribute" or "isolate"
-// "default" (or ""), "distribute", "isolate"; false on anything else.
-bool parse_numa_policy(const std::string& text, NumaPolicy* out);
+inline constexpr EnumName<NumaPolicy> kNumaPolicyNames[] = {
+    {NumaPolicy::Default, "default"}, {NumaPolicy::Distribute, "distribute"}, {NumaPolicy::Isolate, "isolate"}};
+inline const char* numa_policy_name(NumaPolicy p) { return name_of(kNumaPolicyNames, p); }
+inline NumaPolicy parse_numa_policy(const std::string& name) { return parse_name(kNumaPolicyNames, name, "numa"); }
 
 struct PlanPolicy {
   // Once every allowed physical core has a thread, put further threads on SMT siblings. Off: they

@@ -66,6 +66,9 @@ struct Status {
 // Checks CPUID/XCR0 and asks the kernel for the tile-data permission, once per process.
 const Status& status();
 inline bool available() { const Status& s = status(); return s.cpu && s.os && s.permission && s.compiled; }
+// Throws std::runtime_error naming status().reason unless available(): for callers that ask for the
+// real tiles by name.
+void require_available();
 
 #define CORELM_AMX_DECLARE_KERNELS                                                                 \
   void bf16_gemm(const float* x, int64_t m, int64_t ldx, const AmxMatrix& w, float* y, int64_t ldy, \

@@ -136,5 +136,9 @@ const Status& status() {
   return s;
 }
 
+void require_available() {
+  if (!available()) throw std::runtime_error("AMX is not available on this machine: " + status().reason);
+}
+
 }  // namespace amx
 }  // namespace corelm

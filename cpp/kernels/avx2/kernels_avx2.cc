@@ -328,30 +328,6 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 // ---------------------------------------------------------------------------------------------
 // Vector kernels. Tails go through masked loads and stores: nothing past n is read or written.
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int u = 0; u < 4; u++)
-      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), acc[u]);
-  for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
-  if (i < n) {
-    const __m256i m = tail_mask(n - i);
-    acc[1] = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc[1]);
-  }
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-void axpy(float* y, float a, const float* x, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  if (i < n) {
-    const __m256i m = tail_mask(n - i);
-    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(av, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
-  }
-}
-
 void rmsnorm(float* out, const float* x, const float* weight, int64_t n, float eps) {
   __m256 ss0 = _mm256_setzero_ps(), ss1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -568,7 +544,8 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
 
 }  // namespace
 
-const KernelTable kAvx2Kernels = {"avx2", pack, matmul, rmsnorm, silu_mul, dot, axpy, kv_scores, kv_accum, softmax,
+// row_grain 32: the quantized layout's super-group
+const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, kv_scores, kv_accum, softmax,
                                   row_to_f32, quant::avx2_pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};
 

@@ -227,29 +227,6 @@ void matmul_bf16dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
   if (n0 < n1) avx512::bf16dp_matmul(x, m, ldx, w, y, ldy, n0, n1);
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
-    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-void axpy(float* y, float a, const float* x, int64_t n) {
-  __m512 av = _mm512_set1_ps(a);
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
-    __m512 yv = _mm512_maskz_loadu_ps(m, y + i);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), yv));
-  }
-}
-
 // 16 cached fp32, bf16 or int8 values as fp32 (masked for the tail).
 inline __m512 load_kv16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_kv16(const uint16_t* p, __mmask16 m) {
@@ -394,11 +371,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", pack, matmul, rmsnorm, silu_mul, dot, axpy, kv_scores,
+const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
-const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", pack, matmul_bf16dp, rmsnorm, silu_mul, dot, axpy, kv_scores,
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, kv_scores,
                                         kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant};

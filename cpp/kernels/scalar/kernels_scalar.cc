@@ -56,16 +56,6 @@ void silu_mul(float* out, const float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
-  return acc;
-}
-
-void axpy(float* y, float a, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
 // One cached element as fp32 (int8: the raw level; the caller applies the row's scale).
 inline float kv_at(KVType t, const void* p, int64_t i) {
   switch (t) {
@@ -108,7 +98,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", pack, matmul, rmsnorm, silu_mul, dot, axpy, kv_scores,
+const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::scalar_pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};

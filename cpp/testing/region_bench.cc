@@ -1,4 +1,4 @@
-#include "runtime/region_bench.h"
+#include "testing/region_bench.h"
 
 #include <algorithm>
 #include <atomic>

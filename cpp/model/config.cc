@@ -1,0 +1,26 @@
+#include "model/config.h"
+
+#include <cmath>
+
+namespace corelm {
+
+void ModelConfig::validate() const {
+  require(vocab_size > 0 && dim > 0 && ffn_dim > 0 && n_layers > 0, "model dimensions must be positive");
+  require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+          "n_heads must be a positive multiple of n_kv_heads");
+  require(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
+  require((int64_t)rope_inv_freq.size() == head_dim / 2, "rope_inv_freq must have head_dim/2 entries");
+  require(max_seq_len > 0 && max_seq_len <= (1 << 24), "max_seq_len must be in [1, 16M]");
+  require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
+  require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");
+  require(act_type == ActType::I8 || act_type == ActType::I16, "act_type must be I8 or I16");
+  require(sliding_window >= 0, "sliding_window must be >= 0");
+  require(kv_block_size >= 1 && kv_block_size <= 4096, "kv_block_size must be in [1, 4096]");
+  require(kv_blocks >= 0 && kv_blocks <= (1 << 24), "kv_blocks must be in [0, 16M]");
+  // Sizes used in index arithmetic must stay far from overflow.
+  require(vocab_size < (1 << 24) && dim < (1 << 20) && ffn_dim < (1 << 22) && n_layers < 4096 &&
+              n_heads < 4096 && head_dim < 4096,
+          "model dimensions are implausibly large");
+}
+
+}  // namespace corelm

@@ -1,0 +1,329 @@
+// The forward pass: a batch of sequences' new tokens through every layer, the matrix products over all
+// tokens together on the pool's chunked regions, attention per sequence over its blocks of the KV cache.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "model/model.h"
+
+namespace corelm {
+
+void Model::set_act_type(ActType a) {
+  pool_.quiesce();  // a descheduled pool thread may still read the old buffers
+  cfg_.act_type = a;
+  scratch_tokens_ = 0;
+}
+
+void Model::ensure_scratch(int64_t n) {
+  if (n <= scratch_tokens_) return;
+  pool_.quiesce();  // a descheduled pool thread may still read the old buffers
+  const int64_t T = n, nth = pool_.size();
+  const int64_t qkv_dim = (cfg_.n_heads + 2 * cfg_.n_kv_heads) * cfg_.head_dim;
+  x_.assign(T * cfg_.dim, 0.f);
+  xb_.assign(nth * T * cfg_.dim, 0.f);
+  qkv_.assign(T * qkv_dim, 0.f);
+  att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
+  hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
+  act_.assign(T * cfg_.ffn_dim, 0.f);
+  // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
+  qact_ld_ = 0;
+  auto fit = [&](const PackedMatrix& w) {
+    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (kt_.quant_act_bytes(w, m, cfg_.act_type) + 63) / 64 * 64);
+  };
+  for (const LayerWeights& L : layers_)
+    for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) fit(*w);
+  fit(lm_head_);
+  qact_ = qact_ld_ ? aligned_buffer(nth * qact_ld_) : nullptr;
+  scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
+  out_rows_.assign(T * cfg_.dim, 0.f);
+  tok_seq_.assign(T, 0);
+  tok_pos_.assign(T, 0);
+  scratch_tokens_ = T;
+}
+
+int64_t Model::logit_rows(const SeqSlice* seqs, int64_t n_seqs) const {
+  int64_t rows = 0;
+  for (int64_t i = 0; i < n_seqs; i++) rows += seqs[i].all_logits ? seqs[i].n_tokens : 1;
+  return rows;
+}
+
+void Model::forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+  require(n_seqs >= 1, "forward_batch needs at least one sequence");
+  check_batch(tokens, seqs, n_seqs);
+  run(tokens, seqs, n_seqs, logits);
+}
+
+void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const {
+  require(ready_, "model weights are incomplete: call finalize() after setting every weight");
+  const int64_t B = kv_.block_size();
+  int64_t t = 0;
+  for (int64_t i = 0; i < n_seqs; i++) {
+    const SeqSlice& s = seqs[i];
+    require(s.n_tokens >= 1, "every sequence in a batch needs at least one token");
+    const int64_t end = s.pos + s.n_tokens;  // one past the last position
+    require(s.pos >= 0 && s.pos <= cfg_.max_seq_len && s.n_tokens <= cfg_.max_seq_len - s.pos,
+            "tokens at positions " + std::to_string(s.pos) + ".." + std::to_string(end - 1) +
+                " do not fit the context of " + std::to_string(cfg_.max_seq_len) + " tokens");
+    require(s.blocks && s.n_blocks * B >= end, "the sequence's block table is too short for position " +
+                                                   std::to_string(end - 1));
+    for (int64_t b = 0; b < (end + B - 1) / B; b++)
+      require(s.blocks[b] >= 0 && s.blocks[b] < kv_.n_blocks(),
+              "block id " + std::to_string(s.blocks[b]) + " is outside the KV cache of " +
+                  std::to_string(kv_.n_blocks()) + " blocks");
+    for (int64_t j = 0; j < s.n_tokens; j++, t++)
+      require(tokens[t] >= 0 && tokens[t] < cfg_.vocab_size,
+              "token id " + std::to_string(tokens[t]) + " is outside the vocabulary of " +
+                  std::to_string(cfg_.vocab_size));
+  }
+}
+
+// The kernels' parallel regions (ThreadPool::parallel_chunks). Each task reads only the model's own
+// buffers in compute() and writes the shared outputs only in commit(): under the dynamic schedule a
+// chunk may be computed twice (by a descheduled thread and by the caller that redid it), and only
+// one of them commits. compute() leaves token t's results at scratch + t * ld; the kernels index
+// outputs by absolute row, hence the `scratch - first row` pointers.
+namespace {
+
+// Target bytes of weights per chunk: small enough that threads can balance each other's leftovers,
+// large enough that a chunk's claim and commit stay a few percent of streaming it.
+constexpr int64_t kChunkBytes = 96 << 10;
+
+// Chunks of whole multiples of `align` units reading about kChunkBytes of a matrix; each unit gives
+// `cols` floats per token.
+Chunking chunking(const PackedMatrix& w, int64_t units, int64_t align, int64_t tokens, int64_t cols) {
+  const double unit_bytes = (double)w.bytes() / (double)units;
+  return Chunking{units, align, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), tokens, cols, unit_bytes};
+}
+
+// Normalizes all T tokens of x into the buffer index's own copy, so no barrier is needed before a matmul.
+struct NormedInput {
+  const KernelTable* k;
+  const float *x, *norm;
+  float* xb;       // [buffers][ld_buf]
+  int64_t ld_buf, T, d;
+  float eps;
+  const float* rows(int buf) const { return xb + (size_t)buf * ld_buf; }
+  void prepare(int buf) const {
+    float* out = xb + (size_t)buf * ld_buf;
+    for (int64_t t = 0; t < T; t++) k->rmsnorm(out + t * d, x + t * d, norm, d, eps);
+  }
+};
+
+// A task's matmul y = x @ W^T. With quantized weights, x is quantized once per region and buffer
+// index (prepare) into the index's own buffer, and every chunk its thread computes reads that.
+struct TaskMatmul {
+  const KernelTable* k;
+  const PackedMatrix* w;
+  uint8_t* qa;  // [buffers][ld_qa]; null: float weights, matmul reads x
+  size_t ld_qa;
+  ActType act;
+  void prepare(int buf, const float* x, int64_t m, int64_t ldx) const {
+    if (qa) k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
+  }
+  void run(int buf, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+    if (!qa) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
+    k->matmul_quant(qa + buf * ld_qa, m, act, *w, y, ldy, n0, n1);
+  }
+};
+
+// Attention norm, q/k/v projection, bias and RoPE by whole heads; the commit also writes keys and
+// values to the cache.
+struct QkvTask {
+  NormedInput in;
+  TaskMatmul mm;
+  const float *bias, *rope_cos, *rope_sin;  // bias may be null
+  const int64_t *tok_pos, *tok_seq;
+  float* qkv;  // [T][qkv_dim]
+  KVCache* kv;
+  const SeqSlice* seqs;
+  int64_t layer, hd, nh, nkv, block_size;
+  void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
+  void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
+    const int64_t half = hd / 2;
+    mm.run(buf, in.rows(buf), in.T, in.d, s - h0 * hd, ld, h0 * hd, h1 * hd);
+    for (int64_t t = 0; t < in.T; t++) {
+      const float* cs = rope_cos + tok_pos[t] * half;
+      const float* sn = rope_sin + tok_pos[t] * half;
+      for (int64_t h = h0; h < h1; h++) {
+        float* v = s + t * ld + (h - h0) * hd;
+        if (bias)
+          for (int64_t i = 0; i < hd; i++) v[i] += bias[h * hd + i];
+        if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
+          for (int64_t i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cs[i] - b * sn[i];
+            v[i + half] = b * cs[i] + a * sn[i];
+          }
+        }
+      }
+    }
+  }
+  void commit(int64_t h0, int64_t h1, const float* s, int64_t ld) const {
+    const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+    for (int64_t t = 0; t < in.T; t++) {
+      std::memcpy(qkv + t * qkv_dim + h0 * hd, s + t * ld, (h1 - h0) * hd * sizeof(float));
+      const int64_t p = tok_pos[t];
+      const SeqSlice& seq = seqs[tok_seq[t]];
+      for (int64_t h = std::max(h0, nh); h < h1; h++)  // keys and values go to the cache
+        kv->store(layer, seq.blocks[p / block_size], p % block_size, h < nh + nkv ? h - nh : h - nh - nkv,
+                  h >= nh + nkv, s + t * ld + (h - h0) * hd);
+    }
+  }
+};
+
+// MLP norm, the fused gate/up projection (into the buffer index's own rows of hb) and SiLU(gate) * up
+// (into scratch), by whole gate/up block pairs.
+struct GateUpTask {
+  NormedInput in;
+  TaskMatmul mm;
+  float* hb;   // [buffers][T][2 * f]
+  float* act;  // [T][f]
+  int64_t f, block;
+  void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
+  void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
+    const int64_t T = in.T;
+    float* h = hb + (size_t)buf * T * 2 * f;
+    mm.run(buf, in.rows(buf), T, in.d, h, 2 * f, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t c = std::min(block, f - b * block);
+        const float* g = h + t * 2 * f + 2 * b * block;
+        in.k->silu_mul(s + t * ld + (b - b0) * block, g, g + c, c);
+      }
+  }
+  void commit(int64_t b0, int64_t b1, const float* s, int64_t ld) const {
+    const int64_t width = std::min(b1 * block, f) - b0 * block;
+    for (int64_t t = 0; t < in.T; t++) std::memcpy(act + t * f + b0 * block, s + t * ld, width * sizeof(float));
+  }
+};
+
+// y = in @ W^T by output rows; the commit adds y to x (the residual stream) or stores it (logits).
+struct MatmulTask {
+  TaskMatmul mm;
+  const float* in;
+  int64_t m, ld_in;
+  float* out;  // [m][n_out]
+  int64_t n_out;
+  bool accumulate;
+  void prepare(int buf) const { mm.prepare(buf, in, m, ld_in); }
+  void compute(int buf, int64_t n0, int64_t n1, float* s, int64_t ld) const {
+    mm.run(buf, in, m, ld_in, s - n0, ld, n0, n1);
+  }
+  void commit(int64_t n0, int64_t n1, const float* s, int64_t ld) const {
+    for (int64_t t = 0; t < m; t++) {
+      float* y = out + t * n_out + n0;
+      const float* r = s + t * ld;
+      if (accumulate)
+        for (int64_t i = 0; i < n1 - n0; i++) y[i] += r[i];
+      else
+        std::memcpy(y, r, (n1 - n0) * sizeof(float));
+    }
+  }
+};
+
+}  // namespace
+
+void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+  int64_t T = 0;
+  for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
+  ensure_scratch(T);
+  for (int64_t i = 0, t = 0; i < n_seqs; i++)
+    for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
+  const KernelTable& k = kt_;
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
+  const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
+  float* x = x_.data();
+  for (int64_t t = 0; t < T; t++) k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
+
+  auto normed = [&](const std::vector<float>& w) {
+    return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
+  };
+  auto task_matmul = [&](const PackedMatrix& w) {
+    const bool quantized = k.quant_act_bytes(w, 1, cfg_.act_type) != 0;
+    return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
+  };
+  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
+    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, x, d, true}, chunking(w, d, k.row_grain, T, 1));
+  };
+
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    const LayerWeights& L = layers_[l];
+    const QkvTask qkv{normed(L.attn_norm), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
+                      rope_sin_.data(), tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh,
+                      nkv, kv_.block_size()};
+    pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
+    attention(l, seqs, T);
+    matmul_residual(att_.data(), nh * hd, L.wo);
+    const int64_t blocks = (f + GB - 1) / GB;
+    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB},
+                          chunking(L.w_gate_up, blocks, 1, T, GB));
+    matmul_residual(act_.data(), f, L.w_down);
+  }
+
+  if (!logits) return;
+  // the rows whose logits are wanted, normalized, then one matmul over the vocabulary
+  int64_t rows = 0;
+  for (int64_t i = 0, t = 0; i < n_seqs; t += seqs[i].n_tokens, i++) {
+    const int64_t first = seqs[i].all_logits ? t : t + seqs[i].n_tokens - 1;
+    for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
+      k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
+  }
+  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false},
+                        chunking(lm_head_, cfg_.vocab_size, k.row_grain, rows, 1));
+}
+
+// Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.
+// A task is one token's query heads that share a kv head (or a part of them when there are too few
+// tasks to keep the threads busy), so each key and value read serves several heads.
+void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
+  const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
+  const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+  const float scale = 1.f / std::sqrt((float)hd);
+  // Fewer (token, kv head) pairs than threads (decode of a few sequences): split each pair's query
+  // heads into just enough parts for every thread to get one task. More parts would have two threads
+  // read the same keys and values: with 2 threads and 2 kv heads, 2 parts instead of 1 made a q4 decode
+  // at 128-830 tokens of context 8% slower (qwen2.5-0.5B shapes).
+  const int64_t parts = std::clamp<int64_t>((pool_.size() + T * nkv - 1) / (T * nkv), 1, group);
+  const int64_t per = (group + parts - 1) / parts;  // query heads per task
+  // task -> (token, kv head kvh0 + (task / parts) % n_kv, part task % parts); later tokens see more keys,
+  // so tasks are dealt in token-major order and striding balances the causal triangle across threads
+  auto attend = [&](int64_t task, int64_t kvh0, int64_t n_kv, float* s) {
+    const int64_t t = task / (parts * n_kv), kvh = kvh0 + task / parts % n_kv, part = task % parts;
+    const int64_t h0 = kvh * group + part * per, G = std::min(per, group - part * per);
+    if (G <= 0) return;
+    const int64_t p = tok_pos_[t];
+    const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
+    kv_.attend(kt_, l, kvh, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale, s,
+               att_.data() + t * nh * hd + h0 * hd);
+  };
+  const size_t scores_per_thread = (size_t)group * cfg_.max_seq_len;
+  if (kv_head_nodes_.empty()) {
+    pool_.parallel([&](int tid, int nth) {
+      float* s = scores_.data() + tid * scores_per_thread;
+      for (int64_t task = tid; task < T * nkv * parts; task += nth) attend(task, 0, nkv, s);
+    });
+    return;
+  }
+  // Split by node: node j's tasks are those of the kv heads placed on node j, claimed one at a time
+  // from that node's counter. A thread takes its own node's first, then the other nodes' in turn; a
+  // thread without a node starts at the first.
+  const int n = (int)kv_head_nodes_.size();
+  std::atomic<int64_t> next[ThreadPool::kMaxGroups];
+  for (int g = 0; g < n; g++) next[g].store(0, std::memory_order_relaxed);
+  pool_.parallel([&](int slot, int) {
+    float* s = scores_.data() + slot * scores_per_thread;
+    const int node = pool_.thread_nodes()[pool_.current_thread()];
+    int home = 0;
+    for (int g = 0; g < n; g++)
+      if (kv_head_nodes_[g].node == node) home = g;
+    for (int i = 0; i < n; i++) {
+      const int g = (home + i) % n;
+      const int64_t kvh0 = kv_head_nodes_[g].begin, n_kv = kv_head_nodes_[g].end - kv_head_nodes_[g].begin;
+      for (int64_t task; (task = next[g].fetch_add(1, std::memory_order_relaxed)) < T * n_kv * parts;)
+        attend(task, kvh0, n_kv, s);
+    }
+  });
+}
+
+}  // namespace corelm

@@ -1,0 +1,259 @@
+// Model weights: names, fusion (q/k/v, gate/up; fp32 or raw GGUF blocks) and packing in the kernel
+// table's layout.
+#include "model/weights.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/quant_formats.h"
+#include "model/model.h"
+
+namespace corelm {
+
+WeightName parse_weight_name(const std::string& name, int64_t n_layers) {
+  if (name == "tok_embeddings" || name == "lm_head" || name == "norm") return {-1, name};
+  const size_t dot = name.rfind("layers.", 0) == 0 ? name.find('.', 7) : std::string::npos;
+  const std::string idx = dot == std::string::npos ? "" : name.substr(7, dot - 7);
+  require(!idx.empty() && idx.size() <= 6 && std::all_of(idx.begin(), idx.end(), ::isdigit), "unknown weight " + name);
+  const int64_t layer = std::stoll(idx);
+  require(layer < n_layers, "weight " + name + " is beyond the model's " + std::to_string(n_layers) + " layers");
+  return {layer, name.substr(dot + 1)};
+}
+
+std::string layer_weight_name(int64_t layer, const std::string& part) {
+  return "layers." + std::to_string(layer) + "." + part;
+}
+
+std::vector<std::string> fused_parts(const std::string& part) {
+  if (part == "wq" || part == "wk" || part == "wv") return {"wq", "wk", "wv"};
+  if (part == "w_gate" || part == "w_up") return {"w_gate", "w_up"};
+  return {};
+}
+
+void interleave_gate_up(const void* gate, const void* up, int64_t rows, size_t row_bytes, void* out) {
+  const char *g = static_cast<const char*>(gate), *u = static_cast<const char*>(up);
+  char* o = static_cast<char*>(out);
+  for (int64_t b = 0; b < rows; b += kGateUpBlock) {
+    const size_t bytes = (size_t)std::min(kGateUpBlock, rows - b) * row_bytes;
+    std::memcpy(o, g + b * row_bytes, bytes), o += bytes;
+    std::memcpy(o, u + b * row_bytes, bytes), o += bytes;
+  }
+}
+
+static std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); i++) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+static void check_shape(const std::string& name, const std::vector<int64_t>& got, std::vector<int64_t> want) {
+  require(got == want, "weight " + name + " has shape " + shape_str(got) + ", expected " + shape_str(want));
+}
+
+// The full names of the weights fused with w, itself included; empty for a weight not fused.
+static std::vector<std::string> partner_names(const WeightName& w) {
+  std::vector<std::string> out;
+  if (w.layer >= 0)
+    for (const std::string& p : fused_parts(w.part)) out.push_back(layer_weight_name(w.layer, p));
+  return out;
+}
+
+void Model::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  require(!ready_, "weights can't change after finalize()");
+  const WeightName w = parse_weight_name(name, cfg_.n_layers);
+  if (!pending_raw_.empty()) raw_partners_to_f32(w);
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
+  const int64_t f = cfg_.ffn_dim;
+  auto vec = [&](int64_t n) { return std::vector<float>(data, data + n); };
+  const std::string& part = w.part;
+  if (w.layer < 0) {
+    if (part == "tok_embeddings") {
+      check_shape(name, shape, {cfg_.vocab_size, d});
+      tok_embeddings_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type, &pack_threads_);
+      if (cfg_.tie_embeddings) lm_head_ = tok_embeddings_;
+    } else if (part == "lm_head") {
+      require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
+      check_shape(name, shape, {cfg_.vocab_size, d});
+      lm_head_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type, &pack_threads_);
+    } else {  // norm
+      check_shape(name, shape, {d});
+      norm_ = vec(d);
+    }
+    return;
+  }
+  LayerWeights& L = layers_[w.layer];
+  const std::string key = layer_weight_name(w.layer, part);  // "layers.01.wq" waits as "layers.1.wq"
+  const std::vector<std::string> partners = partner_names(w);
+  auto all_pending = [&] {
+    return std::all_of(partners.begin(), partners.end(), [&](const std::string& p) { return pending_.count(p) > 0; });
+  };
+  if (part == "attn_norm" || part == "ffn_norm") {
+    check_shape(name, shape, {d});
+    (part == "attn_norm" ? L.attn_norm : L.ffn_norm) = vec(d);
+  } else if (part == "wq" || part == "wk" || part == "wv") {
+    check_shape(name, shape, {part == "wq" ? q_rows : kv_rows, d});
+    pending_[key] = vec(shape[0] * d);
+    if (all_pending()) {  // q, k and v rows one after the other
+      std::vector<float> fused;
+      fused.reserve((q_rows + 2 * kv_rows) * d);
+      for (const std::string& p : partners) fused.insert(fused.end(), pending_[p].begin(), pending_[p].end());
+      L.wqkv = kt_.pack(fused.data(), q_rows + 2 * kv_rows, d, cfg_.weight_type, &pack_threads_);
+      for (const std::string& p : partners) pending_.erase(p);
+    }
+  } else if (part == "bq" || part == "bk" || part == "bv") {
+    require(cfg_.attention_bias, "weight " + name + " given for a model without attention bias");
+    int64_t rows = part == "bq" ? q_rows : kv_rows;
+    check_shape(name, shape, {rows});
+    if (L.bqkv.empty()) L.bqkv.assign(q_rows + 2 * kv_rows, 0.f);
+    int64_t off = part == "bq" ? 0 : part == "bk" ? q_rows : q_rows + kv_rows;
+    std::copy(data, data + rows, L.bqkv.begin() + off);
+  } else if (part == "wo") {
+    check_shape(name, shape, {d, q_rows});
+    L.wo = kt_.pack(data, d, q_rows, cfg_.weight_type, &pack_threads_);
+  } else if (part == "w_gate" || part == "w_up") {
+    check_shape(name, shape, {f, d});
+    pending_[key] = vec(f * d);
+    if (all_pending()) {
+      std::vector<float> fused((size_t)2 * f * d);
+      interleave_gate_up(pending_[partners[0]].data(), pending_[partners[1]].data(), f, d * sizeof(float), fused.data());
+      L.w_gate_up = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type, &pack_threads_);
+      for (const std::string& p : partners) pending_.erase(p);
+    }
+  } else if (part == "w_down") {
+    check_shape(name, shape, {d, f});
+    L.w_down = kt_.pack(data, d, f, cfg_.weight_type, &pack_threads_);
+  } else {
+    throw std::invalid_argument("unknown weight " + name);
+  }
+}
+
+// A float partner of w arrived: its pending raw partners are dequantized so they fuse as fp32.
+void Model::raw_partners_to_f32(const WeightName& w) {
+  for (const std::string& p : partner_names(w)) {
+    auto it = pending_raw_.find(p);
+    if (it == pending_raw_.end()) continue;
+    const int64_t cols = cfg_.dim;  // every fused matrix has dim columns
+    const int64_t rows = (int64_t)(it->second.second.size() / quant::ggml_block_bytes(it->second.first) / (cols / 32));
+    std::vector<float> f((size_t)rows * cols);
+    quant::dequantize_ggml(it->second.first, it->second.second.data(), rows, cols, f.data());
+    pending_raw_.erase(it);
+    set_weight(p, f.data(), {rows, cols});
+  }
+}
+
+void Model::set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
+                           const std::vector<int64_t>& shape) {
+  require(!ready_, "weights can't change after finalize()");
+  require(quant::is_quant(type), "raw weights must be Q8_0, Q4_0 or Q4_1 blocks");
+  require(shape.size() == 2, "raw weight " + name + " must be a matrix");
+  quant::check_raw(type, nbytes, shape[0], shape[1]);
+  const WeightName w = parse_weight_name(name, cfg_.n_layers);
+  const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
+  const int64_t f = cfg_.ffn_dim;
+  auto as_f32 = [&] {  // a weight this path does not fuse raw
+    std::vector<float> v((size_t)shape[0] * shape[1]);
+    quant::dequantize_ggml(type, raw, shape[0], shape[1], v.data());
+    set_weight(name, v.data(), shape);
+  };
+  const std::string& part = w.part;
+  const bool model_matrix = w.layer < 0 && (part == "tok_embeddings" || part == "lm_head");
+  if (model_matrix || (w.layer >= 0 && (part == "wo" || part == "w_down"))) {  // packed as they come
+    if (part == "lm_head") require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
+    check_shape(name, shape, model_matrix ? std::vector<int64_t>{cfg_.vocab_size, d}
+                             : part == "wo" ? std::vector<int64_t>{d, q_rows} : std::vector<int64_t>{d, f});
+    PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
+    if (!model_matrix) {
+      LayerWeights& L = layers_[w.layer];
+      (part == "wo" ? L.wo : L.w_down) = m;
+    } else {
+      (part == "tok_embeddings" ? tok_embeddings_ : lm_head_) = m;
+      if (part == "tok_embeddings" && cfg_.tie_embeddings) lm_head_ = m;
+    }
+    return;
+  }
+  const std::vector<std::string> partners = partner_names(w);
+  if (partners.empty()) return as_f32();  // norms, biases: set_weight reports what is wrong
+  check_shape(name, shape, {part == "wq" ? q_rows : part == "wk" || part == "wv" ? kv_rows : f, d});
+  const std::string key = layer_weight_name(w.layer, part);
+  for (const std::string& p : partners)
+    if (p != key && (pending_.count(p) || (pending_raw_.count(p) && pending_raw_[p].first != type))) {
+      raw_partners_to_f32(w);  // partners of another type: everything fuses as fp32
+      return as_f32();
+    }
+  pending_raw_[key] = {type, std::vector<uint8_t>(raw, raw + nbytes)};
+  for (const std::string& p : partners)
+    if (!pending_raw_.count(p)) return;
+  // All partners are raw blocks of one type: concatenate (q, k, v) or interleave (gate/up) whole rows.
+  std::vector<uint8_t> fused;
+  int64_t rows = 0;
+  if (partners.size() == 3) {
+    for (const std::string& p : partners) fused.insert(fused.end(), pending_raw_[p].second.begin(), pending_raw_[p].second.end());
+    rows = q_rows + 2 * kv_rows;
+  } else {
+    const std::vector<uint8_t>&g = pending_raw_[partners[0]].second, &u = pending_raw_[partners[1]].second;
+    fused.resize(2 * g.size());
+    interleave_gate_up(g.data(), u.data(), f, (size_t)(d / 32) * quant::ggml_block_bytes(type), fused.data());
+    rows = 2 * f;
+  }
+  LayerWeights& L = layers_[w.layer];
+  (partners.size() == 3 ? L.wqkv : L.w_gate_up) = kt_.pack_raw(type, fused.data(), rows, d, &pack_threads_);
+  for (const std::string& p : partners) pending_raw_.erase(p);
+}
+
+void Model::finalize() {
+  auto missing = [](const std::string& what) { throw std::invalid_argument("missing weight " + what); };
+  if (!tok_embeddings_.storage) missing("tok_embeddings");
+  if (!lm_head_.storage) missing("lm_head");
+  if (norm_.empty()) missing("norm");
+  for (int64_t i = 0; i < cfg_.n_layers; i++) {
+    const LayerWeights& L = layers_[i];
+    const std::string p = layer_weight_name(i, "");
+    if (L.attn_norm.empty()) missing(p + "attn_norm");
+    if (L.ffn_norm.empty()) missing(p + "ffn_norm");
+    if (!L.wqkv.storage) missing(p + "wq/wk/wv");
+    if (!L.wo.storage) missing(p + "wo");
+    if (!L.w_gate_up.storage) missing(p + "w_gate/w_up");
+    if (!L.w_down.storage) missing(p + "w_down");
+    if (cfg_.attention_bias && L.bqkv.empty()) missing(p + "bq/bk/bv");
+  }
+  pending_.clear();
+  pending_raw_.clear();
+  // Decode reads every matrix once per token in this order: one stream on 2 MiB pages instead of a
+  // few hundred buffers (the small ones on 4 KiB pages). Kernel stream alone, q4, one thread: 0.8 -> 0.9
+  // of a plain read (tools/bench_quant.py --stream).
+  std::vector<PackedMatrix*> order;
+  for (const NamedMatrix& nm : matrices_in_decode_order()) order.push_back(nm.m);
+  pack_contiguously(order);
+  place_weights();
+  ready_ = true;
+}
+
+std::vector<std::tuple<std::string, uintptr_t, size_t>> Model::weight_spans() const {
+  std::vector<std::tuple<std::string, uintptr_t, size_t>> out;
+  for (const NamedMatrix& nm : const_cast<Model*>(this)->matrices_in_decode_order())
+    out.emplace_back(nm.name, (uintptr_t)nm.m->data(), nm.m->nbytes);
+  return out;
+}
+
+size_t Model::weight_bytes() const {
+  size_t total = lm_head_.bytes();
+  for (const LayerWeights& L : layers_) total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_down.bytes();
+  return total;
+}
+
+std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
+  std::vector<NamedMatrix> out;
+  for (int64_t l = 0; l < cfg_.n_layers; l++) {
+    LayerWeights& L = layers_[l];
+    const std::pair<const char*, PackedMatrix*> kinds[] = {
+        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
+    for (const auto& k : kinds) out.push_back({layer_weight_name(l, k.first), k.first, k.second});
+  }
+  out.push_back({"lm_head", "lm_head", &lm_head_});
+  out.push_back({"tok_embeddings", "", &tok_embeddings_});  // read a row per token; shares lm_head's bytes when tied
+  return out;
+}
+
+}  // namespace corelm
