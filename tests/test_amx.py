@@ -309,7 +309,7 @@ def test_amx_info_reports_a_reason():
 
 
 def test_cli_info_has_an_amx_line(capsys):
-    from corelm import cli
+    from corelm.entrypoints import cli
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith("AMX:")]
@@ -382,7 +382,7 @@ def test_amx_table_runs_the_forward_pass(isa):
     from conftest import FIXTURES, MODELS, run_with_isa
     code = (
         "import json, os, sys, numpy as np, corelm\n"
-        "from corelm import cli, _core\n"
+        "from corelm import _core\n"
         "sys.path.insert(0, 'tools')\n"
         "from core_forward import core_forward\n"
         "fixtures, models, isa = sys.argv[1:4]\n"
@@ -390,11 +390,11 @@ def test_amx_table_runs_the_forward_pass(isa):
         "for name in ('stories260K', 'tiny-qwen2'):\n"
         "    fx = json.load(open(os.path.join(fixtures, name + '.json')))\n"
         "    llm = corelm.LLM(os.path.join(models, name), dtype='bf16', threads=2)\n"
-        "    assert llm._core.kernel_table == isa\n"
+        "    assert llm.engine.core.kernel_table == isa\n"
         "    for c in fx['cases']:\n"
         "        ref = np.load(os.path.join(fixtures, c['last_logits']))\n"
         "        llm.reset()\n"
-        "        y = core_forward(llm._core, c['prompt_ids'], 0, False)\n"
+        "        y = core_forward(llm.engine.core, c['prompt_ids'], 0, False)\n"
         "        nmse = float(np.mean((y - ref) ** 2) / np.mean(ref ** 2))\n"
         "        assert nmse < 1e-3, (name, nmse)\n"
         "        llm.reset()\n"

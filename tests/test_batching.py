@@ -37,7 +37,7 @@ def one_at_a_time(llm, prompts, params):
 
 
 def test_forward_batch_equals_separate_forwards(stories):
-    core, B = stories._core, stories._core.kv_block_size
+    core, B = stories.engine.core, stories.engine.core.kv_block_size
     rng = np.random.default_rng(0)
     a, b = rng.integers(3, 512, 37).astype(np.int32), rng.integers(3, 512, 5).astype(np.int32)
     ref_a = core_forward(core, a, 0, True)
@@ -55,7 +55,7 @@ def test_forward_batch_equals_separate_forwards(stories):
 
 
 def test_forward_batch_rejects_bad_tables(stories):
-    core = stories._core
+    core = stories.engine.core
     with pytest.raises(ValueError, match="block"):
         core.forward_batch(np.array([1, 2], np.int32), [(2, 0, np.array([10**6], np.int32), False)])
     with pytest.raises(ValueError, match="block table"):
@@ -99,8 +99,8 @@ def test_shared_prefixes_reuse_blocks(stories):
     params = SamplingParams(max_tokens=10, **GREEDY)
     first = stories.generate([base + [300, 301]], params)[0]
     second = stories.generate([base + [302]], params)[0]
-    full_blocks = (len(base)) // stories._core.kv_block_size
-    assert second.metrics["cached_prompt_tokens"] == full_blocks * stories._core.kv_block_size > 0
+    full_blocks = (len(base)) // stories.engine.core.kv_block_size
+    assert second.metrics["cached_prompt_tokens"] == full_blocks * stories.engine.core.kv_block_size > 0
     assert second.outputs[0].token_ids == one_at_a_time(stories, [base + [302]], params)[0]
     assert first.metrics["cached_prompt_tokens"] == 0
 
@@ -109,7 +109,7 @@ def test_small_kv_budget_preempts_and_still_finishes(caplog):
     big = corelm.LLM(STORIES, dtype="fp32", threads=2)
     per_block = 5 * 4 * 16 * 8 * 2 * 4  # layers * kv heads * block * head_dim * (k, v) * fp32
     small = corelm.LLM(STORIES, dtype="fp32", threads=2, kv_cache_gb=24 * per_block / 2**30, max_seq_len=256)
-    assert small._core.kv_blocks == 24
+    assert small.engine.core.kv_blocks == 24
     prompts = [[1, 400 + i, 30 + i] for i in range(8)]
     params = SamplingParams(max_tokens=60, **GREEDY)
     with caplog.at_level(logging.WARNING, logger="corelm"):

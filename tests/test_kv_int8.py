@@ -113,7 +113,7 @@ def test_int8_kv_greedy_256_tokens_follow_fp32(path, name, n_prompts):
         tf = {}
         for kv, llm in llms.items():  # logits of every step, teacher-forced on the fp32 tokens
             llm.reset()
-            tf[kv] = core_forward(llm._core, ids, 0, True)[len(prompt) - 1:]
+            tf[kv] = core_forward(llm.engine.core, ids, 0, True)[len(prompt) - 1:]
             llm.reset()
         assert (tf["fp32"].argmax(axis=1) == expected).all()  # prefill and decode agree, so the gaps are the decode's
         top2 = np.sort(tf["fp32"], axis=1)[:, -2:]
@@ -135,7 +135,7 @@ def test_bf16_and_int8_kv_follow_fp32_until_a_near_tie(name):
     path = os.path.join(MODELS, name)
     llms = {kv: corelm.LLM(path, dtype="fp32", threads=2, kv_cache_dtype=kv, max_seq_len=512)
             for kv in ("fp32", "bf16", "int8")}
-    assert llms["int8"]._core.kv_type == "int8" and llms["bf16"]._core.kv_type == "bf16"
+    assert llms["int8"].engine.core.kv_type == "int8" and llms["bf16"].engine.core.kv_type == "bf16"
     ref = llms.pop("fp32")
     params = SamplingParams(max_tokens=256, **GREEDY)
     with open(os.path.join(FIXTURES, f"{name}.json")) as f:
@@ -143,7 +143,7 @@ def test_bf16_and_int8_kv_follow_fp32_until_a_near_tie(name):
     for prompt in prompts:
         expected = ref.generate([prompt], params)[0].outputs[0].token_ids
         ref.reset()
-        logits = core_forward(ref._core, np.asarray(prompt + expected[:-1], np.int32), 0, True)[len(prompt) - 1:]
+        logits = core_forward(ref.engine.core, np.asarray(prompt + expected[:-1], np.int32), 0, True)[len(prompt) - 1:]
         top2 = np.sort(logits, axis=1)[:, -2:]
         gaps = top2[:, 1] - top2[:, 0]
         for kv, llm in llms.items():

@@ -141,9 +141,9 @@ def test_bad_input_raises_clearly(llm):
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[1, 99999]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="vocabulary"):
-        core_forward(llm._core, np.array([1, -5], np.int32), 0, False)
+        core_forward(llm.engine.core, np.array([1, -5], np.int32), 0, False)
     with pytest.raises(ValueError, match="context"):
-        core_forward(llm._core, np.array([1], np.int32), llm.max_seq_len, False)
+        core_forward(llm.engine.core, np.array([1], np.int32), llm.max_seq_len, False)
     with pytest.raises(ValueError):
         llm.generate("x", SamplingParams(max_tokens=2, stop_token_ids=[10**6]))
     with pytest.raises(ValueError, match="temperature"):

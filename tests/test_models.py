@@ -67,9 +67,9 @@ def test_fp32_matches_transformers(source):
     for case in fx["cases"]:
         prompt, expected = case["prompt_ids"], case["generated_ids"]
         llm.reset()
-        logits = core_forward(llm._core, np.asarray(prompt, np.int32), 0, False)
+        logits = core_forward(llm.engine.core, np.asarray(prompt, np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-5
-        step8 = core_forward(llm._core, np.asarray(prompt + expected[:8], np.int32), 0, False)
+        step8 = core_forward(llm.engine.core, np.asarray(prompt + expected[:8], np.int32), 0, False)
         assert nmse(step8, case["step8"]) < 1e-5
         llm.reset()
         out = llm.generate([prompt], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
@@ -93,7 +93,7 @@ def test_bf16_greedy_matches_first_32(source):
         out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=32, **GREEDY))[0].outputs[0]
         assert out.token_ids == case["generated_ids"][:32]
         llm.reset()
-        logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
+        logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-3
 
 
@@ -111,7 +111,7 @@ def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
         first_tie = next((i for i, m in enumerate(margins) if m < 0.2), len(expected))
         assert n >= first_tie, f"diverged at {n}, before the first near-tie at {first_tie}"
         llm.reset()
-        logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
+        logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-3
 
 
@@ -119,10 +119,10 @@ def test_prefill_in_pieces_equals_whole_prompt():
     """Chunked prefill, prefix reuse and one-token decode must agree with a single forward."""
     llm = get_llm("tiny-qwen2-hf", "fp32")
     prompt = fixture("tiny-qwen2")["cases"][2]["prompt_ids"]
-    whole = core_forward(llm._core, np.asarray(prompt, np.int32), 0, True)
+    whole = core_forward(llm.engine.core, np.asarray(prompt, np.int32), 0, True)
     pos = 0
     for piece in (prompt[:1], prompt[1:9], prompt[9:]):
-        last = core_forward(llm._core, np.asarray(piece, np.int32), pos, False)
+        last = core_forward(llm.engine.core, np.asarray(piece, np.int32), pos, False)
         pos += len(piece)
         np.testing.assert_allclose(last, whole[pos - 1], rtol=1e-4, atol=1e-4)
 
@@ -131,11 +131,11 @@ def test_long_prompt_crosses_internal_chunks():
     llm = get_llm("stories260K-hf", "fp32")
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 512, size=600).astype(np.int32)
-    allv = core_forward(llm._core, prompt, 0, True)
+    allv = core_forward(llm.engine.core, prompt, 0, True)
     assert allv.shape == (600, 512)
     for split in (255, 256, 257, 599):
-        core_forward(llm._core, prompt[:split], 0, False)
-        last = core_forward(llm._core, prompt[split:], split, False)
+        core_forward(llm.engine.core, prompt[:split], 0, False)
+        last = core_forward(llm.engine.core, prompt[split:], split, False)
         np.testing.assert_allclose(last, allv[-1], rtol=1e-4, atol=1e-4)
 
 
@@ -146,7 +146,7 @@ def test_other_kernel_tables_generate_the_same(isa):
         "import json, numpy as np, corelm, sys\n"
         "fx = json.load(open(sys.argv[1]))\n"
         "llm = corelm.LLM(sys.argv[2], dtype='fp32', threads=2)\n"
-        "assert llm._core.kernel_table == sys.argv[3], llm._core.kernel_table\n"
+        "assert llm.engine.core.kernel_table == sys.argv[3], llm.engine.core.kernel_table\n"
         "c = fx['cases'][1]\n"
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"
         "assert out[0].outputs[0].token_ids == c['generated_ids'], 'mismatch'\n"

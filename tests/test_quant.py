@@ -389,7 +389,7 @@ def test_q8_greedy_matches_first_32(name, path):
         n = matching_prefix(out.token_ids, case["generated_ids"][:32])
         assert n == 32 or case["margins"][n] < 0.2, f"diverged at {n}, margin {case['margins'][n]}"
         llm.reset()
-        logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
+        logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
         assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -398,10 +398,10 @@ def test_quantized_models_run_on_awkward_shapes(dtype):
     """stories260K (ffn 172: padded blocks) in q4/q8: prefill and decode agree, logits stay close."""
     fx = fixture("stories260K")
     llm = get_llm(os.path.join(MODELS, "stories260K"), dtype)
-    assert llm._core.weight_type == dtype
+    assert llm.engine.core.weight_type == dtype
     case = fx["cases"][1]
     prompt = case["prompt_ids"]
-    whole = core_forward(llm._core, np.asarray(prompt, np.int32), 0, True)
+    whole = core_forward(llm.engine.core, np.asarray(prompt, np.int32), 0, True)
     assert np.isfinite(whole).all()
     assert nmse(whole[-1], case["last"]) < (0.05 if dtype == "q4" else 3e-3)
 
@@ -419,11 +419,11 @@ def test_default_gguf_keeps_q4_1_blocks():
     g = read_gguf(DEFAULT_GGUF)
     q4_1 = sum(t.nbytes for t in g.tensors.values() if t.type_name == "Q4_1")
     q8_0 = sum(t.nbytes for t in g.tensors.values() if t.type_name == "Q8_0")
-    assert llm._core.weight_bytes < 1.1 * (q4_1 + q8_0)
+    assert llm.engine.core.weight_bytes < 1.1 * (q4_1 + q8_0)
     errors = []
     for case in fx["cases"]:
         llm.reset()
-        errors.append(nmse(core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
+        errors.append(nmse(core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False), case["last"]))
         assert errors[-1] < 1e-2
         llm.reset()
         expected, margins = case["generated_ids"], case["margins"]
@@ -490,7 +490,7 @@ def test_q4_keeps_q4_1_blocks():
     fx = fixture("smollm2")
     llm = get_llm(DEFAULT_GGUF, "q4")
     case = fx["cases"][0]
-    logits = core_forward(llm._core, np.asarray(case["prompt_ids"], np.int32), 0, False)
+    logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
     assert nmse(logits, case["last"]) < 1e-2
 
 
@@ -556,7 +556,7 @@ def test_weights_are_one_stream_in_decode_order(dtype):
     then lm_head), each that owns its pages starting on a page of its own, and a tied embedding keeps
     sharing lm_head's bytes (SmolLM2 ties them)."""
     llm = get_llm(DEFAULT_GGUF, dtype)
-    spans = llm._core.weight_spans()
+    spans = llm.engine.core.weight_spans()
     names = [s[0] for s in spans]
     assert names[:4] == ["layers.0.wqkv", "layers.0.wo", "layers.0.w_gate_up", "layers.0.w_down"]
     assert names[-2:] == ["lm_head", "tok_embeddings"]
@@ -565,7 +565,7 @@ def test_weights_are_one_stream_in_decode_order(dtype):
         assert a + n <= b < a + n + 4096 + 64, name           # next one right after (page or 64-byte aligned)
         if n >= 64 << 10:
             assert a % 4096 == 0
-    assert sum(s[2] for s in spans[:-1]) == llm._core.weight_bytes
+    assert sum(s[2] for s in spans[:-1]) == llm.engine.core.weight_bytes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -580,13 +580,13 @@ def test_int16_activations_close_the_gap_to_fp32():
     one = get_llm(DEFAULT_GGUF, "auto")
     two = corelm.LLM(DEFAULT_GGUF, threads=2, activations="int16")
     assert (one.activations, two.activations) == ("int8", "int16")
-    assert two._core.weight_bytes == one._core.weight_bytes   # same weights, only the input differs
+    assert two.engine.core.weight_bytes == one.engine.core.weight_bytes   # same weights, only the input differs
     e1, e2 = [], []
     for case in fx["cases"]:
         ids = np.asarray(case["prompt_ids"], np.int32)
         one.reset(), two.reset()
-        e1.append(nmse(core_forward(one._core, ids, 0, False), case["last"]))
-        e2.append(nmse(core_forward(two._core, ids, 0, False), case["last"]))
+        e1.append(nmse(core_forward(one.engine.core, ids, 0, False), case["last"]))
+        e2.append(nmse(core_forward(two.engine.core, ids, 0, False), case["last"]))
         two.reset()
         expected, margins = case["generated_ids"], case["margins"]
         out = two.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
@@ -602,10 +602,10 @@ def test_int16_prefill_and_decode_agree(dtype):
     ~fp32 rounding."""
     llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype=dtype, threads=2, activations="int16")
     prompt = np.asarray(fixture("stories260K")["cases"][1]["prompt_ids"], np.int32)
-    whole = core_forward(llm._core, prompt, 0, False)
+    whole = core_forward(llm.engine.core, prompt, 0, False)
     llm.reset()
     for i, t in enumerate(prompt):
-        step = core_forward(llm._core, prompt[i:i + 1], i, False)
+        step = core_forward(llm.engine.core, prompt[i:i + 1], i, False)
     assert np.isfinite(whole).all()
     assert nmse(step, whole) < 1e-6
 
@@ -625,7 +625,7 @@ def test_activations_option_checked():
     a = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1)
     b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int16")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    assert np.array_equal(core_forward(a._core, ids, 0, True), core_forward(b._core, ids, 0, True))
+    assert np.array_equal(core_forward(a.engine.core, ids, 0, True), core_forward(b.engine.core, ids, 0, True))
 
 
 def test_auto_activations_follow_the_stored_weights():
@@ -639,16 +639,16 @@ def test_auto_activations_follow_the_stored_weights():
     assert corelm.LLM(stories, threads=1, dtype="q8", activations="int8").activations == "int8"
     llm = corelm.LLM(stories, threads=1, dtype="q8")
     ids = np.asarray([1, 400, 20, 87], np.int32)
-    a16 = core_forward(llm._core, ids, 0, True)
-    llm._core.activations = "int8"
+    a16 = core_forward(llm.engine.core, ids, 0, True)
+    llm.engine.core.activations = "int8"
     llm.reset()
-    a8 = core_forward(llm._core, ids, 0, True)
-    llm._core.activations = "int16"
+    a8 = core_forward(llm.engine.core, ids, 0, True)
+    llm.engine.core.activations = "int16"
     llm.reset()
-    assert np.array_equal(core_forward(llm._core, ids, 0, True), a16) and not np.array_equal(a8, a16)
+    assert np.array_equal(core_forward(llm.engine.core, ids, 0, True), a16) and not np.array_equal(a8, a16)
     with pytest.raises(ValueError, match="activations"):
-        llm._core.activations = "int4"
-    assert llm._core.activations == "int16"
+        llm.engine.core.activations = "int4"
+    assert llm.engine.core.activations == "int16"
 
 
 @pytest.mark.parametrize("wtype", WTYPES)

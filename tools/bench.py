@@ -13,10 +13,11 @@ Same columns as the peer benchmark (shared/bench/peers/bench_peers.py), so the t
   is ignored; a tied lm_head counts as the embedding matrix). Bandwidth is measured in the same run with
   the peers' membw microbenchmark (compiled from its source if needed; numpy fallback), once per round and
   thread count, and printed.
-Engines: corelm:bf16|fp32|q8|q4 (our engine; HF folder or GGUF file; q8/q4 quantize at load, and the
-bytes per token are the packed matrices the engine reports), corelm:file-q8|file-q4 (what users get from
-`corelm convert --weights q8|q4` or LLM(path, weights=...): the converted folder, made once and cached;
-file-q4 is Q4_1-type blocks with an 8-bit embedding/lm_head, so more bytes than q4); a "+i8" or "+i16"
+Engines: corelm:DTYPE with any dtype of corelm.options (bf16, fp32, q8/q8_0, q4/q4_0, q4_1: our engine;
+HF folder or GGUF file; the quantized ones quantize at load, and the bytes per token are the packed
+matrices the engine reports), corelm:file-FORMAT (file-q8_0, file-q4_1, ...: what users get from
+`corelm convert --weights FORMAT` or LLM(path, weights=...): the converted folder, made once and cached;
+4-bit folders keep an 8-bit embedding/lm_head, so more bytes than at load); a "+i8" or "+i16"
 suffix (corelm:q8+i8) runs with activations="int8" or "int16" (default "auto": int16 for q8, int8 for q4), llama-bench:F16|Q8_0|Q4_0|Q4_K_M
 (llama.cpp's own tool, on $PEERS/models/gguf/<model>-<var>.gguf; with a .gguf model path it runs that file),
 openvino-genai:int8|int4 (the peers' OpenVINO worker from shared/bench/peers/bench_peers.py in $PEERS/venv-ov,
@@ -220,7 +221,7 @@ def worker_main(engine, path, T, prompt_file):
     dc = (len(stamps) - 1) / (stamps[-1] - stamps[0])
     print("RESULT " + json.dumps({"prefill_tps": pf, "decode_tps": dc, "load_s": t_load, "tokens_head": toks[:8],
                                   "weight_type": str(getattr(llm, "dtype", var)),
-                                  "weight_bytes": llm._core.weight_bytes,
+                                  "weight_bytes": llm.engine.core.weight_bytes,
                                   "threads": getattr(llm, "threads", T)}), flush=True)
 
 

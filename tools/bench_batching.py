@@ -36,9 +36,9 @@ def corelm_worker(model, threads, n, npp, ntg, kv, weights):
     wkw = {"dtype": "bf16"} if weights == "bf16" else {"weights": weights}  # a converted folder keeps its format
     llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
                      kv_cache_gb=None, max_num_seqs=max(n, 1), max_batch_tokens=512, **wkw)
-    needed_blocks = n * -(-(npp + ntg + 1) // llm._core.kv_block_size)
-    if llm._core.kv_blocks < needed_blocks:  # size the pool for the whole batch: this measures batching, not preemption
-        per_block = llm._core.kv_bytes / llm._core.kv_blocks
+    needed_blocks = n * -(-(npp + ntg + 1) // llm.engine.core.kv_block_size)
+    if llm.engine.core.kv_blocks < needed_blocks:  # size the pool for the whole batch: this measures batching, not preemption
+        per_block = llm.engine.core.kv_bytes / llm.engine.core.kv_blocks
         llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
                          kv_cache_gb=needed_blocks * per_block / 2**30 * 1.01, max_num_seqs=n, max_batch_tokens=512,
                          **wkw)

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     try:
         for n in args.threads:
             llm = LLM(args.model, threads=n, dtype=args.dtype, max_seq_len=args.tokens + 16)
-            core = llm._core
+            core = llm.engine.core
             cells = {(noisy, s): [] for noisy in (False, True) for s in ("static", "dynamic")}
             order = list(cells)
             for r in range(args.rounds):

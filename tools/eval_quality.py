@@ -2,7 +2,7 @@
 """Quality of quantized weights: perplexity, mean KL divergence and top-1 agreement against fp32.
 
     python tools/eval_quality.py --model /work/cache/models/hf/SmolLM2-135M-Instruct \\
-        --weights bf16 q8 q4 --extra gguf-Q4_1=/work/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf@q4
+        --weights bf16 q8_0 q4_1 --extra gguf-Q4_1=/work/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf@q4_0
 
 The reference is MODEL (an HF folder) run by corelm with fp32 weights. Each --weights kind is MODEL
 converted with `corelm convert` (into $CORELM_CACHE, reused on later runs) and loaded from the corelm
@@ -35,6 +35,7 @@ except ImportError:  # a source checkout with the in-place build
     sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
 from core_forward import core_forward  # noqa: E402
+from corelm.options import argparse_choices  # noqa: E402
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -93,11 +94,12 @@ def evaluate(reference, variants, ids, ctx: int, progress: bool = False):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF folder: the fp32 reference and the source of --weights")
-    ap.add_argument("--weights", nargs="*", default=["bf16", "q8", "q4"], choices=["bf16", "q8", "q4"],
-                    help="kinds to convert MODEL to and evaluate (default: %(default)s)")
+    ap.add_argument("--weights", nargs="*", default=["bf16", "q8_0", "q4_1"], choices=argparse_choices("weights"),
+                    metavar="FORMAT", help="formats (corelm.options) to convert MODEL to and evaluate "
+                                           "(default: %(default)s)")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PATH[@DTYPE]",
-                    help="another model to evaluate, e.g. gguf-Q4_1=model.Q4_1.gguf@q4 (repeatable)")
-    ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "int8", "int16"],
+                    help="another model to evaluate, e.g. gguf-Q4_1=model.Q4_1.gguf@q4_0 (repeatable)")
+    ap.add_argument("--activations", nargs="+", default=["auto"], choices=argparse_choices("activations"),
                     help="input precision of quantized matmuls; each --weights/--extra model is evaluated "
                          "with each (default: %(default)s)")
     ap.add_argument("--text", default=DEFAULT_TEXT)

@@ -44,7 +44,7 @@ def prompts_for(llm, name, count):
 
 def teacher_forced(llm, ids, n_prompt):
     llm.reset()
-    logits = core_forward(llm._core, np.asarray(ids, np.int32), 0, True)[n_prompt - 1:]
+    logits = core_forward(llm.engine.core, np.asarray(ids, np.int32), 0, True)[n_prompt - 1:]
     llm.reset()
     return logits
 

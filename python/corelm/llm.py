@@ -82,11 +82,6 @@ class LLM:
         self._inbox: Dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.last_metrics: Dict[str, Any] = {}
 
-    @property
-    def _core(self):
-        """The C++ model (tests and tools only)."""
-        return self.engine.core
-
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -218,11 +218,12 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         raise ValueError(f"--threads must be at least 1, got {threads}.")
     if task_size < 1:
         raise ValueError(f"--task-size must be at least 1, got {task_size}.")
-    from ...engine.model_builder import check_activations, check_numa, resolve_schedule
-    check_numa(numa)                     # the engine checks these too; here a typo fails before any worker starts
-    if schedule is not None:
-        resolve_schedule(schedule)
-    check_activations(activations)
+    from ...options import choose, choose_optional
+    # the engine checks these too; here a typo fails before any worker starts
+    choose("dtype", dtype)
+    choose_optional("numa", numa)
+    choose_optional("schedule", schedule)
+    choose("activations", activations)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
                "activations": activations}
     if not os.path.isfile(input_path):
