@@ -56,3 +56,32 @@ def test_bad_requests_are_refused_up_front(llm):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("z", [1, 5], SamplingParams(max_tokens=2))
     assert engine.run_to_completion()["z"][-1].finish_reason in ("stop", "length")
+
+
+def test_steady_traffic_reuses_the_same_blocks():
+    """The free list is a stack: requests one after another (distinct prompts, no prefix sharing) keep
+    using the few blocks a request needs, so the pool's resident memory follows the working set."""
+    from corelm.engine.scheduler import BlockManager
+    bm = BlockManager(100, 16)
+    touched = set()
+    for _ in range(50):
+        blocks = [bm.allocate() for _ in range(3)]
+        touched.update(blocks)
+        bm.release(blocks)
+    assert touched == {0, 1, 2}
+    llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=1, max_seq_len=64)
+    seen = set()
+    engine = llm.engine
+    manager = engine.scheduler.blocks
+    original = manager.allocate
+
+    def spy():
+        b = original()
+        seen.add(b)
+        return b
+    manager.allocate = spy
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(20):
+        llm.reset()          # no prefix cache: every request needs fresh blocks
+        llm.generate([[1, 300 + i, 40 + i]], params)
+    assert len(seen) <= 2 < engine.core.kv_blocks       # 23 tokens: 2 blocks of 16, whatever the pool's size

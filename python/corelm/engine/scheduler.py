@@ -29,7 +29,10 @@ class BlockManager:
 
     def __init__(self, n_blocks: int, block_size: int):
         self.block_size = block_size
-        self.free: "collections.deque[int]" = collections.deque(range(n_blocks))
+        # A stack: the most recently freed block is reused first, so steady traffic keeps touching the
+        # same few blocks and the pool's resident memory follows the working set, not the whole pool
+        # (its pages are reserved, not touched, until a block is first written).
+        self.free: List[int] = list(range(n_blocks - 1, -1, -1))
         self.refs = [0] * n_blocks
         self.cached: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # hash -> block (LRU order)
         self.hash_of: Dict[int, int] = {}                                             # block -> hash
@@ -41,7 +44,7 @@ class BlockManager:
 
     def allocate(self) -> Optional[int]:
         if self.free:
-            b = self.free.popleft()
+            b = self.free.pop()
         else:
             victim = next((h for h, b in self.cached.items() if self.refs[b] == 0), None)
             if victim is None:
