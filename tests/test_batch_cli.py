@@ -184,6 +184,73 @@ def test_resume_skips_done_ids_and_repairs_a_truncated_last_line(tmp_path):
     assert len(recs) == 9
 
 
+def _duplicate_input(tmp_path, n=20, dups=8):
+    """n lines; the last `dups` repeat earlier ids (and one a malformed line's id), so their error lines
+    come after the first lines' results."""
+    records = [completion_line(f"d{i}", f"Once upon a time {i}") for i in range(n - dups)]
+    records += [completion_line(f"d{i}", "again") for i in range(dups - 1)]
+    records.insert(3, json.dumps({**completion_line("bad"), "url": "/v1/nope"}))
+    records.append(completion_line("bad"))
+    return write_input(tmp_path / "in.jsonl", records), len(records)
+
+
+def _one_line_per_input_line(out, total):
+    recs = read_output(out)
+    keys = [r["custom_id"] if r["custom_id"] is not None else r["error"]["line"] for r in recs]
+    assert len(keys) == len(set(keys)) == total, keys
+    return recs
+
+
+def test_resume_after_the_first_lines_answered_still_reports_their_duplicates(tmp_path):
+    """A rerun used to skip a duplicate line because its id was in the output (from the first line)
+    before seeing that it is a duplicate: its error line never appeared."""
+    src, total = _duplicate_input(tmp_path)
+    out = str(tmp_path / "out.jsonl")
+    run_batch(src, out, workers=1, model=STORIES, progress=False)
+    recs = _one_line_per_input_line(out, total)
+    # as if killed once the first lines were answered, before the duplicates' error lines were written
+    with open(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs if r["custom_id"] is not None)
+    s = run_batch(src, out, workers=1, model=STORIES, progress=False)
+    assert (s["requests"], s["errors"]) == (8, 8)
+    assert sum(r["error"] is not None and r["error"]["code"] == "duplicate_custom_id" for r in
+               _one_line_per_input_line(out, total)) == 8
+
+
+def test_killed_and_resumed_many_times_every_input_line_gets_exactly_one_output_line(tmp_path):
+    """The parent is SIGKILLed at random points (with its workers: the process group), and in each run a
+    worker exits abruptly on a random task; rerun until a run completes."""
+    import random
+    import subprocess
+    import sys
+    src, total = _duplicate_input(tmp_path, n=30, dups=10)
+    out = str(tmp_path / "out.jsonl")
+    rng = random.Random(1234)
+    cmd = [sys.executable, "-m", "corelm.entrypoints.cli", "batch", STORIES, src, "-o", out, "--no-progress",
+           "-t", "1", "-w", "2", "--task-size", "1"]
+    deadline = time.monotonic() + 45
+    kills = 0
+    while True:
+        env = dict(os.environ, **{CRASH_ENV: f"{rng.choice('01*')}:{rng.randint(1, 4)}"})
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        last = time.monotonic() > deadline or kills >= 12
+        try:
+            rc = p.wait(timeout=None if last else rng.uniform(0.3, 1.5))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            kills += 1
+            continue
+        assert rc == 0
+        break
+    assert kills >= 3
+    recs = _one_line_per_input_line(out, total)
+    assert sorted(r["custom_id"] for r in recs if r["error"] is None) == sorted(f"d{i}" for i in range(20))
+    assert sum(r["error"] is not None for r in recs) == 11 + sum(
+        r["error"] is not None and r["error"]["code"] == "worker_crashed" for r in recs)
+
+
 def test_a_worker_that_dies_mid_task_has_its_task_redone(tmp_path, monkeypatch):
     monkeypatch.setenv(CRASH_ENV, "*:1")        # each first worker exits abruptly on receiving its 1st task
     src = write_input(tmp_path / "in.jsonl", mixed(16))

@@ -11,8 +11,10 @@ task goes back to the front of the queue and a replacement worker starts on the 
 that has killed MAX_ATTEMPTS workers gets error lines instead of another try.
 
 No record is lost or duplicated: only the parent writes, once per custom_id, flushing each line;
-on a rerun, ids already in the output are skipped (a truncated last line left by a crash is cut
-off first, so the file stays valid JSONL).
+each input line gets exactly one output line, keyed by its custom_id (the first line with that id)
+or by its line number (a duplicate's or a malformed line's error); on a rerun, lines whose key is
+already in the output are skipped (a truncated last line left by a crash is cut off first, so the
+file stays valid JSONL).
 """
 from __future__ import annotations
 
@@ -249,40 +251,37 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
             bar.set_postfix_str(f"{stats['generated_tokens'] / dt:.1f} tok/s", refresh=False)   # req/s: tqdm's rate
 
     def tasks() -> Iterator[List[BatchRequest]]:
+        # Each input line has one output line, keyed by its custom_id when it is the first line with
+        # that id, else by its line number (an error line). The key depends on the input alone, so
+        # `seen` is filled for skipped lines too: a rerun tells first lines from duplicates as the
+        # first run did, however many runs were killed on the way.
         batch: List[BatchRequest] = []
         with open(input_path, "rb") as f:
             for line_no, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
                 try:
-                    req = parse_line(raw)
+                    req, error = parse_line(raw), None
+                    cid = req.custom_id
                 except BatchLineError as e:
-                    cid = e.custom_id if e.custom_id not in seen else None
-                    if (cid is not None and cid in done_ids) or (cid is None and line_no in done_lines):
-                        stats["skipped"] += 1
-                        bar.update(1)
-                        continue
-                    if cid is not None:
-                        seen.add(cid)
-                    emit(error_line(cid, e.code, e.message, None if cid else line_no))
-                    continue
-                if req.custom_id in done_ids:
+                    req, error, cid = None, e, e.custom_id
+                first = cid is not None and cid not in seen
+                if first:
+                    seen.add(cid)
+                if (cid in done_ids) if first else (line_no in done_lines):
                     stats["skipped"] += 1
                     bar.update(1)
                     continue
-                if req.custom_id in seen:
-                    if line_no in done_lines:
-                        stats["skipped"] += 1
-                        bar.update(1)
-                    else:
-                        emit(error_line(None, "duplicate_custom_id", "this custom_id appeared on an earlier line.",
-                                        line_no))
-                    continue
-                seen.add(req.custom_id)
-                batch.append(req)
-                if len(batch) >= task_size:
-                    yield batch
-                    batch = []
+                if error is not None:
+                    emit(error_line(cid if first else None, error.code, error.message, None if first else line_no))
+                elif not first:
+                    emit(error_line(None, "duplicate_custom_id", "this custom_id appeared on an earlier line.",
+                                    line_no))
+                else:
+                    batch.append(req)
+                    if len(batch) >= task_size:
+                        yield batch
+                        batch = []
         if batch:
             yield batch
 
