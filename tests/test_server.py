@@ -269,6 +269,11 @@ def assert_error(r, status, param=None):
     ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     ({"prompt": {"text": SECRET}}, "prompt"),
     ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop"),                # at most 16 stop strings
+    ({"prompt": "x", "stop": "s" * 257}, "stop"),                 # of at most 256 characters
+    ({"prompt": "x", "max_tokens": 256}, "max_tokens"),           # prompt + max_tokens > the context
+    ({"prompt": [[1], "a"]}, "prompt"),                           # token ids and text mixed
+    ({"prompt": ["a", [1]]}, "prompt"),
 ])
 def test_bad_completion_requests_get_400(server, body, param):
     err = assert_error(post(server, "/v1/completions", body), 400, param)
@@ -283,6 +288,8 @@ def test_bad_completion_requests_get_400(server, body, param):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, "max_tokens"),
 ])
 def test_bad_chat_requests_get_400(server, body, param):
     assert_error(post(server, "/v1/chat/completions", body), 400, param)
@@ -291,6 +298,21 @@ def test_bad_chat_requests_get_400(server, body, param):
 def test_context_overflow_is_a_400_with_code(server):
     err = assert_error(post(server, "/v1/completions", {"prompt": SECRET * 200}), 400, "prompt")
     assert err["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_beyond_the_context_is_a_400_not_a_clamp(server, llm):
+    """As vLLM's server: prompt + max_tokens over the context is refused, naming both; exactly the
+    context is fine. corelm.LLM, like vLLM's offline LLM, stops at the context instead."""
+    ids = [1, 403, 407]
+    err = assert_error(post(server, "/v1/completions", {"prompt": ids, "max_tokens": 254}), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    assert err["message"] == ("This model's maximum context length is 256 tokens. However, you requested 257 "
+                              "tokens (3 in the prompt, 254 in the completion). Please reduce the length of "
+                              "the prompt or completion.")
+    ok = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 253, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 253
+    out = llm.generate([ids], SamplingParams(max_tokens=1000, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 253 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x",', b"\xff\xfe{}", b"[1, 2]", b"", b'"' + SECRET.encode() + b'"'])
@@ -630,6 +652,11 @@ def test_batch_keeps_the_stop_string_when_asked(batch_worker):
     ("/v1/completions", {"prompt": [1, 10**6]}),
     ("/v1/completions", {"prompt": SECRET * 200}),
     ("/v1/completions", {"max_tokens": 5}),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 100_000}),
+    ("/v1/completions", {"prompt": "x", "stop": ["s" * 257]}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 300}),
+    ("/v1/completions", {"prompt": [[1], "a"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

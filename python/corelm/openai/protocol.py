@@ -18,6 +18,10 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 MAX_N = 16                  # choices per request (n x prompts)
 MAX_LOGPROBS = 20           # OpenAI's top_logprobs limit
+# Stop strings are searched for after every token, on the engine thread that serves every client, so a
+# request may bring only a few short ones (OpenAI allows 4; vLLM sets no limit).
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,7 +62,7 @@ _RANGES = {
     "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]",
     "seed": "an integer",
-    "stop": "a non-empty string or a list of non-empty strings",
+    "stop": "a non-empty string or a list of non-empty strings",   # the limits: _check_stop
     "stop_token_ids": "a list of token ids inside the vocabulary",
     "ignore_eos": "a boolean",
     "max_tokens": "an integer >= 1",
@@ -188,6 +192,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     model: Optional[str] = None
+    max_tokens_param: str = "max_tokens"    # the body field params.max_tokens came from
 
     @property
     def prompt_param(self) -> str:
@@ -211,7 +216,8 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatCompletionRequest):
         return GenerationRequest(True, _chat_params(req), [], _chat_messages(req), req.stream, include_usage,
-                                 req.model)
+                                 req.model, "max_completion_tokens" if req.max_completion_tokens is not None
+                                 else "max_tokens")
     if req.echo:
         raise unsupported("echo")
     if req.suffix:
@@ -222,7 +228,8 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
     prompts = req.prompt
     if isinstance(prompts, str) or (prompts and all(isinstance(p, int) for p in prompts)):
         prompts = [prompts]
-    elif any(isinstance(p, int) for p in prompts):
+    elif len({isinstance(p, str) for p in prompts}) > 1 or any(isinstance(p, int) for p in prompts):
+        # [1, "a"], [[1], "a"]: all text or all token ids, as vLLM's schema has it
         raise bad_request("'prompt' mixes token ids and prompts.", "prompt")
     if not prompts or len(prompts) * params.n > MAX_N:
         raise bad_request(f"Give from 1 to {MAX_N} prompts (times 'n').", "prompt")
@@ -263,8 +270,16 @@ def _chat_text(content) -> str:
     return "".join(texts)
 
 
+def _check_stop(stop: Union[str, List[str], None]) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"Invalid value for 'stop': give at most {MAX_STOP} stop strings of at most "
+                          f"{MAX_STOP_CHARS} characters each.", "stop")
+
+
 def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Optional[int],
                      rename: Dict[str, str]) -> SamplingParams:
+    _check_stop(req.stop)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"Invalid value for 'n': it must be an integer from 1 to {MAX_N}.", "n")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -303,7 +318,7 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
                 raise bad_request("The prompt contains token ids outside the vocabulary.", "prompt")
             prompts.append(engine.encode_prompt(p))
     for ids in prompts:
-        check_context(ids, engine.max_seq_len, req.prompt_param)
+        check_context(ids, engine.max_seq_len, req.prompt_param, req.params.max_tokens, req.max_tokens_param)
         try:
             engine.check_prompt(ids)     # and the KV cache, which a context-sized prompt may outgrow
         except ValueError:
@@ -316,10 +331,19 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
     return prompts
 
 
-def check_context(ids: List[int], limit: int, param: str) -> None:
+def check_context(ids: List[int], limit: int, param: str, max_tokens: Optional[int] = None,
+                  max_tokens_param: str = "max_tokens") -> None:
+    """The prompt leaves room in the context for at least one token, and for max_tokens when it is
+    given: more is a 400, as vLLM's server answers (corelm.LLM, like vLLM's offline LLM, stops at the
+    context instead, with finish_reason "length")."""
     if not ids:
         raise bad_request(f"The '{param}' is empty.", param)
     if len(ids) >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
                           f"{len(ids)} tokens (at least one token must be left to generate).",
                           param, code="context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} in the "
+                          f"completion). Please reduce the length of the {param} or completion.",
+                          max_tokens_param, code="context_length_exceeded")
