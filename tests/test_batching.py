@@ -74,6 +74,36 @@ def test_batched_generate_equals_one_at_a_time(path):
     assert batched == one_at_a_time(llm, prompts, params)
 
 
+# Seen on the AVX-512 table (Zen 4); not strict, since other tables were not checked.
+INT8_ORDER = pytest.mark.xfail(strict=False, reason=(
+    "known: with int8 activations the decode GEMV (one row) sums a row's blocks in another fp32 order "
+    "than the GEMM (several rows), so a token's last bits depend on how many rows its step has"))
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("activations", ["int16", pytest.param("int8", marks=INT8_ORDER)])
+def test_quantized_logits_do_not_depend_on_the_batch(dtype, activations):
+    """A token's logits are the same to the bit alone, beside other requests in one step, and with its
+    prompt read in chunks: every matmul quantizes each row on its own and, with int16 (the default),
+    sums each block exactly in int32 before the scales in the same order for one row or many."""
+    llm = corelm.LLM(QWEN, dtype=dtype, activations=activations, threads=2)
+    core = llm.engine.core
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(3, 512, 37).astype(np.int32), rng.integers(3, 512, 6).astype(np.int32)
+    alone = core.forward_batch(a, [(37, 0, np.arange(3, dtype=np.int32), True)])
+    both = core.forward_batch(np.concatenate([b, a]), [(6, 0, np.array([5], np.int32), True),
+                                                       (37, 0, np.arange(3, dtype=np.int32), True)])
+    np.testing.assert_array_equal(both[6:], alone)
+    blocks = np.arange(3, dtype=np.int32)
+    core.forward_batch(a[:20], [(20, 0, blocks, False)])
+    last = core.forward_batch(a[20:], [(17, 20, blocks, False)])
+    np.testing.assert_array_equal(last[0], alone[-1])
+    prompts = [list(rng.integers(3, 512, n)) for n in (1, 3, 17, 40, 2)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert batched == one_at_a_time(llm, prompts, params)
+
+
 def test_requests_join_mid_flight(stories):
     params = SamplingParams(max_tokens=30, **GREEDY)
     prompts = [stories.encode_prompt(p) for p in ("Once upon a time", "The little dog", "Tom and Sue")]

@@ -97,6 +97,22 @@ def test_bf16_greedy_matches_first_32(source):
         assert nmse(logits, case["last"]) < 1e-3
 
 
+@pytest.mark.parametrize("source", ["smollm2-gguf", "stories260K-gguf"])
+def test_default_settings_match_transformers(source):
+    """What a user gets without options (dtype and activations "auto": a GGUF's blocks kept as stored)
+    answers as the file does: transformers on the same file (dequantized, fp32) gives the same greedy
+    tokens, all 48 of each fixture, and close last-position logits."""
+    fx = fixture(SOURCES[source][0])
+    llm = get_llm(source, "auto")
+    for case in fx["cases"]:
+        llm.reset()
+        out = llm.generate([case["prompt_ids"]], SamplingParams(max_tokens=len(case["generated_ids"]), **GREEDY))
+        assert out[0].outputs[0].token_ids == case["generated_ids"]
+        llm.reset()
+        logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
+        assert nmse(logits, case["last"]) < 1e-4
+
+
 @pytest.mark.parametrize("source", ["tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf"])
 def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
     """Random-weight tiny models have near-ties (top-2 logit gaps of 0.02) where bf16 rounding may

@@ -577,8 +577,8 @@ def test_int16_activations_close_the_gap_to_fp32():
     far closer than int8 (measured on avx2: NMSE int8 5.9e-4..3.9e-3, int16 about 1e-8), and greedy
     decoding must keep transformers' tokens except at true near-ties."""
     fx = fixture("smollm2")
-    one = get_llm(DEFAULT_GGUF, "auto")
-    two = corelm.LLM(DEFAULT_GGUF, threads=2, activations="int16")
+    one = corelm.LLM(DEFAULT_GGUF, threads=2, activations="int8")
+    two = get_llm(DEFAULT_GGUF, "auto")            # the default: int16
     assert (one.activations, two.activations) == ("int8", "int16")
     assert two.engine.core.weight_bytes == one.engine.core.weight_bytes   # same weights, only the input differs
     e1, e2 = [], []
@@ -628,14 +628,14 @@ def test_activations_option_checked():
     assert np.array_equal(core_forward(a.engine.core, ids, 0, True), core_forward(b.engine.core, ids, 0, True))
 
 
-def test_auto_activations_follow_the_stored_weights():
-    """activations="auto" (the default): int16 where most matrices are q8 (quantized at load, or a q8
-    GGUF/converted folder's blocks kept), int8 for 4-bit and float weights; an explicit choice wins,
-    and the model's setting can change between forwards (new activation buffers, new results)."""
+def test_auto_activations_are_the_exact_path():
+    """activations="auto" (the default) is int16 for every weight format (quantized at load, or a GGUF's
+    or converted folder's blocks kept); an explicit choice wins, and the model's setting can change
+    between forwards (new activation buffers, new results)."""
     stories = os.path.join(MODELS, "stories260K")
-    assert get_llm(stories, "q8").activations == "int16"
-    assert get_llm(stories, "q4").activations == "int8"
-    assert corelm.LLM(STORIES_GGUF, threads=1, dtype="fp32").activations == "int8"
+    for dtype in ("q8_0", "q4_0", "q4_1"):
+        assert corelm.LLM(stories, threads=1, dtype=dtype).activations == "int16"
+    assert corelm.LLM(DEFAULT_GGUF, threads=1).activations == "int16"
     assert corelm.LLM(stories, threads=1, dtype="q8", activations="int8").activations == "int8"
     llm = corelm.LLM(stories, threads=1, dtype="q8")
     ids = np.asarray([1, 400, 20, 87], np.int32)

@@ -71,8 +71,8 @@ CHOICES: Dict[str, Choice] = {c.option: c for c in (
     Choice("kv_cache_dtype", ("fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
            "precision of the KV cache"),
     Choice("activations", ("auto", "int8", "int16"), {"i8": "int8", "i16": "int16"},
-           "input of matmuls with quantized weights, per block of 32: int8 (fastest), int16 (about 15 bits, "
-           "close to fp32), or auto: int16 where most matrices are q8_0, int8 otherwise"),
+           "input of matmuls with quantized weights, per block of 32: int16 (about 15 bits, close to fp32: "
+           "the model answers as its file does; what auto picks) or int8 (faster prefill, less exact)"),
     Choice("schedule", ("dynamic", "static"), {},
            "how kernels split work across threads: by measured thread speed, stealing leftovers "
            "(dynamic), or in equal parts (static)"),

@@ -116,10 +116,10 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 pin_threads=bool(pin_threads), numa=numa, schedule=schedule)
 
 
-def auto_activations(stored_matrices: "collections.Counter") -> str:
-    """activations="auto": int16 when most matrices are stored as q8_0, else int8 (see build_core_model)."""
-    top = stored_matrices.most_common(1)
-    return "int16" if top and top[0][0] == "q8_0" else "int8"
+# activations="auto" is the exact path: int16 (about 15 bits) keeps every weight format's own function
+# (greedy tokens as transformers on the dequantized file), where int8 activations flipped the embedded
+# SmolLM2's answers. int8 remains the option for faster prefill (docs/quality.md has its cost).
+AUTO_ACTIVATIONS = "int16"
 
 
 def check_activations(activations: str) -> str:
@@ -153,11 +153,9 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
     (see check_numa) chooses the plan across NUMA nodes; `model.numa_info()` says where memory went.
     schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md.
-    activations: how matmuls with quantized weights take their input, per block of 32: "int8" (the
-    fastest), "int16" (about 15 bits, close to fp32; on AVX2 decode costs up to ~7%, prefill 10-30%),
-    or "auto": int16 where most matrices are stored as q8 (8-bit weights are chosen for
-    being close to fp32, and int8 activations more than tripled their KLD on SmolLM2), int8 otherwise
-    (4-bit weights' error dwarfs the activations'); see docs/quality.md."""
+    activations: how matmuls with quantized weights take their input, per block of 32: "int16" (about
+    15 bits, close to fp32: what "auto" picks, see AUTO_ACTIVATIONS) or "int8" (faster prefill, at a
+    fidelity cost measured in docs/quality.md)."""
     from .. import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -196,8 +194,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
             stored[format_of_core(model.weight_type).name] += is_matrix
         loaded.release_weight(name)
     model.finalize()
-    # set once the weights are in: "auto" follows how they were stored
-    model.activations = auto_activations(stored) if activations == "auto" else activations
+    model.activations = AUTO_ACTIVATIONS if activations == "auto" else activations
     if numa is not None:
         log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)
