@@ -313,3 +313,63 @@ def test_gguf_q8_0_copied_for_q8(tmp_path):
     assert all(t.type == ("q8" if len(t.shape) == 2 else "f32") for t in w.tensors.values())
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["source"]["format"] == "gguf" and cfg["tensor_types"] == {"q8": 211, "f32": 61}
+
+
+# ---------------------------------------------------------------------------------------------------
+# --force replaces only a corelm folder (or an empty one), and never leaves a half folder in place
+
+def test_force_refuses_a_folder_that_is_not_a_corelm_folder(tmp_path, capsys):
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "notes.txt").write_text("keep\n")
+    assert cli_main(["convert", STORIES, "-o", str(d), "--weights", "q8", "--no-progress", "--force"]) == 1
+    err = capsys.readouterr().err
+    assert str(d) in err and "not a corelm model folder" in err
+    assert (d / "notes.txt").read_text() == "keep\n" and (d / "sub").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["d"]          # no temporary folder left behind
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        convert(STORIES, str(f), weights="q8", overwrite=True)
+    assert f.read_text() == "x"
+
+
+def test_force_refuses_a_corelm_folder_holding_other_files(good, tmp_path):
+    d, _ = _copy(good, tmp_path)
+    with open(os.path.join(d, "notes.txt"), "w") as f:
+        f.write("keep")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        convert(STORIES, d, weights="q8", overwrite=True)
+    assert open(os.path.join(d, "notes.txt")).read() == "keep"
+
+
+def test_force_replaces_a_corelm_folder_and_an_empty_folder(good, tmp_path):
+    d, _ = _copy(good, tmp_path)
+    assert json.load(open(os.path.join(d, "config.json")))["weights"] == "q8_0"
+    convert(STORIES, d, weights="bf16", overwrite=True)
+    assert json.load(open(os.path.join(d, "config.json")))["weights"] == "bf16"
+    assert load_model(d).description.startswith("corelm v1 bf16")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert(STORIES, str(empty), weights="q8", overwrite=True)
+    assert load_model(str(empty)).source_format == "corelm"
+    assert sorted(os.listdir(tmp_path)) == ["bad", "empty"]
+
+
+def test_a_convert_that_fails_midway_leaves_the_old_folder_intact(good, tmp_path, monkeypatch):
+    d, path = _copy(good, tmp_path)
+    before = {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
+    import corelm.convert as conv
+    real_add, calls = conv.WeightsWriter.add, []
+
+    def failing_add(self, name, data):
+        calls.append(name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt("killed midway")
+        real_add(self, name, data)
+    monkeypatch.setattr(conv.WeightsWriter, "add", failing_add)
+    with pytest.raises(KeyboardInterrupt):
+        convert(STORIES, d, weights="bf16", overwrite=True)
+    assert {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad"]        # no .corelm-convert-* or .corelm-old-* left
+    assert load_model(d).description.startswith("corelm v1 q8_0")

@@ -179,8 +179,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
     The folder appears complete or not at all (written beside it, then renamed)."""
     weights = choose("weights", weights)
     out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
+    _check_replaceable(out, overwrite)        # before the (long) conversion, and again before the rename
     loaded = load_model(src)
     plan = _plan(loaded, weights)
     importance = {}
@@ -209,20 +208,73 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         writer.close()
         _write_side_files(loaded, tmp, weights, plan)
         os.chmod(tmp, 0o755)
-        if os.path.exists(out):
-            if not overwrite:   # another process finished the same folder meanwhile
-                raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
-            shutil.rmtree(out)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if os.path.isdir(out):
-                raise FileExistsError(f"{out} appeared while converting") from None
-            raise
+        _check_replaceable(out, overwrite)    # another process may have written `out` meanwhile
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# What `corelm convert` writes into a folder; --force replaces a folder holding nothing else.
+CORELM_FOLDER_FILES = frozenset((WEIGHTS_FILE, CONFIG_FILE, "generation_config.json") + TOKENIZER_FILES)
+
+
+def _check_replaceable(out: str, overwrite: bool) -> None:
+    """Raises FileExistsError unless `out` is absent, or overwrite is set and `out` is an empty folder or a
+    corelm model folder holding only corelm's files: --force must never delete anything else."""
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --force to replace it)")
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise FileExistsError(f"{out} exists and is not a folder; --force replaces only a corelm model "
+                              f"folder or an empty folder, so convert refuses to touch it")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    foreign = [e for e in entries if e not in CORELM_FOLDER_FILES or not os.path.isfile(os.path.join(out, e))
+               or os.path.islink(os.path.join(out, e))]
+    if not is_corelm_folder(out) or not _has_corelm_config(out):
+        raise FileExistsError(f"{out} is not a corelm model folder (no {WEIGHTS_FILE} with a corelm "
+                              f"{CONFIG_FILE}); --force replaces only a corelm model folder or an empty folder, "
+                              f"and this one holds {_few_names(entries)}. Choose another output folder.")
+    if foreign:
+        raise FileExistsError(f"{out} holds files that are not corelm's ({_few_names(foreign)}); --force would "
+                              f"delete them, so convert refuses. Move them away or choose another output folder.")
+
+
+def _has_corelm_config(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
+            return json.loads(f.read(1 << 20)).get("format") == "corelm"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _few_names(names, n: int = 5) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _move_into_place(tmp: str, out: str) -> None:
+    """Renames the finished folder `tmp` to `out`. An existing `out` (already checked replaceable) is first
+    renamed aside and deleted only once the new folder is in place, so `out` is never a half folder."""
+    old = None
+    if os.path.lexists(out):
+        old = tempfile.mkdtemp(prefix=".corelm-old-", dir=os.path.dirname(out))
+        os.rmdir(old)
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        elif os.path.isdir(out):
+            raise FileExistsError(f"{out} appeared while converting") from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan) -> None:
