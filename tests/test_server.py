@@ -23,7 +23,7 @@ from conftest import MODELS  # noqa: E402
 import corelm  # noqa: E402
 from corelm import SamplingParams  # noqa: E402
 from corelm.entrypoints.server import app as server_app  # noqa: E402
-from corelm.entrypoints.server import create_app  # noqa: E402
+from corelm.entrypoints.server import DEFAULT_MAX_CONNECTIONS, create_app, uvicorn_config  # noqa: E402
 
 KEY = "test-key-123"
 
@@ -39,13 +39,14 @@ def llm():
 
 
 @contextlib.contextmanager
-def running_server(load_llm, **kwargs):
+def running_server(load_llm, max_connections=DEFAULT_MAX_CONNECTIONS, **kwargs):
     app = create_app(load_llm, "stories260K", **kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    # the configuration `corelm serve` runs with (connection limit, keep-alive timeout)
+    server = uvicorn.Server(uvicorn_config(app, max_connections, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -113,10 +114,14 @@ def test_completion_matches_generate(server, client, llm):
 
 
 def test_token_id_prompts_and_batches(client, llm):
+    """A batch of prompts is all text or all token ids (a mix is refused, as by vLLM)."""
     ids = llm.encode_prompt("The dog")
-    out = client.completions.create(model="m", prompt=[ids, "Tom had a"], max_tokens=6, temperature=0)
+    out = client.completions.create(model="m", prompt=[ids, llm.encode_prompt("Tom had a")], max_tokens=6,
+                                    temperature=0)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[0].text == greedy(llm, ids, max_tokens=6).text
+    assert out.choices[1].text == greedy(llm, "Tom had a", max_tokens=6).text
+    out = client.completions.create(model="m", prompt=["The dog", "Tom had a"], max_tokens=6, temperature=0)
     assert out.choices[1].text == greedy(llm, "Tom had a", max_tokens=6).text
 
 
@@ -340,6 +345,73 @@ def test_body_size_limit(server):
     assert_error(r, 413)
 
 
+def _stalled_upload(port, key=None, path="/v1/completions"):
+    """A raw connection that sends its headers (Content-Length: 100) and one byte of the body, then stalls."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                 f"Content-Length: 100\r\n\r\n{{".encode())
+    return sock
+
+
+def _answer(sock):
+    """What the server sent before closing the connection (raises socket.timeout if it does not close)."""
+    data = b""
+    while True:
+        part = sock.recv(65536)
+        if not part:
+            return data.decode("latin-1")
+        data += part
+
+
+def _request_counts(s):
+    counts = {}
+    for line in httpx.get(s.url + "/metrics").text.splitlines():
+        if line.startswith("corelm_http_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels[len("corelm_http_requests_total"):]] = int(value)
+    return counts
+
+
+def test_stalled_uploads_get_a_408_and_are_closed(llm):
+    """50 connections stall mid-body: each gets a 408 once the body timeout passes and is closed, so
+    no file descriptor is held; with a limit of 20 connections, those beyond it get a 503 at once."""
+    with running_server(lambda: llm, body_timeout=0.5, max_connections=20) as s:
+        assert s.state.wait_ready(10)
+        port = int(s.url.rsplit(":", 1)[1])
+        t0 = time.monotonic()
+        socks = [_stalled_upload(port) for _ in range(10)]
+        time.sleep(0.2)                      # these ten are being read: under the limit
+        socks += [_stalled_upload(port) for _ in range(40)]
+        try:
+            answers = [_answer(sock).split("\r\n", 1)[0] for sock in socks]   # each one closed
+        finally:
+            for sock in socks:
+                sock.close()
+        assert time.monotonic() - t0 < 5
+        assert answers[:10] == ["HTTP/1.1 408 Request Timeout"] * 10
+        assert set(answers) == {"HTTP/1.1 408 Request Timeout", "HTTP/1.1 503 Service Unavailable"}
+        assert answers.count("HTTP/1.1 503 Service Unavailable") >= 25     # at most 20 held at a time
+        counts = _request_counts(s)
+        assert counts['{endpoint="/v1/completions",status="408"}'] == answers.count("HTTP/1.1 408 Request Timeout")
+        ok = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 2}, key=None)   # still serving
+        assert ok.status_code == 200
+
+
+def test_a_client_leaving_mid_upload_is_a_client_abort_without_a_traceback(llm, caplog):
+    with running_server(lambda: llm, body_timeout=5) as s:
+        assert s.state.wait_ready(10)
+        port = int(s.url.rsplit(":", 1)[1])
+        for _ in range(5):
+            _stalled_upload(port).close()
+        deadline = time.monotonic() + 5
+        while _request_counts(s).get('{endpoint="/v1/completions",status="499"}', 0) < 5:
+            assert time.monotonic() < deadline, _request_counts(s)
+            time.sleep(0.05)
+        assert not any(k.endswith('status="500"}') for k in _request_counts(s))
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+
+
 def test_api_key(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x"}, key=None), 401)
     assert_error(post(server, "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
@@ -498,12 +570,18 @@ def _env():
     return dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def test_corelm_serve_command():
+def test_corelm_serve_command(tmp_path):
+    """The API key comes from a file, so it is not in the process list (`ps`)."""
     port = _free_port()
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
     proc = subprocess.Popen([sys.executable, "-m", "corelm.entrypoints.cli", "serve", os.path.join(MODELS, "stories260K"),
-                             "--port", str(port), "--dtype", "fp32", "-t", "1", "--api-key", KEY,
-                             "--log-level", "warning"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--dtype", "fp32", "-t", "1", "--api-key-file", str(key_file),
+                             "--body-timeout", "10", "--max-connections", "64", "--log-level", "warning"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -515,6 +593,7 @@ def test_corelm_serve_command():
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert c.models.list().data[0].id == "stories260K"
         out = c.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
@@ -538,6 +617,26 @@ def test_serve_flag_errors():
     from corelm.entrypoints import cli
     assert cli.main(["serve", "--port", "70000"]) == 1
     assert cli.main(["serve", "--max-body-bytes", "5"]) == 1
+    assert cli.main(["serve", "--body-timeout", "0"]) == 1
+    assert cli.main(["serve", "--max-connections", "0"]) == 1
+    assert cli.main(["serve", "--api-key-file", "/nonexistent/key"]) == 1
+    assert cli.main(["serve", "--api-key", "k", "--api-key-file", "f"]) == 2     # one or the other
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    from corelm.entrypoints.cli import build_parser
+    from corelm.entrypoints.cli.serve import api_key_of
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("CORELM_API_KEY", "from-env")
+    assert api_key_of(build_parser().parse_args(["serve", "--api-key-file", str(key_file)])) == "from-file"
+    assert api_key_of(build_parser().parse_args(["serve", "--api-key", "given"])) == "given"
+    assert api_key_of(build_parser().parse_args(["serve"])) == "from-env"
+    monkeypatch.delenv("CORELM_API_KEY")
+    assert api_key_of(build_parser().parse_args(["serve"])) is None
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        api_key_of(build_parser().parse_args(["serve", "--api-key-file", str(key_file)]))
 
 
 # --- the server and batch files: one vocabulary (corelm.openai) -------------------------------------
@@ -596,7 +695,7 @@ SAME_BODIES = [
                          "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
                          "frequency_penalty": 0.2, "seed": 5, "n": 2, "stop_token_ids": [3], "ignore_eos": True,
                          "min_tokens": 2, "logprobs": 2, "skip_special_tokens": False}),
-    ("/v1/completions", {"prompt": ["The dog", [1, 403, 407]], "max_tokens": 4, "temperature": 0, "stop": " a",
+    ("/v1/completions", {"prompt": [[1, 403], [1, 403, 407]], "max_tokens": 4, "temperature": 0, "stop": " a",
                          "include_stop_str_in_output": True}),
     ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
                                            {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],

@@ -18,12 +18,20 @@ def add_parser(commands) -> None:
     add_verbose_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("CORELM_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: $CORELM_API_KEY, else none)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY'; a key given here shows in `ps`, so prefer "
+                          "--api-key-file or $CORELM_API_KEY (default: $CORELM_API_KEY, else none)")
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="read the API key from FILE (its first line), kept out of the process list")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id in /v1/models and responses (default: the model's file name)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                    help="refuse request bodies larger than this (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body not received within S seconds gets a 408 (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections at most; more are answered 503 (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -33,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}.")
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be positive, got {args.body_timeout}.")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}.")
+    api_key = api_key_of(args)
     engine_options(args)   # bad engine flags fail now, not in the thread that loads the model
     try:
         from .. import server
@@ -41,5 +54,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # The model loads in the server's background thread, so /health answers while it does.
     return server.run(lambda: llm_from_args(args), args.served_model_name or served_model_name(args.model),
-                      host=args.host, port=args.port, api_key=args.api_key,
-                      max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+                      host=args.host, port=args.port, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                      log_level=args.log_level, body_timeout=args.body_timeout,
+                      max_connections=args.max_connections)
+
+
+def api_key_of(args: argparse.Namespace):
+    """--api-key, else the first line of --api-key-file, else $CORELM_API_KEY, else None."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --api-key-file {args.api_key_file}: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty.")
+        return key
+    return args.api_key if args.api_key is not None else os.environ.get("CORELM_API_KEY") or None

@@ -6,7 +6,9 @@
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]
     POST /v1/chat/completions   messages through the model's chat template
 
-The model loads in a background thread after the server starts listening. One engine thread steps
+The model loads in a background thread after the server starts listening. Hostile clients get bounded
+answers: a body not received within body_timeout seconds is a 408 (connection closed), a client that
+leaves mid-upload is counted as a 499 (no traceback), connections beyond max_connections get a 503. One engine thread steps
 the request-level engine (runner.make_engine) for every client; a client that disconnects has its
 requests aborted. Errors use OpenAI's envelope {"error": {"message", "type", "param", "code"}} with
 fixed messages that never echo user text. Request bodies and response shapes are corelm.openai's,
@@ -20,13 +22,25 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from .app import DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
+from .app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
 from .runner import make_engine  # noqa: F401
+
+DEFAULT_MAX_CONNECTIONS = 256     # open connections (and requests in flight); more are answered 503
+
+
+def uvicorn_config(app, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kwargs):
+    """The uvicorn.Config `corelm serve` runs `app` with: at most `max_connections` connections (uvicorn
+    answers 503 and closes beyond that), an idle keep-alive connection closed after 5 s, 5 s for a
+    graceful shutdown. kwargs: more (or other) uvicorn.Config arguments (host, port, log_level)."""
+    import uvicorn
+    return uvicorn.Config(app, **{"limit_concurrency": max_connections, "timeout_keep_alive": 5,
+                                  "timeout_graceful_shutdown": 5, **kwargs})
 
 
 def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", port: int = 8000,
         api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        log_level: str = "info") -> int:
+        log_level: str = "info", body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS) -> int:
     """Serves until Ctrl-C. Returns 1 when the model failed to load (the server then stops), else 0."""
     import uvicorn
 
@@ -40,9 +54,8 @@ def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", p
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     app = create_app(load_llm, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                     body_timeout=body_timeout, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn_config(app, max_connections, host=host, port=port, log_level=log_level))
     server_box.append(server)
     server.run()
     if failed:

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.responses import Response as HTTPResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ...openai import (CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, encode_prompts,
                        parse_request, sampling_error)
@@ -23,6 +24,7 @@ from .runner import EngineFailed, EngineRunner, Metrics, make_engine
 log = logging.getLogger("corelm.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0     # a request body not fully received by then is a 408 (connection closed)
 _DISCONNECTED = object()
 
 
@@ -32,6 +34,7 @@ class ServerConfig:
     api_key: Optional[str] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 512    # choices queued or running; more get a 503
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
 
 
 class ServerState:
@@ -86,21 +89,33 @@ def _sse(obj: Any) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Request plumbing
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 as soon as it is known to be too big (before parsing)."""
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with a 413 as soon as it is known to be too big (before parsing), and with a
+    408 when it has not all arrived `timeout` seconds after the headers (a stalled upload holds a
+    connection, and its file descriptor, for no longer). Raises starlette's ClientDisconnect when the
+    client leaves mid-upload."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
             raise bad_request("Invalid Content-Length header.")
         if int(length) > limit:
             raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
-    parts, total = [], 0
-    async for part in request.stream():
-        total += len(part)
-        if total > limit:
-            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        parts.append(part)
-    return b"".join(parts)
+
+    async def read() -> bytes:
+        parts, total = [], 0
+        async for part in request.stream():
+            total += len(part)
+            if total > limit:
+                raise APIError(413, f"The request body exceeds the limit of {limit} bytes.",
+                               code="request_too_large")
+            parts.append(part)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} seconds.",
+                       code="request_timeout") from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -115,10 +130,13 @@ async def _wait_disconnect(request: Request) -> None:
 
 def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_pending: int = 512,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The ASGI app. `load_llm()` runs in a background thread once the server is up; until it returns,
-    /health and the generation endpoints answer 503."""
-    state = ServerState(load_llm, ServerConfig(model_name, api_key, max_body_bytes, max_pending), on_load_error)
+    /health and the generation endpoints answer 503. A body not received within `body_timeout`
+    seconds gets a 408 and the connection is closed."""
+    state = ServerState(load_llm, ServerConfig(model_name, api_key, max_body_bytes, max_pending, body_timeout),
+                        on_load_error)
 
     from contextlib import asynccontextmanager
 
@@ -137,6 +155,8 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
 
     def error_response(e: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        if e.status == 408:            # the rest of the body may never come
+            headers = {"Connection": "close"}
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -200,7 +220,11 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     async def generate(request: Request, endpoint: str):
         authorize(request)
         require_ready()
-        body = await _read_body(request, state.config.max_body_bytes)
+        try:
+            body = await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+        except ClientDisconnect:           # it left mid-upload: a client abort, not a server error
+            metrics.count_request(endpoint, 499)
+            return HTTPResponse(status_code=499)
         engine, runner = state.engine, state.runner
         req = parse_request(endpoint, body)
         # off the event loop: a long prompt or conversation takes a while to render and tokenize
