@@ -378,3 +378,45 @@ def test_ray_actor_killed_mid_run_has_its_task_redone(tmp_path):
             ray.shutdown()
     assert killed and s["restarts"] == 1 and s["errors"] == 0
     assert sorted(ids_of(read_output(out))) == sorted(f"k{i}" for i in range(24))
+
+
+def _cli_batch(args, **kwargs):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "corelm.entrypoints.cli", "batch", STORIES, *args, "--no-progress",
+                             "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_ctrl_c_stops_the_run_without_a_traceback_per_worker(tmp_path):
+    """SIGINT to the process group, as a terminal sends it: the parent stops the workers and exits 130;
+    no KeyboardInterrupt traceback (there used to be one per worker)."""
+    src = write_input(tmp_path / "in.jsonl", [completion_line(f"k{i}", max_tokens=200, ignore_eos=True)
+                                              for i in range(200)])
+    out = str(tmp_path / "out.jsonl")
+    p = _cli_batch([src, "-o", out, "-w", "2", "--task-size", "1"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (os.path.exists(out) and os.path.getsize(out) > 0):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    read_output(out)                             # whole lines only
+
+
+def test_output_to_a_device_and_input_from_a_device(tmp_path):
+    """-o /dev/full: not read back (it used to be read until MemoryError); the write fails with a clear error.
+    IN /dev/null: an empty input, not "does not exist"."""
+    src = write_input(tmp_path / "in.jsonl", mixed(2))
+    p = _cli_batch([src, "-o", "/dev/full"])
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in err and "No space left on device" in err, err
+    out = str(tmp_path / "out.jsonl")
+    p = _cli_batch(["/dev/null", "-o", out])
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "0 written" in err, err
+    assert load_done("/dev/full") == (set(), set())
+    p = _cli_batch([str(tmp_path), "-o", out])
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "is a directory" in err, err

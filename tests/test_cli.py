@@ -103,6 +103,16 @@ def test_chat_piped_answers_each_line_and_keeps_history(monkeypatch, capsys, fak
                                               [user("hi"), assistant("reply 1"), user("how are you")]]
 
 
+def test_chat_and_generate_with_stdin_closed(monkeypatch, capsys, fake):
+    """`corelm chat <&-`: Python's sys.stdin is None; a clear error, not an AttributeError traceback."""
+    monkeypatch.setattr(sys, "stdin", None)
+    assert cli.main(["chat"]) == 1
+    assert capsys.readouterr().err == "error: stdin is closed: corelm chat reads the messages from it.\n"
+    assert fake.llm is None                         # refused before loading the model
+    assert cli.main(["generate"]) == 1
+    assert capsys.readouterr().err.startswith("error: no prompt")
+
+
 def test_chat_flags_reach_the_engine_and_sampling_params(monkeypatch, fake):
     run_chat(monkeypatch, "hi\n", "some/model", "-t", "3", "--dtype", "bf16", "-c", "512", "--temp", "0.5",
              "--top-k", "10", "--seed", "7", "-n", "32", "--system", "Be brief.")

@@ -41,8 +41,8 @@ def load_done(path: str) -> Tuple[Set[str], Set[int]]:
     mid-write) is cut off so appending keeps the file valid JSONL."""
     ids: Set[str] = set()
     lines: Set[int] = set()
-    if not os.path.exists(path):
-        return ids, lines
+    if not os.path.isfile(path):             # nothing yet, or a device or pipe (/dev/full, /dev/stdout):
+        return ids, lines                    # only appended to, never read back
     good_end = 0
     with open(path, "rb+") as f:
         offset = 0
@@ -160,6 +160,11 @@ class ProcessBackend:
             events.append(("died", slot, f"exit code {p.exitcode}"))
         return events
 
+    def terminate(self) -> None:
+        """Ctrl-C: stops the workers now (SIGTERM), not after their tasks."""
+        for p in self.procs.values():
+            p.terminate()
+
     def close(self) -> Dict[int, Dict[str, Any]]:
         """Stops every worker; returns {slot: info} of those that said "ready" only now (a worker still
         loading when the work ran out loads, says so, reads the stop and exits)."""
@@ -228,15 +233,17 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     choose("activations", activations)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
                "activations": activations}
-    if not os.path.isfile(input_path):
+    if not os.path.exists(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
+    if os.path.isdir(input_path):
+        raise IsADirectoryError(f"input file {input_path} is a directory.")
     max_restarts = 3 * workers if max_restarts is None else max_restarts
     done_ids, done_lines = load_done(output_path)
-    total = _count_lines(input_path)
+    total = _count_lines(input_path) if os.path.isfile(input_path) else None   # a pipe is read once
     writer = _Writer(output_path, done_ids)
     bar = _progress(total, progress)
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "skipped": 0, "generated_tokens": 0, "restarts": 0,
-                             "workers": {}}   # workers: slot -> what its engine reported (every worker that loaded)
+                             "lines": 0, "workers": {}}   # workers: slot -> what its engine reported (every worker that loaded)
     t0 = time.perf_counter()
     seen: Set[str] = set()
 
@@ -260,6 +267,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
             for line_no, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
+                stats["lines"] += 1
                 try:
                     req, error = parse_line(raw), None
                     cid = req.custom_id
@@ -343,6 +351,10 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                     if stats["restarts"] < max_restarts:
                         stats["restarts"] += 1
                         backend.start(slot)
+    except KeyboardInterrupt:
+        if backend is not None and hasattr(backend, "terminate"):
+            backend.terminate()
+        raise
     finally:
         if backend is not None:
             for slot, info in (backend.close() or {}).items():   # ready only after the work ran out
@@ -350,5 +362,6 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         bar.close()
         writer.close()
     stats["seconds"] = time.perf_counter() - t0
-    stats["total_lines"] = total
+    lines = stats.pop("lines")
+    stats["total_lines"] = lines if total is None else total
     return stats

@@ -8,6 +8,7 @@ vocabulary) gets an error line with the server's code and message, and the other
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -88,7 +89,10 @@ class BatchWorker:
 def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
                 threads: Optional[int], options: Dict[str, Any]) -> None:
     """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
-    pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results)."""
+    pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results).
+    Ctrl-C reaches the whole process group: the parent handles it (and stops the workers), so a worker
+    ignores SIGINT rather than print a KeyboardInterrupt traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)   # before loading: the weights are first touched from here

@@ -25,6 +25,8 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)           # bad flags fail before the model loads
+    if sys.stdin is None:                    # started with fd 0 closed (`corelm chat <&-`)
+        raise ValueError("stdin is closed: corelm chat reads the messages from it.")
     interactive = sys.stdin.isatty()
     llm = llm_from_args(args)
     if interactive:

@@ -31,7 +31,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
         with open(args.file, encoding="utf-8") as f:
             return f.read()
-    if not sys.stdin.isatty():
+    if sys.stdin is not None and not sys.stdin.isatty():   # None: fd 0 closed
         return sys.stdin.read()
     raise ValueError("no prompt: pass -p PROMPT, -f FILE, or pipe the prompt on stdin.")
 
