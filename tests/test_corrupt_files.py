@@ -35,19 +35,60 @@ def probe(path):
             f.get(name)
 
 
+FOLDER_CASES = tool.folder_cases()
+
+
 def test_corpus_is_committed_and_up_to_date():
     on_disk = sorted(os.listdir(CORPUS))
-    assert on_disk == sorted(c.name for c in CASES), "run: python tools/make_corrupt_corpus.py"
+    assert on_disk == sorted([c.name for c in CASES] + [c.name for c in FOLDER_CASES]), \
+        "run: python tools/make_corrupt_corpus.py"
     for c in CASES:
         with open(os.path.join(CORPUS, c.name), "rb") as f:
             assert f.read() == c.data, f"{c.name} is stale; run: python tools/make_corrupt_corpus.py"
         assert len(c.data) < 64 * 1024
+    for c in FOLDER_CASES:
+        assert sorted(os.listdir(os.path.join(CORPUS, c.name))) == sorted(c.files), c.name
+        for fname, data in c.files.items():
+            with open(os.path.join(CORPUS, c.name, fname), "rb") as f:
+                assert f.read() == data, f"{c.name}/{fname} is stale; run: python tools/make_corrupt_corpus.py"
 
 
 def test_generator_is_deterministic(tmp_path):
     tool.write_corpus(str(tmp_path))
     for c in CASES:
         assert (tmp_path / c.name).read_bytes() == c.data
+    for c in FOLDER_CASES:
+        for fname, data in c.files.items():
+            assert (tmp_path / c.name / fname).read_bytes() == data
+
+
+def load_folder_fully(path):
+    """load_model, then every weight and the RoPE frequencies, as building the engine would."""
+    from corelm.engine.model_builder import rope_inv_freq
+    m = load_model(path)
+    for name in m.weight_names():
+        m.get_weight(name)
+    assert np.isfinite(rope_inv_freq(m.spec)).all()
+    m.tokenizer.encode("hello world")
+    return m
+
+
+@pytest.mark.parametrize("case", FOLDER_CASES, ids=[c.name for c in FOLDER_CASES])
+def test_corrupt_folder_is_refused_for_the_right_reason(case, caplog):
+    path = os.path.join(CORPUS, case.name)
+    if case.expect is None:
+        with caplog.at_level("WARNING", logger="corelm.loader"):
+            load_folder_fully(path)
+        warned = [r.getMessage() for r in caplog.records if r.name == "corelm.loader"]
+        if case.warning is None:
+            assert not warned
+        else:
+            assert any(case.warning in w and path in w for w in warned), warned
+        return
+    with pytest.raises(ModelLoadError) as e:
+        load_folder_fully(path)
+    assert case.expect.lower() in str(e.value).lower()
+    assert path in str(e.value)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -68,6 +109,22 @@ def test_load_model_refuses_every_corpus_gguf(case):
         load_model(os.path.join(CORPUS, case.name))
 
 
+def test_a_tokenizers_panic_is_a_model_load_error():
+    # pyo3's PanicException derives from BaseException, so it passes `except Exception`; a broken
+    # tokenizer.json must still come out of loading as a ModelLoadError naming the file.
+    from corelm.tokenizer import _self_tested
+
+    class PanicException(BaseException):
+        pass
+
+    def make():
+        raise PanicException("no entry found for key")
+    with pytest.raises(ModelLoadError, match="some/tokenizer.json: the tokenizer is broken.*no entry found"):
+        _self_tested(make, "some/tokenizer.json")
+    with pytest.raises(KeyboardInterrupt):
+        _self_tested(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), "x")
+
+
 _SUBPROCESS_PROBE = textwrap.dedent("""
     import os, resource, sys
     # A parser that trusts a declared size would try to allocate it; cap the address space so that shows.
@@ -79,6 +136,8 @@ _SUBPROCESS_PROBE = textwrap.dedent("""
     bad = 0
     for name in sorted(os.listdir(corpus)):
         path = os.path.join(corpus, name)
+        if os.path.isdir(path):
+            continue
         try:
             if name.endswith(".gguf"):
                 g = read_gguf(path)

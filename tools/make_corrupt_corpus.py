@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write tests/data/corrupt/: hostile GGUF and safetensors files, each named after what is wrong with it.
+"""Write tests/data/corrupt/: hostile GGUF and safetensors files, and model folders each broken in one
+field, each named after what is wrong with it.
 
     python tools/make_corrupt_corpus.py            # (re)writes tests/data/corrupt/
     python tools/make_corrupt_corpus.py --out DIR  # somewhere else
@@ -290,8 +291,24 @@ def gguf_cases() -> List[Case]:
         Case("gguf_tensor_past_end_of_data.gguf", two_f32[:-1], "past the end"),
         Case("gguf_q5_0_tensor_unsupported.gguf", _one_tensor([32], ggml_type=Q5_0, data=b"\0" * 22),
              "Q5_0, which corelm does not support yet"),
+        # Q4_1 blocks (20 bytes) labelled Q4_0 (18): every tensor still fits, and decodes as garbage.
+        Case("gguf_q4_1_relabelled_q4_0.gguf", _relabelled(last=False), "does not match the bytes stored"),
+        Case("gguf_q4_1_relabelled_q4_0_last_tensor.gguf", _relabelled(last=True), "does not match its stored"),
+        Case("gguf_gap_between_tensors.gguf",
+             gguf_file(_BASE_KV, [gguf_tensor_info("a", [8], F32, 0), gguf_tensor_info("b", [8], F32, 64)],
+                       _ONE_F32 + b"\0" * 32 + _ONE_F32), "does not match the bytes stored"),
     ]
     return c
+
+
+def _relabelled(last: bool) -> bytes:
+    q41 = q4_1_bytes([0.5] * 32, [-1.0] * 32, _ramp(32 * 32, 16))         # 32 blocks: 640 bytes
+    infos = [gguf_tensor_info("a", [32, 32], Q4_0, 0)]
+    data = q41
+    if not last:
+        infos.append(gguf_tensor_info("b", [8], F32, len(q41)))
+        data += _ONE_F32
+    return gguf_file(_BASE_KV, infos, data)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,6 +349,10 @@ def _st_entry(dtype="F32", shape=(2,), offsets=(0, 8)) -> Dict[str, Any]:
 
 
 _EIGHT = b"\0" * 8
+
+
+def _padded_header() -> bytes:
+    return json.dumps({"a": _st_entry()}).encode() + b"    "
 
 
 def safetensors_cases() -> List[Case]:
@@ -402,6 +423,16 @@ def safetensors_cases() -> List[Case]:
              build_safetensors({"__metadata__": {"format": 1}, "a": _st_entry()}, _EIGHT), "__metadata__"),
         Case("st_metadata_not_object.safetensors",
              build_safetensors({"__metadata__": ["pt"], "a": _st_entry()}, _EIGHT), "__metadata__"),
+        # One short: the data buffer starts at the header's last padding space, so every tensor reads one
+        # byte off (NaN logits); only the rule that tensors cover the buffer exactly notices.
+        Case("st_header_len_one_short.safetensors",
+             build_safetensors(None, f32_bytes([1.0, 2.0]), header_len=len(_padded_header()) - 1,
+                               raw_header=_padded_header()), "header length is wrong"),
+        Case("st_trailing_bytes.safetensors", build_safetensors({"a": _st_entry()}, _EIGHT + b"\0"),
+             "trailing bytes"),
+        Case("st_hole_between_tensors.safetensors",
+             build_safetensors({"a": _st_entry(offsets=(0, 8)), "b": _st_entry(offsets=(12, 20))}, _EIGHT * 3),
+             "belong to no tensor"),
         Case("st_f8_dtype_unsupported.safetensors",
              build_safetensors({"a": _st_entry(dtype="F8_E4M3", shape=(8,))}, _EIGHT), "does not support yet"),
     ]
@@ -409,6 +440,114 @@ def safetensors_cases() -> List[Case]:
 
 def cases() -> List[Case]:
     return gguf_cases() + safetensors_cases()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model folders: a tiny but complete Llama (HF config.json + model.safetensors + tokenizer.json), and
+# copies of it each broken in one field.
+
+class FolderCase(NamedTuple):
+    name: str
+    files: Dict[str, bytes]
+    expect: Optional[str]           # a fragment of the ModelLoadError message; None when the load succeeds
+    warning: Optional[str] = None   # a fragment of the warning the load must log
+
+
+TINY = dict(vocab=8, dim=32, ffn=32, heads=2, kv_heads=1, head_dim=16, layers=1)
+TINY_TOKENS = ["<unk>", "<s>", "</s>", "hello", "world", ",", "!", "a"]
+
+
+def tiny_hf_arrays() -> Dict[str, np.ndarray]:
+    """HF tensor name -> float32 array of the tiny Llama (deterministic values)."""
+    v, d, f, h, kv, hd = (TINY[k] for k in ("vocab", "dim", "ffn", "heads", "kv_heads", "head_dim"))
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (h * hd, d),
+                       p + "self_attn.k_proj.weight": (kv * hd, d), p + "self_attn.v_proj.weight": (kv * hd, d),
+                       p + "self_attn.o_proj.weight": (d, h * hd), p + "post_attention_layernorm.weight": (d,),
+                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)})
+    out = {}
+    for j, (name, shape) in enumerate(shapes.items()):
+        n = int(np.prod(shape))
+        vals = np.ones(n) if len(shape) == 1 else np.sin(np.arange(n) * 0.37 + j) * 0.1
+        out[name] = vals.astype(np.float32).reshape(shape)
+    return out
+
+
+def tiny_hf_config() -> Dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": TINY["vocab"],
+            "hidden_size": TINY["dim"], "intermediate_size": TINY["ffn"], "num_hidden_layers": TINY["layers"],
+            "num_attention_heads": TINY["heads"], "num_key_value_heads": TINY["kv_heads"],
+            "head_dim": TINY["head_dim"], "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_tokenizer_json() -> Dict[str, Any]:
+    """A WordLevel tokenizer whose post_processor prepends <s>, as Llama's does."""
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, t in enumerate(TINY_TOKENS[:3])],
+            "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": {"type": "TemplateProcessing",
+                               "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                          {"Sequence": {"id": "A", "type_id": 0}}],
+                               "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}},
+                                        {"Sequence": {"id": "B", "type_id": 1}}],
+                               "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+            "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(TINY_TOKENS)},
+                      "unk_token": "<unk>"}}
+
+
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _json_bytes(doc: Any) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode("utf-8")
+
+
+def tiny_hf_folder(config: Optional[Dict[str, Any]] = None, tokenizer: Optional[Dict[str, Any]] = None,
+                   arrays: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, bytes]:
+    """file name -> bytes of the tiny HF model folder (arguments replace its parts)."""
+    arrays = tiny_hf_arrays() if arrays is None else arrays
+    st = safetensors_from_arrays({k: ("F32", list(a.shape), a.astype("<f4").tobytes()) for k, a in arrays.items()},
+                                 {"format": "pt"})
+    return {"config.json": _json_bytes(tiny_hf_config() if config is None else config),
+            "model.safetensors": st,
+            "tokenizer.json": _json_bytes(tiny_tokenizer_json() if tokenizer is None else tokenizer),
+            "tokenizer_config.json": _json_bytes({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+                                                  "chat_template": TINY_CHAT_TEMPLATE})}
+
+
+def folder_cases() -> List[FolderCase]:
+    def config(**edits):
+        return tiny_hf_folder(config=dict(tiny_hf_config(), **edits))
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    no_low = {k: v for k, v in llama3.items() if k != "low_freq_factor"}
+    tok = tiny_tokenizer_json()
+    tok["post_processor"]["special_tokens"] = {}      # the templates name <s>, which is now undefined
+    nan_arrays = tiny_hf_arrays()
+    nan_arrays["model.layers.0.mlp.up_proj.weight"][3, 5] = np.nan
+    return [
+        FolderCase("valid_tiny_hf", tiny_hf_folder(), None),
+        FolderCase("valid_tiny_hf_llama3_rope", config(rope_scaling=llama3), None),
+        FolderCase("hf_post_processor_names_missing_token", tiny_hf_folder(tokenizer=tok),
+                   "names the special token '<s>'"),
+        FolderCase("hf_rope_linear_without_factor", config(rope_scaling={"rope_type": "linear"}), "needs 'factor'"),
+        FolderCase("hf_rope_llama3_without_low_freq_factor", config(rope_scaling=no_low), "needs 'low_freq_factor'"),
+        FolderCase("hf_rope_factor_0", config(rope_scaling={"rope_type": "linear", "factor": 0}),
+                   "rope_scaling.factor = 0"),
+        FolderCase("hf_rope_factor_nan", config(rope_scaling={"rope_type": "linear", "factor": float("nan")}),
+                   "rope_scaling.factor = nan"),
+        FolderCase("hf_rms_norm_eps_1e308", config(rms_norm_eps=1e308), "rms_norm_eps = 1e+308"),
+        FolderCase("hf_nan_weight", tiny_hf_folder(arrays=nan_arrays), None, "1 non-finite value"),
+    ]
 
 
 def write_corpus(out: str) -> List[str]:
@@ -419,6 +558,16 @@ def write_corpus(out: str) -> List[str]:
         with open(os.path.join(out, case.name), "wb") as f:
             f.write(case.data)
         names.append(case.name)
+    for fc in folder_cases():
+        d = os.path.join(out, fc.name)
+        os.makedirs(d, exist_ok=True)
+        for stale in set(os.listdir(d)) - set(fc.files):
+            os.remove(os.path.join(d, stale))
+        for fname, data in fc.files.items():
+            assert len(data) < 64 * 1024, (fc.name, fname)
+            with open(os.path.join(d, fname), "wb") as f:
+                f.write(data)
+        names.append(fc.name)
     return names
 
 

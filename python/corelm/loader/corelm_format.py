@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
-from .spec import LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, release_mapped_range, weight_shapes
+from .spec import (LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, check_finite, check_finite_blocks,
+                   release_mapped_range, weight_shapes)
 
 MAGIC = b"CORELMW\0"
 FORMAT_VERSION = 1
@@ -291,13 +292,15 @@ def load_corelm_folder(folder: str) -> LoadedModel:
     def get_weight(name: str) -> np.ndarray:
         if name not in w.tensors:
             raise ModelLoadError(f"no weight named {name!r}")
-        return w.get_f32(name)
+        return check_finite(w.get_f32(name), w.path, name)
 
     def get_raw_weight(name: str):
         t = w.tensors.get(name)
         if t is None or TYPES[t.type][2] is None:
             return None
-        return TYPES[t.type][2], w.raw(name).reshape(t.shape[0], -1), t.shape
+        raw = w.raw(name)
+        check_finite_blocks(TYPES[t.type][2], raw, w.path, name)
+        return TYPES[t.type][2], raw.reshape(t.shape[0], -1), t.shape
 
     kinds: Dict[str, int] = {}
     for t in w.tensors.values():

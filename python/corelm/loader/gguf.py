@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
-from .spec import ModelLoadError, bf16_to_f32, release_mapped_range
+from .spec import ModelLoadError, bf16_to_f32, check_finite, check_finite_blocks, release_mapped_range
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -376,7 +376,29 @@ def _place_tensors(r: _Reader, infos, data_offset: int, alignment: int) -> Dict[
                          f"file's data section ({data_size} bytes); the file is truncated or corrupt")
         tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), ggml_type, data_offset + offset, nbytes)
     _check_no_overlap(r, tensors.values())
+    _check_packed(r, list(tensors.values()), data_offset, data_size, alignment)
     return tensors
+
+
+def _check_packed(r: _Reader, infos: List[GGUFTensorInfo], data_offset: int, data_size: int,
+                  alignment: int) -> None:
+    """GGUF stores no byte size per tensor: a wrong type or shape (Q4_1 blocks labelled Q4_0) would still
+    fit and decode as garbage. Writers (gguf-py, llama.cpp) pack the tensors in order, each padded to the
+    alignment, and llama.cpp refuses any other layout; so each tensor must start where the one before it
+    ends, and the data section must end with the last one (and its padding)."""
+    pos = 0
+    for t in infos:
+        if t.offset - data_offset != pos:
+            prev = f"the tensors before it end at {pos}" if pos else "the data section starts at 0"
+            raise r.fail(f"tensor {t.name!r} starts at data offset {t.offset - data_offset}, but {prev}: a "
+                         f"tensor's type or shape does not match the bytes stored for it (tensors must be "
+                         f"packed in order, each padded to {alignment} bytes)")
+        pos += _pad(t.nbytes, alignment)
+    if infos and not pos - alignment < data_size <= pos:
+        last = infos[-1]
+        raise r.fail(f"the tensors' types and shapes account for {pos} bytes of tensor data, but the file "
+                     f"holds {data_size} after the header; the last tensor {last.name!r} ({last.type_name}, "
+                     f"shape {list(last.shape)}) does not match its stored bytes, or the file has trailing data")
 
 
 def _check_no_overlap(r: _Reader, infos) -> None:
@@ -550,7 +572,7 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
         kind = name.rsplit(".", 1)[-1]
         if spec.arch == "llama" and kind in heads:
             w = unpermute_rope_rows(w, heads[kind])
-        return np.ascontiguousarray(w, dtype=np.float32)
+        return check_finite(np.ascontiguousarray(w, dtype=np.float32), g.path, names[name])
     return get_weight
 
 
@@ -568,7 +590,9 @@ def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, str]):
         if info is None or info.type_name not in RAW_GGML_TYPES or len(info.shape) != 2:
             return None
         rows, cols = info.shape
-        raw = g.raw(names[name]).reshape(rows, -1)
+        raw = g.raw(names[name])
+        check_finite_blocks(info.type_name, raw, g.path, names[name])
+        raw = raw.reshape(rows, -1)
         kind = name.rsplit(".", 1)[-1]
         if spec.arch == "llama" and kind in heads:
             raw = unpermute_rope_rows(raw, heads[kind])

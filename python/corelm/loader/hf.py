@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsCollection, open_safetensors_folder
-from .spec import SUPPORTED_ARCHS, LoadedModel, ModelLoadError, ModelSpec, weight_shapes
+from .spec import SUPPORTED_ARCHS, LoadedModel, ModelLoadError, ModelSpec, check_finite, weight_shapes
 
 # HF class name -> corelm arch name.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -66,14 +66,72 @@ def validate_spec(spec: ModelSpec, source: str) -> ModelSpec:
                              f"is not a positive integer")
     if spec.sliding_window is not None and not _pos_int(spec.sliding_window):
         raise ModelLoadError(f"{source}: sliding_window = {spec.sliding_window!r} is not a positive integer")
-    if spec.rope_scaling is not None and not isinstance(spec.rope_scaling, dict):
-        raise ModelLoadError(f"{source}: rope_scaling = {spec.rope_scaling!r} is not an object")
+    # The engine computes in float32: a value that is not a finite float32 there is as bad as NaN.
+    if spec.rms_norm_eps > _MAX_RMS_NORM_EPS:
+        raise ModelLoadError(f"{source}: rms_norm_eps = {spec.rms_norm_eps!r} is absurd (expected a small "
+                             f"positive number such as 1e-5 or 1e-6, at most {_MAX_RMS_NORM_EPS})")
+    if not (0 < spec.rms_norm_eps and np.float32(spec.rms_norm_eps) > 0):
+        raise ModelLoadError(f"{source}: rms_norm_eps = {spec.rms_norm_eps!r} underflows to 0 in float32")
+    if not np.isfinite(np.float32(spec.rope_theta)) or spec.rope_theta <= 1:
+        raise ModelLoadError(f"{source}: rope_theta = {spec.rope_theta!r} must be a number above 1 that "
+                             f"fits in float32 (typically 10000 to 1000000)")
+    spec.rope_scaling = validate_rope_scaling(spec.rope_scaling, spec, source)
     spec.rms_norm_eps, spec.rope_theta = float(spec.rms_norm_eps), float(spec.rope_theta)
     for tid in ([spec.bos_token_id] if spec.bos_token_id is not None else []) + list(spec.eos_token_ids):
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < spec.vocab_size:
             raise ModelLoadError(f"{source}: special token id {tid!r} is outside the vocabulary "
                                  f"(size {spec.vocab_size})")
     return spec
+
+
+_MAX_RMS_NORM_EPS = 0.1
+ROPE_SCALING_TYPES = ("linear", "llama3")       # what engine.model_builder.rope_inv_freq computes
+
+
+def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optional[Dict[str, Any]]:
+    """rope_scaling as rope_inv_freq may trust it: None, or a dict whose rope_type is one the engine computes,
+    with every parameter that type needs present and sane. Errors name the field and what was expected."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{source}: rope_scaling = {_short(scaling)} is not an object")
+    s = dict(scaling)
+    if "rope_type" not in s and "type" in s:
+        s["rope_type"] = s.pop("type")
+    kind = s.get("rope_type", "default")
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{source}: RoPE scaling type {_short(kind)} is not supported yet (supported: "
+                             f"default, {', '.join(ROPE_SCALING_TYPES)})")
+
+    def number(key: str, what: str) -> float:
+        if key not in s:
+            raise ModelLoadError(f"{source}: rope_scaling of type {kind} needs {key!r} ({what})")
+        v = s[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or \
+                not np.isfinite(np.float32(v)) or not np.float32(v) > 0:
+            raise ModelLoadError(f"{source}: rope_scaling.{key} = {_short(v)} must be a positive finite number "
+                                 f"({what})")
+        return float(v)
+
+    number("factor", "the context length multiplier, e.g. 8.0")
+    if kind == "llama3":
+        low = number("low_freq_factor", "e.g. 1.0")
+        high = number("high_freq_factor", "e.g. 4.0")
+        if not high > low:
+            raise ModelLoadError(f"{source}: rope_scaling.high_freq_factor = {high:g} must be larger than "
+                                 f"low_freq_factor = {low:g}")
+        orig = s.get("original_max_position_embeddings")
+        if not _pos_int(orig) or orig > 1 << 31:
+            raise ModelLoadError(f"{source}: rope_scaling of type llama3 needs original_max_position_embeddings, "
+                                 f"a positive integer (the pre-training context, e.g. 8192), not {_short(orig)}")
+    return s
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) < 80 else r[:77] + "..."
 
 
 def check_weight_shapes(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], source: str) -> None:
@@ -101,11 +159,19 @@ def load_tokenizer(factory: str, arg: Any, source: str):
     does not pull in the tokenizers library until a model is actually loaded."""
     from ..tokenizer import Tokenizer
     try:
+        # The factories try an encode and a decode: the tokenizers library panics (pyo3's PanicException,
+        # a BaseException that passes every `except Exception`) on some broken files only when it first
+        # encodes, so a broken file must fail here, not in a serving worker.
         return getattr(Tokenizer, factory)(arg)
     except ModelLoadError:
         raise
     except Exception as e:  # a broken tokenizer file is a model problem, not a crash
         raise ModelLoadError(f"{source}: could not load the tokenizer: {type(e).__name__}: {e}") from e
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise ModelLoadError(f"{source}: the tokenizer is broken: the tokenizers library panicked "
+                             f"({str(e).strip() or 'no message'})") from None
 
 
 def read_json(path: str, what: str) -> Any:
@@ -268,7 +334,8 @@ def load_hf_folder(folder: str) -> LoadedModel:
     names = _map_hf_names(spec, tensors, folder)
     check_weight_shapes(spec, {n: tensors.info(hf).shape for n, hf in names.items()}, folder)
     return LoadedModel(
-        spec=spec, get_weight=_hf_getter(tensors, names), release_weight=lambda n: tensors.release(names.get(n, "")),
+        spec=spec, get_weight=_hf_getter(tensors, names, folder),
+        release_weight=lambda n: tensors.release(names.get(n, "")),
         tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=_hf_chat_template(folder), generation_config=generation_config, source=folder,
         source_format="hf", description=_hf_description(tensors, names))
@@ -328,11 +395,11 @@ def _internal_name(hf: str) -> Optional[str]:
     return None
 
 
-def _hf_getter(tensors: SafetensorsCollection, names: Dict[str, str]) -> Callable[[str], np.ndarray]:
+def _hf_getter(tensors: SafetensorsCollection, names: Dict[str, str], folder: str) -> Callable[[str], np.ndarray]:
     def get_weight(name: str) -> np.ndarray:
         if name not in names:
             raise ModelLoadError(f"no weight named {name!r}")
-        return np.ascontiguousarray(tensors.get(names[name]), dtype=np.float32)
+        return check_finite(np.ascontiguousarray(tensors.get(names[name]), dtype=np.float32), folder, names[name])
     return get_weight
 
 

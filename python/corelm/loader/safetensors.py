@@ -61,6 +61,7 @@ class SafetensorsFile:
         self.tensors: Dict[str, SafetensorsTensorInfo] = {
             name: _parse_entry(name, entry, data_size, self.path) for name, entry in header.items()}
         _check_no_overlap(self.tensors.values(), self.path)
+        _check_covers_buffer(self.tensors.values(), data_size, self.path)
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({self.path!r}, {len(self.tensors)} tensors)"
@@ -209,6 +210,21 @@ def _check_no_overlap(infos, path: str) -> None:
         if prev is not None and t.begin < prev.end:
             raise _fail(path, f"tensors {prev.name!r} and {t.name!r} overlap in the data buffer")
         prev = t
+
+
+def _check_covers_buffer(infos, data_size: int, path: str) -> None:
+    # The spec: "the byte buffer needs to be entirely indexed, and cannot contain holes". A header length
+    # that is off (say one short, the JSON then ending in a space) shifts every tensor while each still
+    # fits; only this check notices, as the reference implementation's does.
+    pos = 0
+    for t in sorted((t for t in infos if t.end > t.begin), key=lambda t: t.begin):
+        if t.begin != pos:
+            raise _fail(path, f"bytes {pos}..{t.begin} of the data buffer belong to no tensor (before "
+                              f"{t.name!r}); the tensors must cover the buffer without holes")
+        pos = t.end
+    if pos != data_size:
+        raise _fail(path, f"the tensors cover {pos} bytes but the data buffer after the header holds "
+                          f"{data_size}; the header length is wrong or the file has trailing bytes")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -104,3 +104,44 @@ def release_mapped_range(buf, offset: int, length: int) -> None:
         buf.madvise(mmap.MADV_DONTNEED, start, end - start)
     except (OSError, ValueError):
         pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# Non-finite weights: a NaN or Inf anywhere makes every logit NaN. Checked as each weight is handed over,
+# cheaply (a float32 sum, a few % of the conversion; an exact check only when the sum is not finite).
+
+_log = None
+# GGUF block type -> (bytes per block, offsets of the fp16 fields: scale d, and Q4_1's minimum m)
+_BLOCK_F16_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2))}
+
+
+def _warn(source: str, name: str, what: str) -> None:
+    global _log
+    if _log is None:
+        import logging
+        _log = logging.getLogger("corelm.loader")
+    _log.warning("%s: weight %s has %s; the model will compute NaN (the file is damaged or was converted "
+                 "wrongly)", source, name, what)
+
+
+def check_finite(w: np.ndarray, source: str, name: str) -> np.ndarray:
+    """Warns (logger corelm.loader) when float array `w` holds NaN or Inf; returns `w`."""
+    if w.size and w.dtype.kind == "f" and not np.isfinite(np.add.reduce(w.reshape(-1), dtype=w.dtype)):
+        bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+        if bad:
+            _warn(source, name, f"{bad} non-finite value{'s' if bad > 1 else ''} (NaN or Inf)")
+    return w
+
+
+def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str) -> None:
+    """Warns when a Q8_0/Q4_0/Q4_1 tensor's fp16 block scales (or minimums) hold NaN or Inf."""
+    layout = _BLOCK_F16_FIELDS.get(type_name)
+    if layout is None or raw.size == 0 or raw.size % layout[0]:
+        return
+    blocks = raw.reshape(-1, layout[0])
+    bad = 0
+    for off in layout[1]:
+        f16 = blocks[:, off:off + 2].copy().view("<u2")
+        bad += int(np.count_nonzero((f16 & 0x7C00) == 0x7C00))
+    if bad:
+        _warn(source, name, f"{bad} non-finite {type_name} block scale{'s' if bad > 1 else ''} (NaN or Inf)")

@@ -98,16 +98,17 @@ class Tokenizer:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ModelLoadError(f"{folder}: tokenizer_config.json add_bos_token must be true or false")
         default, named = _chat_templates(folder, config)
-        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   add_bos_token=add_bos, chat_template=default, named_chat_templates=named)
+        return _self_tested(lambda: cls(backend, bos_token_id=token_id("bos_token"),
+                                        eos_token_id=token_id("eos_token"), add_bos_token=add_bos,
+                                        chat_template=default, named_chat_templates=named), path)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
         v = build_from_gguf_metadata(meta)
-        return cls(v.backend, bos_token_id=v.bos_token_id, eos_token_id=v.eos_token_id,
-                   extra_eos_ids=v.extra_eos_ids, add_bos_token=v.add_bos_token,
-                   chat_template=v.chat_template, named_chat_templates=v.named_chat_templates,
-                   vocab_size=len(v.tokens))
+        return _self_tested(lambda: cls(v.backend, bos_token_id=v.bos_token_id, eos_token_id=v.eos_token_id,
+                                        extra_eos_ids=v.extra_eos_ids, add_bos_token=v.add_bos_token,
+                                        chat_template=v.chat_template, named_chat_templates=v.named_chat_templates,
+                                        vocab_size=len(v.tokens)), "the GGUF tokenizer metadata")
 
     # -----------------------------------------------------------------------------------------
     # Encoding and decoding
@@ -205,6 +206,27 @@ class Tokenizer:
                 f"add_bos_token={self.add_bos_token}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
+_SELF_TEST_TEXT = "Hello, world! 123 \u00e9\u4e16 \U0001F600"
+
+
+def _self_tested(make, source: str) -> "Tokenizer":
+    """make() (construction encodes too), then one encode and decode: the tokenizers library panics
+    (pyo3's PanicException, a BaseException that passes every `except Exception`) on some broken files
+    only when it first encodes, e.g. a post_processor naming a token it does not define. Such a file must
+    fail at load with a ModelLoadError, not later in a serving worker."""
+    try:
+        tok = make()
+        tok.decode(tok.encode(_SELF_TEST_TEXT, add_special_tokens=True), skip_special_tokens=False)
+        return tok
+    except Exception:
+        raise
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise ModelLoadError(f"{source}: the tokenizer is broken: the tokenizers library panicked on a test "
+                             f"encode ({str(e).strip() or 'no message'})") from None
+
+
 def _byte_fallback_ids(backend: HFTokenizer) -> frozenset:
     decoder = backend.decoder
     if decoder is None or b"ByteFallback" not in decoder.__getstate__():
@@ -270,6 +292,35 @@ def _validate_tokenizer_json(data: Any, path: str) -> None:
         if not 0 <= tid < limit:
             raise ModelLoadError(f"{path}: added token {content!r} has id {tid}, out of range "
                                  f"for a vocabulary of {n_model} tokens plus {len(added)} added")
+    _validate_post_processor(data.get("post_processor"), path)
+
+
+def _validate_post_processor(pp: Any, path: str) -> None:
+    """A TemplateProcessing post_processor must define every special token its templates name (the
+    tokenizers library panics on the first encode otherwise), with integer ids."""
+    if not isinstance(pp, dict):
+        return
+    if pp.get("type") == "Sequence":
+        for p in pp.get("processors") or []:
+            _validate_post_processor(p, path)
+        return
+    if pp.get("type") != "TemplateProcessing":
+        return
+    special = pp.get("special_tokens")
+    if not isinstance(special, dict):
+        raise ModelLoadError(f"{path}: post_processor.special_tokens must be an object")
+    for key, tok in special.items():
+        ids = tok.get("ids") if isinstance(tok, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
+            raise ModelLoadError(f"{path}: post_processor.special_tokens[{key!r}] needs a list of token ids")
+    for which in ("single", "pair"):
+        for piece in pp.get(which) or []:
+            name = piece.get("SpecialToken", {}).get("id") if isinstance(piece, dict) and \
+                isinstance(piece.get("SpecialToken"), dict) else None
+            if name is not None and name not in special:
+                raise ModelLoadError(f"{path}: post_processor template {which!r} names the special token "
+                                     f"{name!r}, which post_processor.special_tokens does not define")
 
 
 def _token_content(value: Any, name: str) -> Optional[str]:
