@@ -508,3 +508,18 @@ def test_the_installed_command_is_this_main():
         target = re.search(r'^corelm = "(.+)"$', f.read(), re.M).group(1)   # [project.scripts]
     module, _, attr = target.partition(":")
     assert getattr(importlib.import_module(module), attr) is cli.main
+
+
+@pytest.mark.parametrize("model", ["tests/data/models/stories260K/stories260K.gguf",
+                                   "models/SmolLM2-135M-Instruct.Q4_1.gguf"])
+def test_info_reports_the_context_and_storage_the_engine_uses(model, capsys):
+    """`corelm info MODEL` says the context chat/serve/batch get by default (4096 for the embedded model,
+    whose own is 8192: it used to say 8192) and how the matrices are stored (the embedded GGUF keeps its
+    q4_1 and q8_0 blocks: it used to be described only as "dequantized to fp32 at load")."""
+    import corelm
+    path = os.path.join(ROOT, model)
+    llm = corelm.LLM(path, threads=1)
+    assert cli.main(["info", path]) == 0
+    out = capsys.readouterr().out
+    assert f"context {llm.engine.max_seq_len} (-c 0" in out
+    assert f"Weights:   matrices stored as {llm.engine.dtype} (--dtype auto)" in out

@@ -144,6 +144,33 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
     return blocks
 
 
+def default_max_seq_len(spec) -> int:
+    """The context an engine gets when max_seq_len is not given: the model's own, at most 4096."""
+    return min(int(spec.max_position_embeddings or 2048), 4096)
+
+
+def _kept_blocks(loaded: LoadedModel, name: str, keep_raw):
+    """(raw, its format) when the weight's GGUF blocks are kept as stored under this dtype, else None."""
+    get_raw = getattr(loaded, "get_raw_weight", None)
+    raw = get_raw(name) if get_raw is not None and keep_raw else None
+    raw_format = format_of_gguf(raw[0]) if raw is not None else None
+    return (raw, raw_format) if raw_format is not None and raw_format.name in keep_raw else None
+
+
+def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
+    """How build_core_model would store the matrices (what loaded.stored_types says after a build),
+    without building: e.g. "q4_1+q8_0" for a GGUF whose blocks are kept, "bf16" for an HF model."""
+    dtype = choose("dtype", dtype)
+    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    dense = format_of_core(resolve_dtype(dtype)).name
+    stored = collections.Counter()
+    for name in loaded.weight_names():
+        if len(weight_shapes(loaded.spec)[name]) == 2:
+            kept = _kept_blocks(loaded, name, keep_raw)
+            stored[kept[1].name if kept else dense] += 1
+    return "+".join(t for t, _ in stored.most_common())
+
+
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
@@ -163,7 +190,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}.")
     if max_seq_len is None:
-        max_seq_len = min(int(spec.max_position_embeddings or 2048), 4096)
+        max_seq_len = default_max_seq_len(spec)
     if int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
     kv_cache_dtype = choose("kv_cache_dtype", kv_cache_dtype)
@@ -179,14 +206,13 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if progress:
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
-    get_raw = getattr(loaded, "get_raw_weight", None)
     keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
     stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
-        raw = get_raw(name) if get_raw is not None and keep_raw else None
-        raw_format = format_of_gguf(raw[0]) if raw is not None else None
+        kept = _kept_blocks(loaded, name, keep_raw)
         is_matrix = len(weight_shapes(spec)[name]) == 2
-        if raw_format is not None and raw_format.name in keep_raw:   # quantized blocks: repacked, no float round trip
+        if kept is not None:           # quantized blocks: repacked, no float round trip
+            raw, raw_format = kept
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
             stored[raw_format.name] += is_matrix
         else:

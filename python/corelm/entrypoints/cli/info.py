@@ -151,7 +151,9 @@ def format_info(info: Dict[str, Any]) -> str:
             f"           {model['architecture']}, {_count(model['parameters'])} parameters, "
             f"{model['layers']} layers, hidden {model['hidden_size']}, ffn {model['intermediate_size']}",
             f"           {model['heads']} heads ({model['kv_heads']} kv) of {model['head_dim']}, "
-            f"vocab {model['vocab_size']}, context {model['context_length']}, "
+            f"vocab {model['vocab_size']}, context {model['default_context']} "
+            f"(-c 0; the model's own: {model['context_length']}), "
             f"chat template: {'yes' if model['chat_template'] else 'no'}",
+            f"Weights:   matrices stored as {model['matrices_stored_as']} (--dtype auto)",
         ]
     return "\n".join(lines)
