@@ -155,5 +155,8 @@ def format_info(info: Dict[str, Any]) -> str:
             f"(-c 0; the model's own: {model['context_length']}), "
             f"chat template: {'yes' if model['chat_template'] else 'no'}",
             f"Weights:   matrices stored as {model['matrices_stored_as']} (--dtype auto)",
+            f"           quantized matmuls take {model['default_activations']} activations (--activations auto: "
+            f"the exact path, the model answers as its file does; int8 reads prompts faster at a fidelity "
+            f"cost, docs/quality.md)",
         ]
     return "\n".join(lines)
