@@ -5,8 +5,10 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
+import jinja2.ext
 import psutil
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -139,3 +141,138 @@ def test_hostile_template_is_stopped(tok, name):
     assert elapsed < TIME_LIMIT_S, (name, elapsed, str(info.value))
     assert peak[0] - rss < RSS_LIMIT, (name, (peak[0] - rss) >> 20)
     assert str(info.value).startswith("chat template"), str(info.value)
+
+
+def test_no_render_thread_outlives_its_budget(tok):
+    spin = HOSTILE["attr_spin"]
+    with ThreadPoolExecutor(8) as pool:
+        errors = list(pool.map(lambda _: _error(tok, spin), range(8)))
+    assert all(isinstance(e, ChatTemplateError) for e in errors), errors
+    deadline = time.monotonic() + 2
+    while any(t.name == "chat-template" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a chat-template thread is still running"
+        time.sleep(0.01)
+
+
+def _error(tok, template):
+    try:
+        tok.apply_chat_template(USER, chat_template=template)
+    except Exception as e:      # noqa: BLE001 -- returned to the test
+        return e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Normal templates render exactly as plain jinja2 renders them
+
+def _fixture_template(name):
+    with open(os.path.join(FIXTURES, f"tokenizer_{name}.json"), encoding="utf-8") as f:
+        return json.load(f)["chat_template"]
+
+
+NORMAL = {
+    "smollm2": _fixture_template("smollm2"),
+    "qwen2.5": _fixture_template("qwen2.5-coder"),
+    "chatml": ct.CHATML_TEMPLATE,
+    "llama3": (
+        "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+        "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools is not none %}"
+        "{{- 'Environment: ipython\\n' }}{%- endif %}{{- 'Cutting Knowledge Date: December 2023\\n' }}"
+        "{{- 'Today Date: ' + strftime_now('%d %b %Y')|length|string + '\\n\\n' }}{%- if tools is not none %}"
+        "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}{%- endif %}"
+        "{{- system_message }}{{- '<|eot_id|>' }}{%- for message in messages %}"
+        "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}"
+        "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+        "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+        "{{- '}' }}{{- '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"),
+    "mistral": (
+        "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+        "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+        "{{- bos_token }}{%- for message in loop_messages %}"
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{- raise_exception('roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+        "{%- if message['role'] == 'user' %}{%- if loop.first and system_message is defined %}"
+        "{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
+        "{%- else %}{{- ' [INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+        "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token}}{%- endif %}{%- endfor %}"),
+    "gemma": (
+        "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"),
+    "deepseek_r1_like": (
+        "{% set ns = namespace(is_first=false, system_prompt='') %}{%- for message in messages %}"
+        "{%- if message['role'] == 'system' %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}"
+        "{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message in messages %}"
+        "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+        "{%- if message['role'] == 'assistant' %}{% set content = message['content'] %}"
+        "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+        "{{ '<｜Assistant｜>' + content.strip() + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor %}"
+        "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"),
+    "features": (
+        "{% macro render(m, depth=0) %}{{ '  ' * depth }}{{ m.role|upper }}: {{ m.content|replace('\\n', ' ')|truncate(40) }}"
+        "{% endmacro %}{% set sep = joiner(' | ') %}{% for m in messages %}{{ sep() }}{{ render(m, loop.index0) }}"
+        "[{{ loop.cycle('odd', 'even') }} {{ loop.index }}/{{ loop.length }}{{ ' last' if loop.last }}]{% endfor %}\n"
+        "{{ messages|map(attribute='role')|join(',') }} {{ messages|selectattr('role', 'equalto', 'user')|list|length }}"
+        " {{ messages|rejectattr('role', 'in', ['system'])|map(attribute='content')|map('length')|sum }}"
+        " {{ '%s=%05.1f' % ('x', 3.14159) }} {{ '{}-{:>6}-{!r}'.format('a', 'b', 'c') }} {{ 'ab'|center(6) }}|"
+        "{{ 'a\\nb'|indent(2, true) }} {{ ('word ' * 5)|wordwrap(8) }} {{ [3, 1, 2]|sort|reverse|list }}"
+        " {{ {'b': 1, 'a': 2}|dictsort }} {{ [1, 2, 3, 4, 5]|batch(2)|list }} {{ [1, 2, 3]|slice(2)|list }}"
+        " {{ 'x' ~ 1 ~ none }} {{ (tools or [])|tojson }} {{ 7 is divisibleby 7 }} {{ 'Ab'.lower().startswith('a') }}"
+        " {{ 2 ** 10 }} {{ [1] + [2] }} {{ 'a,b'.split(',') }} {{ messages[0] }} {{ range(3)|list }}"
+        "{% for x in [[1, [2]], [3]] recursive %}({{ x if x is number else loop(x) }}){% endfor %}"
+        "{% set c = cycler('a', 'b') %}{{ c.next() }}{{ c.next() }}{{ c.next() }} {{ 'é'|title }} {{ 12345|filesizeformat }}"
+        "{% filter upper %}shout{% endfilter %}{% set block %}set {{ 1 }}{% endset %}{{ block }}"
+        "{{ dict(a=1).items()|list }} {{ 'x'.zfill(4) }} {{ 'ab'.replace('a', 'c') }} {{ '-'.join(['a', 'b']) }}"),
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "<think>sum</think>4"}, {"role": "user", "content": "Thanks ünïcode 😀\nbye"}],
+]
+
+
+def _reference_environment():
+    """The sandbox as it was before budgets: plain jinja2 with transformers' settings."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[ct._GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(ValueError(m))
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env
+
+
+@pytest.mark.parametrize("name", list(NORMAL))
+@pytest.mark.parametrize("tools", [None, [{"name": "f", "parameters": {"x": "météo <&>"}}]], ids=["", "tools"])
+def test_normal_templates_render_as_before(tok, name, tools):
+    reference = _reference_environment().from_string(NORMAL[name])
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            variables = {"bos_token": "<s>", "eos_token": "</s>", "tools": tools, "documents": None,
+                         "messages": messages, "add_generation_prompt": gen}
+            try:
+                expected = reference.render(**variables)
+            except ValueError:          # the template's raise_exception
+                with pytest.raises(ChatTemplateError, match="rejected the conversation"):
+                    tok.apply_chat_template(messages, add_generation_prompt=gen, chat_template=NORMAL[name],
+                                            tools=tools)
+                continue
+            got = tok.apply_chat_template(messages, add_generation_prompt=gen, chat_template=NORMAL[name], tools=tools)
+            assert got == expected
+
+
+def test_long_conversations_fit_the_budget(tok):
+    """The size limits grow with the input: a 3 MB message (over the fixed 2 Mi part) and a thousand
+    turns render with the real templates, quickly."""
+    big = [{"role": "user", "content": "word " * 600_000}]
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 20} for i in range(1000)]
+    for name in ("smollm2", "qwen2.5", "llama3", "deepseek_r1_like"):
+        for messages in (big, many):
+            start = time.monotonic()
+            text = tok.apply_chat_template(messages, chat_template=NORMAL[name])
+            assert time.monotonic() - start < 1.0
+            assert messages[-1]["content"].strip() in text

@@ -359,6 +359,9 @@ class _Counted:
     def __len__(self) -> int:
         return len(self._it)
 
+    def __bool__(self) -> bool:
+        return bool(self._it)
+
     def __iter__(self):
         charge = self._b.charge
         for x in self._it:
