@@ -546,6 +546,9 @@ def folder_cases() -> List[FolderCase]:
         FolderCase("hf_rope_factor_nan", config(rope_scaling={"rope_type": "linear", "factor": float("nan")}),
                    "rope_scaling.factor = nan"),
         FolderCase("hf_rms_norm_eps_1e308", config(rms_norm_eps=1e308), "rms_norm_eps = 1e+308"),
+        # found by tools/fuzz.py: was a TypeError (unhashable type) from the architecture lookup
+        FolderCase("hf_architectures_holds_a_list", config(architectures=[["LlamaForCausalLM"]]),
+                   "unsupported architecture"),
         FolderCase("hf_nan_weight", tiny_hf_folder(arrays=nan_arrays), None, "1 non-finite value"),
     ]
 

@@ -239,7 +239,7 @@ def _hf_arch(config: Dict[str, Any], source: str) -> str:
     archs = config.get("architectures")
     if isinstance(archs, list) and archs:
         for a in archs:
-            if a in HF_ARCHITECTURES:
+            if isinstance(a, str) and a in HF_ARCHITECTURES:
                 return HF_ARCHITECTURES[a]
         found = ", ".join(map(str, archs))
     elif config.get("model_type") in SUPPORTED_ARCHS:
@@ -296,7 +296,10 @@ def _sliding_window(config: Dict[str, Any], arch: str, source: str) -> Optional[
         return window
     if arch == "qwen2" and config.get("use_sliding_window") and window:
         # Qwen2 slides only in layers >= max_window_layers; all-or-nothing is what the engine can do.
-        if config.get("max_window_layers", 0) < config.get("num_hidden_layers", 0):
+        layers, window_layers = config.get("num_hidden_layers", 0), config.get("max_window_layers", 0)
+        if not _pos_int(window_layers) and window_layers != 0:
+            raise ModelLoadError(f"{source}: max_window_layers = {_short(window_layers)} is not an integer")
+        if _pos_int(layers) and window_layers < layers:
             raise ModelLoadError(f"{source}: Qwen2 sliding-window attention on some layers only "
                                  f"(use_sliding_window with max_window_layers) is not supported yet")
     return None
