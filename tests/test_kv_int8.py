@@ -149,3 +149,15 @@ def test_bf16_and_int8_kv_follow_fp32_until_a_near_tie(name):
         for kv, llm in llms.items():
             n = first_difference(llm.generate([prompt], params)[0].outputs[0].token_ids, expected)
             assert n == len(expected) or gaps[n] < 0.15, (kv, n, gaps[n])
+
+
+def test_kv_cache_follows_the_model_precision_by_default():
+    """kv_cache_dtype="auto" (the default): fp32 for fp32 matrices, bf16 for bf16 or quantized ones (a
+    GGUF's kept blocks included), as vLLM and llama.cpp store it in the model's precision; an explicit
+    choice wins."""
+    stories = os.path.join(MODELS, "stories260K")
+    assert corelm.LLM(stories, dtype="fp32", threads=1).engine.kv_cache_dtype == "fp32"
+    for dtype in ("bf16", "q8_0", "q4_0"):
+        assert corelm.LLM(stories, dtype=dtype, threads=1).engine.kv_cache_dtype == "bf16"
+    assert corelm.LLM(DEFAULT_GGUF, threads=1).engine.kv_cache_dtype == "bf16"      # q4_1+q8_0 blocks kept
+    assert corelm.LLM(stories, dtype="q8_0", threads=1, kv_cache_dtype="fp32").engine.kv_cache_dtype == "fp32"

@@ -68,8 +68,9 @@ CHOICES: Dict[str, Choice] = {c.option: c for c in (
            "AVX512_BF16, else fp32), or a weight format to convert to"),
     Choice("weights", tuple(WEIGHT_FORMATS), _formats_aliases(),
            "what `corelm convert` stores matrices as"),
-    Choice("kv_cache_dtype", ("fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
-           "precision of the KV cache"),
+    Choice("kv_cache_dtype", ("auto", "fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
+           "precision of the KV cache: auto is bf16 where the matrices are bf16 or quantized, fp32 where "
+           "they are fp32 (the model's own precision, as vLLM and llama.cpp do)"),
     Choice("activations", ("auto", "int8", "int16"), {"i8": "int8", "i16": "int16"},
            "input of matmuls with quantized weights, per block of 32: int16 (about 15 bits, close to fp32: "
            "the model answers as its file does; what auto picks) or int8 (faster prefill, less exact)"),

@@ -149,9 +149,10 @@ inline void load_w(const uint8_t* qs, __m512i w[4]) {
 }
 
 // Block b of NG groups of one super-group (v: the first of them): each activation vector is loaded
-// once for all NG groups; row sums (times the scales) go to facc, Q4M's minimum terms to macc.
+// once for all NG groups; row sums (times the scales) and Q4M's minimum terms (low half only) go to
+// acc, in the order the GEMM's tile adds them, so one row gets the same bits from either.
 template <WeightType T, bool VNNI, int NG>
-inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512 facc[NG], __m256 macc[NG]) {
+inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512 acc[NG]) {
   constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
   __m512i xq[4];
   const __m512i xb = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qx.q + b * kBlock)));
@@ -164,31 +165,32 @@ inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512
   for (int g = 0; g < NG; g++) {
     __m512i wv[4];
     load_w<T>(qs + g * QSB, wv);
-    __m512i acc = c;
-    for (int t = 0; t < 4; t++) acc = dpbusd<VNNI>(acc, wv[t], xq[t]);
-    facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scales8x2(dp + 8 * g), d), facc[g]);
+    __m512i s = c;
+    for (int t = 0; t < 4; t++) s = dpbusd<VNNI>(s, wv[t], xq[t]);
+    acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scales8x2(dp + 8 * g), d), acc[g]);
     if constexpr (T == WeightType::Q4M)
-      macc[g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g))),
-                                _mm256_set1_ps(qx.dxs[b]), macc[g]);
+      acc[g] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g)))),
+                               _mm512_set1_ps(qx.dxs[b]), acc[g]);
   }
 }
 
-// NG groups of one super-group against the whole of x: out[g] = the group's 8 row results. Blocks go
-// in pairs so that each group has two fp32 accumulators in registers (the FMA chain is not the limit).
+constexpr int64_t kKC = 16;  // blocks per K chunk, shared with the GEMM (below), whose order decode follows
+
+// NG groups of one super-group against the whole of x: out[g] = the group's 8 row results. Summed as
+// the GEMM sums a row: one fp32 accumulator per K chunk of kKC blocks, its halves added at the chunk's
+// end and the chunks added in order, so a token's logits do not depend on how many rows its step has
+// (the NG groups' chains keep the FMAs busy: decode waits for memory, not for them).
 template <WeightType T, bool VNNI, int NG>
 inline void gemv_groups(const QuantAct& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
-  __m512 f0[NG], f1[NG];
-  __m256 macc[NG];
-  for (int g = 0; g < NG; g++) f0[g] = f1[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    gemv_block<T, VNNI, NG>(qx, v, b, f0, macc);
-    gemv_block<T, VNNI, NG>(qx, v, b + 1, f1, macc);
-  }
-  if (b < nb) gemv_block<T, VNNI, NG>(qx, v, b, f0, macc);
-  for (int g = 0; g < NG; g++) {
-    const __m512 f = _mm512_add_ps(f0[g], f1[g]);
-    out[g] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(f), _mm512_extractf32x8_ps(f, 1)), macc[g]);
+  for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    const int64_t b1 = std::min(nb, b0 + kKC);
+    for (int64_t b = b0; b < b1; b++) gemv_block<T, VNNI, NG>(qx, v, b, acc);
+    for (int g = 0; g < NG; g++) {
+      const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(acc[g]), _mm512_extractf32x8_ps(acc[g], 1));
+      out[g] = b0 == 0 ? r : _mm256_add_ps(r, out[g]);
+    }
   }
 }
 
@@ -236,7 +238,7 @@ void gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64
 // group, block), then int32 -> fp32 times the two scales.
 
 constexpr int kMR = 6;                         // activation rows per tile
-constexpr int64_t kKC = 16;                    // blocks per K chunk: the strip's 6 x 16 x 256 B in L1
+// kKC (above): blocks per K chunk, the strip's 6 x 16 x 256 B in L1
 constexpr int64_t kChunkBytes = 384 << 10;     // weight bytes per (K chunk, group chunk): L2
 
 // Where the next chunk of weights starts, for the L2 prefetch in tile (none: group < 0).

@@ -79,7 +79,7 @@ class LLMEngine:
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
-                 kv_cache_dtype: str = "fp32", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
+                 kv_cache_dtype: str = "auto", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
                  numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
         t0 = time.perf_counter()
@@ -108,6 +108,7 @@ class LLMEngine:
         self.numa = numa
         self.dtype = getattr(self.loaded, "stored_types", None) or self.core.weight_type  # e.g. "q4_1+q8_0"
         self.max_seq_len = self.core.max_seq_len
+        self.kv_cache_dtype = self.core.kv_type
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)

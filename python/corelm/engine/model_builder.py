@@ -171,8 +171,23 @@ def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
     return "+".join(t for t, _ in stored.most_common())
 
 
+def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> str:
+    """kv_cache_dtype="auto": the model's precision, fp32 only where every matrix is computed in fp32
+    (float weights at dtype fp32), else bf16 (bf16 or quantized weights)."""
+    kv = choose("kv_cache_dtype", kv_cache_dtype)
+    if kv != "auto":
+        return kv
+    dtype = choose("dtype", dtype)
+    if resolve_dtype(dtype) != "fp32":
+        return "bf16"
+    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    quantized = keep_raw and any(_kept_blocks(loaded, name, keep_raw) for name, shape in
+                                 weight_shapes(loaded.spec).items() if len(shape) == 2)
+    return "bf16" if quantized else "fp32"
+
+
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
-                     max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "fp32",
+                     max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "auto",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
                      numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
@@ -193,7 +208,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         max_seq_len = default_max_seq_len(spec)
     if int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
-    kv_cache_dtype = choose("kv_cache_dtype", kv_cache_dtype)
+    kv_cache_dtype = resolve_kv_dtype(loaded, dtype, kv_cache_dtype)
     activations = check_activations(activations)
     dtype = choose("dtype", dtype)
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)

@@ -215,9 +215,11 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
-              schedule: Optional[str] = None, activations: str = "auto") -> Dict[str, Any]:
+              schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
+              kv_cache_gb: Optional[float] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
-    dtype, max_seq_len, numa, schedule and activations are corelm.LLM's, for every worker.
+    dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype and kv_cache_gb are corelm.LLM's,
+    for every worker.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}.")
@@ -231,8 +233,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     choose_optional("numa", numa)
     choose_optional("schedule", schedule)
     choose("activations", activations)
+    choose("kv_cache_dtype", kv_cache_dtype)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
-               "activations": activations}
+               "activations": activations, "kv_cache_dtype": kv_cache_dtype, "kv_cache_gb": kv_cache_gb}
     if not os.path.exists(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     if os.path.isdir(input_path):

@@ -48,8 +48,12 @@ def add_engine_flags(p: argparse.ArgumentParser,
     add_choice_flag(p, "--dtype", "dtype", "auto", "auto")
     add_choice_flag(p, "--activations", "activations", "auto", "auto")
     add_choice_flag(p, "--schedule", "schedule", None, "$CORELM_SCHEDULE or dynamic")
+    add_choice_flag(p, "--kv-cache-dtype", "kv_cache_dtype", "auto", "auto")
+    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="KV cache budget in GiB (default: room for 8 full-context sequences, at most 4 GiB; "
+                        "pages are reserved, and memory is used only as the cache fills)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="context length in tokens (default 0: the model's own)")
+                   help="context length in tokens (default 0: the model's own, at most 4096)")
 
 
 def add_verbose_flag(p: argparse.ArgumentParser) -> None:
@@ -88,7 +92,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
-    """The engine flags as LLMEngine keyword arguments; schedule and activations only when chosen,
+    """The engine flags as LLMEngine keyword arguments; schedule, activations and the KV cache's only when chosen,
     so the engine's own defaults (and $CORELM_SCHEDULE) apply otherwise."""
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}.")
@@ -99,6 +103,10 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
         options["schedule"] = args.schedule
     if args.activations != "auto":
         options["activations"] = args.activations
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.kv_cache_gb is not None:
+        options["kv_cache_gb"] = args.kv_cache_gb
     return options
 
 
