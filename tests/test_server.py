@@ -441,6 +441,7 @@ def test_503_while_loading(llm):
         err = assert_error(r, 503)
         assert err["type"] == "unavailable_error"
         assert_error(post(s, "/v1/completions", {"prompt": "x"}), 503)
+        assert_error(post(s, "/tokenize", {"prompt": "x"}), 503)
         release.set()
         assert s.state.wait_ready(10)
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
@@ -564,6 +565,20 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def wait_healthy(proc, url, timeout=60):
+    """Waits for a `corelm serve` process's /health to answer 200."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "corelm serve did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
 def _env():
     """Child processes import corelm from where this process did (installed or in place)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
@@ -583,16 +598,7 @@ def test_corelm_serve_command(tmp_path):
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             assert KEY.encode() not in f.read()
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "corelm serve did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(proc, url)
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert c.models.list().data[0].id == "stories260K"
@@ -658,17 +664,24 @@ class RecordingEngine(WrappedEngine):
         return self.inner.add_request(request_id, prompt, params)
 
 
-@pytest.fixture(scope="module")
-def recording_server():
+@contextlib.contextmanager
+def engine_server(make_engine, load_llm, **kwargs):
+    """A running, ready server whose engine is make_engine(llm) (a wrapper recording or slowing it)."""
     original = server_app.make_engine
-    server_app.make_engine = RecordingEngine
-    served = stories()
+    server_app.make_engine = make_engine
     try:
-        with running_server(lambda: served) as s:
-            assert s.state.wait_ready(10)
+        with running_server(load_llm, **kwargs) as s:
+            assert s.state.wait_ready(30)
             yield s
     finally:
         server_app.make_engine = original
+
+
+@pytest.fixture(scope="module")
+def recording_server():
+    served = stories()
+    with engine_server(RecordingEngine, lambda: served) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -737,7 +750,7 @@ def test_batch_keeps_the_stop_string_when_asked(batch_worker):
 
 @pytest.mark.parametrize("url,body", [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}),
-    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}),          # suffix needs a text prompt
     ("/v1/completions", {"prompt": "x", "suffix": SECRET}),
     ("/v1/completions", {"prompt": "x", "best_of": 3}),
     ("/v1/completions", {"prompt": "x", "n": 17}),

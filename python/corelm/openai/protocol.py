@@ -169,6 +169,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[List[Any]] = None
     functions: Optional[List[Any]] = None   # the deprecated form of tools
     response_format: Optional[Dict[str, Any]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None   # vLLM's: extra chat template variables
 
 
 BODIES = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
@@ -193,6 +194,10 @@ class GenerationRequest:
     include_usage: bool = False
     model: Optional[str] = None
     max_tokens_param: str = "max_tokens"    # the body field params.max_tokens came from
+    echo: bool = False                      # completions: each choice starts with its prompt's text
+    suffix: Optional[str] = None            # completions: fill in the middle between prompt and suffix
+    template_kwargs: Optional[Dict[str, Any]] = None   # chat: extra chat template variables
+    prompt_ids: Optional[List[List[int]]] = None       # set by encode_prompts
 
     @property
     def prompt_param(self) -> str:
@@ -217,11 +222,7 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
     if isinstance(req, ChatCompletionRequest):
         return GenerationRequest(True, _chat_params(req), [], _chat_messages(req), req.stream, include_usage,
                                  req.model, "max_completion_tokens" if req.max_completion_tokens is not None
-                                 else "max_tokens")
-    if req.echo:
-        raise unsupported("echo")
-    if req.suffix:
-        raise unsupported("suffix")
+                                 else "max_tokens", template_kwargs=check_template_kwargs(req.chat_template_kwargs))
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported("best_of", "'best_of' must equal 'n' (or be omitted).")
     params = _sampling_params(req, req.max_tokens, req.logprobs, {})
@@ -233,7 +234,31 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
         raise bad_request("'prompt' mixes token ids and prompts.", "prompt")
     if not prompts or len(prompts) * params.n > MAX_N:
         raise bad_request(f"Give from 1 to {MAX_N} prompts (times 'n').", "prompt")
-    return GenerationRequest(False, params, list(prompts), None, req.stream, include_usage, req.model)
+    if req.suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise bad_request("'suffix' needs text prompts, not token ids.", "suffix")
+    return GenerationRequest(False, params, list(prompts), None, req.stream, include_usage, req.model,
+                             echo=req.echo, suffix=req.suffix)
+
+
+# Variables the server itself gives the chat template; chat_template_kwargs may not replace them.
+_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token",
+                                "eos_token"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(kwargs: Optional[Dict[str, Any]],
+                          param: str = "chat_template_kwargs") -> Optional[Dict[str, Any]]:
+    """Per-request chat template variables ({"enable_thinking": false}): at most MAX_TEMPLATE_KWARGS,
+    named like identifiers, none of the variables the server sets. Their strings count towards the
+    render's budget like the messages' do."""
+    if not kwargs:
+        return None
+    if len(kwargs) > MAX_TEMPLATE_KWARGS or any(not k.isidentifier() or k.startswith("_") or k in _TEMPLATE_RESERVED
+                                                for k in kwargs):
+        raise bad_request(f"Invalid value for '{param}': give at most {MAX_TEMPLATE_KWARGS} variables named like "
+                          "identifiers, other than messages, add_generation_prompt, tools, documents, bos_token "
+                          "and eos_token.", param)
+    return dict(kwargs)
 
 
 def _chat_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -307,10 +332,12 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
     """The token ids of each prompt (chat: of the rendered conversation), checked against the
     vocabulary and the context; APIError otherwise. Slow for long inputs: run it off an event loop."""
     if req.chat:
-        try:
-            prompts = [engine.encode_chat(req.messages)]
-        except ValueError:
-            raise bad_request("The chat template could not be applied to these messages.", "messages") from None
+        prompts = [encode_chat(engine, req.messages, req.template_kwargs)]
+    elif req.suffix is not None:
+        fim = fim_tokens(engine.tokenizer, engine.vocab_size)
+        if fim is None:
+            raise unsupported("suffix", "'suffix' is not supported: this model has no fill-in-the-middle tokens.")
+        prompts = [fim_prompt(engine.tokenizer, fim, p, req.suffix) for p in req.prompts]
     else:
         prompts = []
         for p in req.prompts:
@@ -328,7 +355,48 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
         req.params.validate_against_vocab(engine.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
+    req.prompt_ids = prompts
     return prompts
+
+
+def encode_chat(engine, messages: List[Dict[str, Any]], template_kwargs: Optional[Dict[str, Any]] = None,
+                add_generation_prompt: bool = True, param: str = "messages",
+                add_special_tokens: bool = False) -> List[int]:
+    """Token ids of a conversation through the model's chat template (which writes BOS itself), with
+    extra template variables; a 400 naming `param` when the template cannot be applied."""
+    try:
+        if not template_kwargs and not add_special_tokens:
+            return engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        tok = engine.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    except ValueError:
+        raise bad_request("The chat template could not be applied to these messages.", param) from None
+
+
+# Fill-in-the-middle: the spellings of (prefix, suffix, middle) tokens, Qwen2.5-Coder's, then
+# StarCoder's / SmolLM's / DeepSeek-Coder-like ones.
+FIM_SPELLINGS = [("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+                 ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                 ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")]
+
+
+def fim_tokens(tokenizer, vocab_size: int) -> Optional[List[int]]:
+    """The ids of the model's (prefix, suffix, middle) FIM tokens, or None when it has none."""
+    for names in FIM_SPELLINGS:
+        ids = [tokenizer.token_to_id(n) for n in names]
+        if all(i is not None and 0 <= i < vocab_size for i in ids):
+            return ids
+    return None
+
+
+def fim_prompt(tokenizer, fim: List[int], prefix: str, suffix: str) -> List[int]:
+    """Prefix-suffix-middle order: [the tokenizer's leading special tokens (BOS, if it adds one)]
+    <prefix> prefix <suffix> suffix <middle>; the model writes the middle."""
+    head = tokenizer.encode("", add_special_tokens=True)
+    pre, suf, mid = fim
+    return (head + [pre] + tokenizer.encode(prefix, add_special_tokens=False) + [suf]
+            + tokenizer.encode(suffix, add_special_tokens=False) + [mid])
 
 
 def check_context(ids: List[int], limit: int, param: str, max_tokens: Optional[int] = None,

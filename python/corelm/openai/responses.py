@@ -125,6 +125,19 @@ class Response:
         self.created = int(time.time())
         self.model = model
         self.choices = [Choice(i) for i in range(req.num_choices)]
+        # echo: each completion choice starts with its prompt's text; the prompt tokens' logprobs are
+        # not computed, so with logprobs they are listed with null logprobs.
+        self.echo: List[Tuple[str, Optional[Dict[str, Any]]]] = []
+        if req.echo and not req.chat:
+            for p, prompt in enumerate(req.prompts):
+                ids = req.prompt_ids[p] if req.prompt_ids else []
+                text = prompt if isinstance(prompt, str) else \
+                    tokens.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+                self.echo.append((text, self._echo_logprobs(ids, len(text)) if self.want_logprobs else None))
+            for c in self.choices:
+                text = self.echo[c.index // self.n][0]
+                c.text.append(text)
+                c.offset = len(text)
 
     @property
     def finished(self) -> bool:
@@ -147,6 +160,18 @@ class Response:
         entry["logprobs"] = self._logprobs(new_lp)
         entry["finish_reason"] = chunk.finish_reason
         return entry
+
+    def _echo_logprobs(self, ids: List[int], text_len: int) -> Dict[str, Any]:
+        out: Dict[str, List[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for tid in ids:
+            token = self.tokens.get(tid)[0]
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(min(offset, text_len))
+            offset += len(token)
+        return out
 
     def _logprobs(self, entries) -> Optional[Dict[str, Any]]:
         if not self.want_logprobs:
@@ -173,6 +198,9 @@ class Response:
             else:
                 item["text"] = text
             item["logprobs"] = self._logprobs(c.logprobs)
+            if self.echo and item["logprobs"] is not None:
+                prompt_part = self.echo[c.index // self.n][1]
+                item["logprobs"] = {k: prompt_part[k] + v for k, v in item["logprobs"].items()}
             item["finish_reason"] = c.finish_reason
             out.append(item)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -188,7 +216,12 @@ class Response:
         return event
 
     def stream_start(self) -> List[Dict[str, Any]]:
-        """The events before any text: chat announces the assistant role of each choice."""
+        """The events before any text: chat announces the assistant role of each choice; echo sends
+        each completion choice's prompt text."""
+        if self.echo:
+            return [self.stream_chunk([{"index": c.index, "text": self.echo[c.index // self.n][0],
+                                        "logprobs": self.echo[c.index // self.n][1], "finish_reason": None}])
+                    for c in self.choices]
         if not self.chat:
             return []
         return [self.stream_chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},

@@ -4,7 +4,9 @@
     GET  /metrics               Prometheus text: requests, tokens, queue length, tokens/s
     GET  /v1/models
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]
-    POST /v1/chat/completions   messages through the model's chat template
+    POST /v1/chat/completions   messages through the model's chat template (chat_template_kwargs)
+    POST /tokenize, /detokenize as vLLM's server: a prompt or messages -> token ids, and back
+    GET  /                      the web chat page (static/, no build step, nothing fetched from elsewhere)
 
 The model loads in a background thread after the server starts listening. Hostile clients get bounded
 answers: a body not received within body_timeout seconds is a 408 (connection closed), a client that

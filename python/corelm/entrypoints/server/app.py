@@ -1,18 +1,20 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions,
-/health and /metrics. See corelm.entrypoints.server for the overview."""
+/tokenize, /detokenize, /health, /metrics, and the web chat page at /. See corelm.entrypoints.server
+for the overview."""
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.responses import Response as HTTPResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -20,11 +22,22 @@ from starlette.requests import ClientDisconnect
 from ...openai import (CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, encode_prompts,
                        parse_request, sampling_error)
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
+from .tokens import detokenize, tokenize
 
 log = logging.getLogger("corelm.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0     # a request body not fully received by then is a 408 (connection closed)
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The web chat page's files (a fixed list: no path from the URL reaches the file system) and their types.
+STATIC_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+                "chat.css": "text/css; charset=utf-8"}
+# Only the page's own files and API; no inline script or handler runs, whatever ends up in the page.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-cache"}
 _DISCONNECTED = object()
 
 
@@ -309,6 +322,40 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         metrics.count_request(endpoint, 200)
         return JSONResponse(response.body())
 
+    async def token_endpoint(request: Request, endpoint: str, handler):
+        authorize(request)
+        require_ready()
+        try:
+            body = await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+        except ClientDisconnect:
+            metrics.count_request(endpoint, 499)
+            return HTTPResponse(status_code=499)
+        out = await asyncio.to_thread(handler, state.engine, body)
+        metrics.count_request(endpoint, 200)
+        return JSONResponse(out)
+
+    @app.post(TOKENIZE_URL)
+    async def tokenize_endpoint(request: Request):
+        return await token_endpoint(request, TOKENIZE_URL, tokenize)
+
+    @app.post(DETOKENIZE_URL)
+    async def detokenize_endpoint(request: Request):
+        return await token_endpoint(request, DETOKENIZE_URL, detokenize)
+
+    def static_file(name: str):
+        metrics.count_request("/", 200)
+        return FileResponse(os.path.join(STATIC_DIR, name), media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
+
+    @app.get("/")
+    async def index():
+        return static_file("index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str):
+        if name not in STATIC_FILES or name == "index.html":
+            raise APIError(404, "Not found.", "not_found_error")
+        return static_file(name)
+
     @app.post(COMPLETIONS_URL)
     async def completions(request: Request):
         return await generate(request, COMPLETIONS_URL)
@@ -320,4 +367,5 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     return app
 
 
-_ROUTES = {COMPLETIONS_URL, CHAT_URL, "/v1/models", "/health", "/metrics"}
+TOKENIZE_URL, DETOKENIZE_URL = "/tokenize", "/detokenize"
+_ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, "/v1/models", "/health", "/metrics", "/"}

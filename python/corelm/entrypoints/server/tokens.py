@@ -1,0 +1,62 @@
+"""/tokenize and /detokenize, as vLLM's server has them:
+
+    POST /tokenize    {"prompt": "text", "add_special_tokens": true}
+                      {"messages": [...], "add_generation_prompt": true, "chat_template_kwargs": {...}}
+                      -> {"tokens": [...], "count": N, "max_model_len": M}
+    POST /detokenize  {"tokens": [...]} -> {"prompt": "text"}
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+from pydantic import ValidationError
+
+from ...openai.protocol import (ChatMessage, _Body, _chat_text, bad_request, check_template_kwargs, encode_chat,
+                                validation_error)
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None      # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: List[int]
+
+
+def _parse(model, body: Union[bytes, Dict[str, Any]]):
+    try:
+        return model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def tokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
+    """The token ids of a prompt, or of a conversation rendered with the chat template. Slow for long
+    inputs: run it off the event loop."""
+    req = _parse(TokenizeRequest, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("Give exactly one of 'prompt' and 'messages'.", "prompt" if req.prompt is None else "messages")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("The 'messages' is empty.", "messages")
+        kwargs = check_template_kwargs(req.chat_template_kwargs)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _chat_text(m.content)}
+                    for m in req.messages]
+        ids = encode_chat(engine, messages, kwargs, req.add_generation_prompt,
+                          add_special_tokens=bool(req.add_special_tokens))
+    else:
+        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_seq_len}
+
+
+def detokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
+    req = _parse(DetokenizeRequest, body)
+    if any(not 0 <= t < engine.vocab_size for t in req.tokens):
+        raise bad_request("The tokens contain ids outside the vocabulary.", "tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
