@@ -524,3 +524,4 @@ def test_info_reports_the_context_and_storage_the_engine_uses(model, capsys):
     assert f"context {llm.engine.max_seq_len} (-c 0" in out
     assert f"Weights:   matrices stored as {llm.engine.dtype} (--dtype auto)" in out
     assert f"take {llm.engine.activations} activations (--activations auto: the exact path" in out
+    assert "dequantized" not in out          # the GGUF's blocks are kept as stored

@@ -298,7 +298,7 @@ def test_q8_0_model_and_description(tmp_path):
         pytest.skip("tiny-mistral not present")
     hf = load_model(folder)
     gg = load_model(gguf_from_hf(folder, tmp_path / "m.gguf", arch="llama", quant="Q8_0"))
-    assert gg.description == "GGUF Q8_0 (+F32), dequantized to fp32 at load"
+    assert gg.description == "GGUF Q8_0 (+F32)"
     for name in weight_shapes(hf.spec):
         want = hf.get_weight(name)
         tol = np.abs(want).max() / 127 * 0.51 + 1e-6

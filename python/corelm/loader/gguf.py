@@ -602,7 +602,8 @@ def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, str]):
 
 def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:
     # Name the file by the type of most of its matrices (as "a Q4_1 model" has F32 norms and maybe a Q8_0
-    # embedding), then list the other types present.
+    # embedding), then list the other types present. How the engine stores them depends on its dtype
+    # (quantized blocks are kept under "auto"), so the file's description does not say.
     rank: Dict[str, Tuple[int, int]] = {}
     for t in names.values():
         info = g.tensors[t]
@@ -610,5 +611,4 @@ def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:
         rank[info.type_name] = (n_mat + (len(info.shape) >= 2), n_bytes + info.nbytes)
     kinds = sorted(rank, key=rank.get, reverse=True)
     others = f" (+{', '.join(kinds[1:])})" if len(kinds) > 1 else ""
-    conv = "" if kinds == ["F32"] else ", dequantized to fp32 at load"
-    return f"GGUF {kinds[0]}{others}{conv}"
+    return f"GGUF {kinds[0]}{others}"

@@ -69,7 +69,7 @@ class LoadedModel:
     generation_config: Dict[str, Any] = field(default_factory=dict)
     source: str = ""                # path of the folder or file
     source_format: str = ""         # "hf" | "gguf"
-    description: str = ""           # e.g. "GGUF Q4_1 (dequantized at load)"
+    description: str = ""           # e.g. "GGUF Q4_1 (+Q8_0, F32)"
 
     # Called after a weight has been copied into the engine: drops the file pages it occupied from this
     # process, so peak memory is the packed model, not the packed model plus the mapped file.
