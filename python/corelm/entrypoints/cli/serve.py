@@ -11,7 +11,8 @@ from .flags import add_engine_flags, add_model_arg, add_verbose_flag, engine_opt
 
 def add_parser(commands) -> None:
     p = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                            description="Serve a web chat page at /, the OpenAI API (/v1/completions, "
+                                        "/v1/chat/completions, /v1/models), /tokenize, /detokenize, /health "
                                         "and /metrics (needs the serve extra: pip install 'corelm[serve]').")
     add_model_arg(p)
     add_engine_flags(p)
