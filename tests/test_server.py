@@ -271,7 +271,7 @@ def assert_error(r, status, param=None):
     ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"prompt": [1, 10**6]}, "prompt"),
     ({"prompt": SECRET * 200}, "prompt"),               # longer than the 256-token context
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5000000": 1}}, "logit_bias"),   # outside the vocabulary
     ({"prompt": {"text": SECRET}}, "prompt"),
     ({"max_tokens": 5}, "prompt"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),                # at most 16 stop strings
@@ -749,7 +749,7 @@ def test_batch_keeps_the_stop_string_when_asked(batch_worker):
 
 
 @pytest.mark.parametrize("url,body", [
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}),
     ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}),          # suffix needs a text prompt
     ("/v1/completions", {"prompt": "x", "suffix": SECRET}),
     ("/v1/completions", {"prompt": "x", "best_of": 3}),
@@ -772,7 +772,7 @@ def test_batch_keeps_the_stop_string_when_asked(batch_worker):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}),
+                              "response_format": {"type": "json_schema"}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),

@@ -15,9 +15,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from .guided import GuidedDecodingParams, StructuredOutputsParams, as_structured  # noqa: F401 (re-exported)
+
+MAX_LOGIT_BIAS = 300        # OpenAI's limit on logit_bias entries
 
 # vLLM treats temperatures below this as greedy: dividing logits by ~0 only amplifies rounding noise.
 _SAMPLING_EPS = 1e-5
@@ -79,6 +83,27 @@ def _as_stop_list(value) -> List[str]:
     return list(value)
 
 
+def _as_logit_bias(value) -> Dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_describe(value)}.")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}.")
+    out = {}
+    for k, v in value.items():
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():    # OpenAI's JSON keys are strings
+            k = int(k)
+        t = _as_int("logit_bias token id", k)
+        if t < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {t}.")
+        b = _as_float("logit_bias value", v)
+        if not -100.0 <= b <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {b}.")
+        out[t] = b
+    return out
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. Names, defaults and ranges follow vLLM's SamplingParams.
@@ -106,6 +131,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Optional[Dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None   # vLLM's older name for structured_outputs
 
     def __post_init__(self):
         self._check_types()
@@ -135,6 +163,14 @@ class SamplingParams:
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool("include_stop_str_in_output",
                                                    self.include_stop_str_in_output)
+        self.logit_bias = _as_logit_bias(self.logit_bias) or None
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and \
+                    as_structured(self.guided_decoding) != as_structured(self.structured_outputs):
+                raise ValueError("structured_outputs and guided_decoding (its older name) disagree; give one.")
+            self.structured_outputs = self.guided_decoding
+        self.structured_outputs = as_structured(self.structured_outputs)
+        self.guided_decoding = self.structured_outputs
 
     def _check_ranges(self):
         if self.n < 1:
@@ -182,6 +218,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size}).")
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias contains token id {t}, outside the vocabulary [0, {vocab_size}).")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got {self.logprobs}.")
 
@@ -341,6 +380,9 @@ class Sampler:
         self._stop_ids = np.unique(np.asarray(list(params.stop_token_ids) + eos, dtype=np.int64))
         self._penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                            or params.frequency_penalty != 0.0)
+        bias = params.logit_bias or {}
+        self._bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self._bias_vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         self.start(())
 
     # --- state -------------------------------------------------------------------------------------
@@ -406,15 +448,17 @@ class Sampler:
     # --- sampling ----------------------------------------------------------------------------------
 
     def sample(self, logits: np.ndarray, prompt_ids: Optional[Sequence[int]] = None,
-               output_ids: Optional[Sequence[int]] = None) -> int:
-        """The next token id for `logits` (float32 [vocab])."""
+               output_ids: Optional[Sequence[int]] = None, allowed: Optional[np.ndarray] = None) -> int:
+        """The next token id for `logits` (float32 [vocab]). `allowed` (bool [vocab], a grammar's mask)
+        restricts the choice to its True entries; it is applied last, after penalties, logit_bias and
+        min_tokens, and wins over min_tokens when they leave nothing."""
         if prompt_ids is not None or output_ids is not None:
             self._sync(prompt_ids, output_ids)
         elif self._pending is not None:
             self.accept(self._pending)
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} entries, expected {self.vocab_size}.")
-        x = self._processed_logits(np.asarray(logits).reshape(-1))
+        x = self._processed_logits(np.asarray(logits).reshape(-1), allowed)
         p = self.params
         if p.is_greedy or p.top_k == 1:
             token = int(np.argmax(x))            # first maximum: ties go to the lowest id
@@ -423,19 +467,26 @@ class Sampler:
         self._pending = token
         return token
 
-    def _processed_logits(self, logits: np.ndarray) -> np.ndarray:
-        """Penalties and the min_tokens mask, on a copy (only when there is something to change)."""
+    def _processed_logits(self, logits: np.ndarray, allowed: Optional[np.ndarray] = None) -> np.ndarray:
+        """Penalties, logit_bias, the min_tokens mask and the grammar's mask, on a copy (only when
+        there is something to change)."""
         p = self.params
         mask_stops = self._n_out < p.min_tokens and len(self._stop_ids)
-        if not (self._penalised or mask_stops):
-            return logits
+        if not (self._penalised or mask_stops or len(self._bias_ids)):
+            return logits if allowed is None else np.where(allowed, logits, np.float32(-np.inf))
         x = logits.astype(np.float32, copy=True)
         if self._penalised:
             out_ids = self._out_ids.view()
             _penalise(x, self._seen_ids.view(), out_ids, self._counts[out_ids], p.repetition_penalty,
                       p.presence_penalty, p.frequency_penalty)
+        if len(self._bias_ids):
+            x[self._bias_ids] += self._bias_vals
         if mask_stops:
             x[self._stop_ids] = -np.inf
+        if allowed is not None:
+            y = np.where(allowed, x, np.float32(-np.inf))
+            # min_tokens (or a -inf bias) may forbid all the grammar allows (e.g. only EOS): the grammar wins
+            x = y if np.isfinite(y.max()) else np.where(allowed, logits, np.float32(-np.inf))
         return x
 
     def _sample_random(self, x: np.ndarray) -> int:

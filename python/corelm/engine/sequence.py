@@ -3,12 +3,15 @@ text. An engine runs the model and hands each step's logits to `Sequence.step`, 
 token and returns the text it completes, with `finish_reason` set on the last step."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
 from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger("corelm")
 
 
 @dataclass
@@ -73,6 +76,11 @@ class Sequence:
         self.max_new = max_new_tokens if params.max_tokens is None else min(params.max_tokens, max_new_tokens)
         self.output_ids: List[int] = []
         self.finish_reason: Optional[str] = None
+        # structured output: the grammar's mask restricts every step; ValueError if it does not compile
+        self.guide = None
+        if params.structured_outputs is not None:
+            from .guided import GuidedMatcher
+            self.guide = GuidedMatcher(params.structured_outputs, tokenizer, vocab_size, eos_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -81,19 +89,37 @@ class Sequence:
     def step(self, logits: np.ndarray) -> StreamChunk:
         """Samples the next token from `logits` and returns what it adds."""
         params = self.params
-        token = self.sampler.sample(logits)
+        guide = self.guide
+        allowed = None
+        if guide is not None:
+            allowed = guide.allowed()
+            if not allowed.any():        # the grammar failed (e.g. out of its step budget): end with EOS
+                log.warning("structured output: the grammar allows no token (%s); the sequence ends", guide.error)
+                allowed[list(guide.eos)] = True
+        token = self.sampler.sample(logits, allowed=allowed)
         self.output_ids.append(token)
         n = len(self.output_ids)
         lp = self.sampler.logprobs(logits, token) if params.logprobs is not None else None
         logprob, rank, top = lp or (None, None, None)
         extra = dict(logprob=logprob, top_logprobs=top, index=self.index, logprob_rank=rank)
-        if token in self.stop_ids and not (token in self.eos and n <= params.min_tokens):
+        if guide is not None and token in guide.eos and token not in self.stop_ids:
+            self.stop_ids = self.stop_ids | {token}    # the grammar ended: EOS stops even with ignore_eos
+        if token in self.stop_ids and not (token in self.eos and n <= params.min_tokens and guide is None):
             self.finish_reason = "stop"
             special = self.tokenizer.is_special(token) and params.skip_special_tokens
             text = "" if special else self.detok.add(token)
             tail = self.stops.feed(text + self.detok.flush())[0] + self.stops.flush()
             return StreamChunk(tail, token, "stop", token, **extra)
+        grammar_done = False
+        if guide is not None:
+            if not guide.consume(token):
+                log.warning("structured output: the grammar refused a token (%s); the sequence ends", guide.error)
+            grammar_done = guide.stopped       # nothing but EOS may follow: end now, without another step
         text, matched = self.stops.feed(self.detok.add(token))
+        if grammar_done and matched is None:
+            self.finish_reason = "stop"
+            text += self.stops.feed(self.detok.flush())[0] + self.stops.flush()
+            return StreamChunk(text, token, "stop", None, **extra)
         if matched is not None:
             self.finish_reason = "stop"
             return StreamChunk(text, token, "stop", matched, **extra)

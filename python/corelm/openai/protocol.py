@@ -7,12 +7,15 @@ echoed back (llama.cpp PR#9210: "error messages are supposed to be fixed strings
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import SamplingParams
+from ..engine.guided import StructuredOutputsParams
+from ..engine.sampling import MAX_LOGIT_BIAS
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -70,6 +73,8 @@ _RANGES = {
     "logprobs": "an integer from 0 to {max_logprobs}",
     "skip_special_tokens": "a boolean",
     "include_stop_str_in_output": "a boolean",
+    "logit_bias": f"an object of at most {MAX_LOGIT_BIAS} token ids (as strings) inside the vocabulary, "
+                  "each mapped to a number in [-100, 100]",
 }
 
 
@@ -139,6 +144,13 @@ class _Sampling(_Body):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_Sampling):
@@ -168,7 +180,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     tools: Optional[List[Any]] = None
     functions: Optional[List[Any]] = None   # the deprecated form of tools
-    response_format: Optional[Dict[str, Any]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None   # vLLM's: extra chat template variables
 
 
@@ -216,8 +227,6 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
         req = BODIES[url].model_validate(body) if isinstance(body, dict) else BODIES[url].model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e) from None
-    if req.logit_bias:
-        raise unsupported("logit_bias")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatCompletionRequest):
         return GenerationRequest(True, _chat_params(req), [], _chat_messages(req), req.stream, include_usage,
@@ -266,8 +275,6 @@ def _chat_params(req: ChatCompletionRequest) -> SamplingParams:
         raise unsupported("tools")
     if req.functions:
         raise unsupported("functions")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "Only the 'text' response_format is supported.")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -310,6 +317,8 @@ def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Option
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         p = rename.get("logprobs", "logprobs")
         raise bad_request(f"Invalid value for '{p}': it must be an integer from 0 to {MAX_LOGPROBS}.", p)
+    structured = _structured_outputs(req)
+    logit_bias = _logit_bias(req.logit_bias)
     # a null field takes SamplingParams' default
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                     repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
@@ -320,9 +329,78 @@ def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Option
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias, structured_outputs=structured,
             **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:
         raise sampling_error(e, rename) from None
+
+
+MAX_GUIDE_CHARS = 64 * 1024     # a schema, regex or grammar in a request (as JSON text)
+
+
+def _logit_bias(bias: Optional[Dict[str, Any]]) -> Optional[Dict[int, float]]:
+    """OpenAI's {"token id": bias}: decimal ids, at most MAX_LOGIT_BIAS, biases in [-100, 100] (the ids
+    are checked against the vocabulary with the other parameters, in encode_prompts)."""
+    if not bias:
+        return None
+    valid = _RANGES["logit_bias"]
+    if len(bias) > MAX_LOGIT_BIAS or not all(k.isascii() and k.isdigit() and len(k) < 10 for k in bias) \
+            or not all(-100 <= v <= 100 for v in bias.values()):
+        raise bad_request(f"Invalid value for 'logit_bias': it must be {valid}.", "logit_bias")
+    return {int(k): float(v) for k, v in bias.items()}
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_outputs(req: _Sampling) -> Optional[StructuredOutputsParams]:
+    """response_format / structured_outputs / guided_* -> StructuredOutputsParams (at most one of them);
+    a 400 naming the field when it is malformed or does not compile (the message never quotes it)."""
+    given = []
+    rf = req.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        given.append(("response_format", _response_format(rf)))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for field, kind in _GUIDED.items():
+        if getattr(req, field) is not None:
+            given.append((field, {kind: getattr(req, field)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"Give only one of 'response_format', 'structured_outputs' and the 'guided_*' fields "
+                          f"(got '{given[0][0]}' and '{given[1][0]}').", given[1][0])
+    param, spec = given[0]
+    if len(_json_text(spec)) > MAX_GUIDE_CHARS:      # bound the text before compiling it
+        raise bad_request(f"Invalid value for '{param}': at most {MAX_GUIDE_CHARS} characters.", param)
+    try:
+        return StructuredOutputsParams(**spec)
+    except (ValueError, TypeError):
+        raise bad_request(f"Invalid value for '{param}': it could not be compiled into a grammar (give a valid "
+                          f"JSON schema, regex, list of choices or Lark/GBNF grammar, within the size limits).",
+                          param) from None
+
+
+def _json_text(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return ""
+
+
+def _response_format(rf: Dict[str, Any]) -> Dict[str, Any]:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format' of type 'json_schema' needs 'json_schema': {'name', 'schema'}.",
+                              "response_format")
+        return {"json": schema}
+    raise bad_request("Invalid value for 'response_format': 'type' must be 'text', 'json_object' or "
+                      "'json_schema'.", "response_format")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,8 +433,21 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
         req.params.validate_against_vocab(engine.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
+    if req.params.structured_outputs is not None:
+        _compile_for(engine, req.params.structured_outputs)
     req.prompt_ids = prompts
     return prompts
+
+
+def _compile_for(engine, so: StructuredOutputsParams) -> None:
+    """Compiles the grammar for the engine's tokenizer here (off the event loop; the engine's sequences
+    then copy the cached matcher); a 400 when it does not compile for this vocabulary."""
+    from ..engine.guided import GuidedMatcher
+    try:
+        GuidedMatcher(so, engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    except ValueError:
+        raise bad_request("The structured output constraint could not be compiled for this model's "
+                          "vocabulary.", "structured_outputs") from None
 
 
 def encode_chat(engine, messages: List[Dict[str, Any]], template_kwargs: Optional[Dict[str, Any]] = None,

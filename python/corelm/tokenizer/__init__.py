@@ -145,6 +145,10 @@ class Tokenizer:
         except (ValueError, AttributeError):
             return False
 
+    def to_json_str(self) -> str:
+        """The HF `tokenizers` JSON of this tokenizer (what grammar engines such as llguidance read)."""
+        return self._tk.to_str()
+
     def save(self, path: str) -> None:
         """Writes the tokenizer as an HF tokenizer.json (a GGUF's vocabulary included)."""
         self._tk.save(path)

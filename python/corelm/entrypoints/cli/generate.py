@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from typing import Iterable, List
 
@@ -22,6 +24,8 @@ def add_parser(commands) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print text as it is generated (default: on)")
     add_sampling_flags(p)
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to JSON valid against the JSON schema in FILE (llguidance)")
     p.set_defaults(func=run)
 
 
@@ -54,8 +58,26 @@ def write_stream(stream: Iterable, live: bool) -> str:
     return text
 
 
+def read_schema(path: str):
+    """The JSON schema in `path` (ValueError naming the file when it cannot be read or parsed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {path}: {e.strerror}.") from None
+    except ValueError as e:
+        raise ValueError(f"--json-schema: {path} is not valid JSON ({e}).") from None
+
+
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    if args.json_schema is not None:
+        from ...engine.guided import StructuredOutputsParams
+        try:
+            so = StructuredOutputsParams(json=read_schema(args.json_schema))
+        except ValueError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
+        params = dataclasses.replace(params, structured_outputs=so, guided_decoding=None)
     prompt = read_prompt(args)
     llm = llm_from_args(args)
     if args.chat or args.system:
