@@ -374,7 +374,9 @@ def _structured_outputs(req: _Sampling) -> Optional[StructuredOutputsParams]:
     if len(_json_text(spec)) > MAX_GUIDE_CHARS:      # bound the text before compiling it
         raise bad_request(f"Invalid value for '{param}': at most {MAX_GUIDE_CHARS} characters.", param)
     try:
-        return StructuredOutputsParams(**spec)
+        so = StructuredOutputsParams(**spec)
+        so.source_param = param          # the field later errors (compiling for the vocabulary) name
+        return so
     except (ValueError, TypeError):
         raise bad_request(f"Invalid value for '{param}': it could not be compiled into a grammar (give a valid "
                           f"JSON schema, regex, list of choices or Lark/GBNF grammar, within the size limits).",
@@ -447,7 +449,7 @@ def _compile_for(engine, so: StructuredOutputsParams) -> None:
         GuidedMatcher(so, engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     except ValueError:
         raise bad_request("The structured output constraint could not be compiled for this model's "
-                          "vocabulary.", "structured_outputs") from None
+                          "vocabulary.", getattr(so, "source_param", "structured_outputs")) from None
 
 
 def encode_chat(engine, messages: List[Dict[str, Any]], template_kwargs: Optional[Dict[str, Any]] = None,
