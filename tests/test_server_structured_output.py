@@ -12,7 +12,8 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 import corelm  # noqa: E402
-from test_server import SECRET, assert_error, post, running_server  # noqa: E402
+from corelm.entrypoints.batch.worker import BatchWorker  # noqa: E402
+from test_server import SECRET, assert_error, batch_answer, post, running_server  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
@@ -85,3 +86,17 @@ def test_logit_bias(client, served):
 def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     err = assert_error(post(server, "/v1/chat/completions", body, key=None), 400, param)
     assert SECRET not in json.dumps(err)
+
+
+def test_batch_lines_take_the_same_fields():
+    worker = BatchWorker(None, 2)
+    body = {"messages": [{"role": "user", "content": "Describe a person."}], "temperature": 0.8, "seed": 4,
+            "max_tokens": 120, "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "p", "schema": SCHEMA}}}
+    line, err = batch_answer(worker, "/v1/chat/completions", body)
+    assert err is None
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    line, err = batch_answer(worker, "/v1/completions", {"prompt": "x", "guided_regex": SECRET + "(("})
+    assert line is None and SECRET not in err[1]
