@@ -11,7 +11,7 @@ light commands do not pay for loading the C++ core.
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamChunk",
-           "TextPrompt", "TokensPrompt",
+           "TextPrompt", "TokensPrompt", "StructuredOutputsParams",
            "ModelLoadError", "__version__"]
 
 
@@ -22,6 +22,9 @@ def __getattr__(name):
     if name in ("LLMEngine", "SamplingParams", "StreamChunk", "TextPrompt", "TokensPrompt"):
         from . import engine
         return getattr(engine, name)
+    if name == "StructuredOutputsParams":
+        from .engine.sampling import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "ModelLoadError":
         from .loader.spec import ModelLoadError
         return ModelLoadError
