@@ -1,4 +1,4 @@
-"""The request-level engine interface (the LLM's BatchEngine): every request ends exactly once, aborts work
+"""The request-level engine interface (LLMEngine over its Scheduler): every request ends exactly once, aborts work
 before and during generation, results equal LLM.generate's."""
 import os
 
