@@ -56,6 +56,48 @@ def test_hermes_plain_and_malformed_stay_text():
         assert hermes.parse(bad) == (bad, [])
 
 
+# --- responses: the output of an auto tool choice, streamed and whole ------------------------------------
+
+def _answer(pieces, stream):
+    """The model writing `pieces` (one token each) answered as a response to a request with TOOLS."""
+    from corelm.engine.sequence import StreamChunk
+    from corelm.openai import Response
+    req = parse_request(CHAT_URL, {"messages": ASK, "tools": TOOLS})
+    req.prompt_ids = [[1]]
+    response = Response(req, 1, "m", None)
+    entries = [response.add(0, StreamChunk(p, 7, "stop" if i == len(pieces) - 1 else None))
+               for i, p in enumerate(pieces)]
+    return [e for e in entries if e is not None] if stream else response.body()["choices"][0]
+
+
+CALL = ["Sure", ".", "\n<tool", "_call", '>{"name": "get_time", ', '"arguments": {"zone": "UTC"}}</tool_call>']
+
+
+def test_auto_call_after_text():
+    choice = _answer(CALL, stream=False)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    deltas = _answer(CALL, stream=True)
+    assert "".join(e["delta"].get("content", "") for e in deltas) == "Sure."
+    assert not any("<" in e["delta"].get("content", "") for e in deltas)      # the call's text is held back
+    [last] = [e for e in deltas if "tool_calls" in e["delta"]]
+    assert last is deltas[-1] and last["finish_reason"] == "tool_calls"
+    assert last["delta"]["tool_calls"][0]["index"] == 0
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_auto_text_and_a_held_lookalike_stay_text():
+    for pieces in (["Hello", " there."], ["a <", "tool", " b"], ["x <tool_call>{bad"]):
+        text = "".join(pieces)
+        choice = _answer(pieces, stream=False)
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, "stop")
+        assert "tool_calls" not in choice["message"]
+        deltas = _answer(pieces, stream=True)
+        assert "".join(e["delta"].get("content", "") for e in deltas) == text
+        assert deltas[-1]["finish_reason"] == "stop"
+
+
 # --- the chat template gets the tools, the calls and their results --------------------------------------
 
 def test_qwen_template_renders_tools_calls_and_results():

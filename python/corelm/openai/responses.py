@@ -176,9 +176,10 @@ class Response:
         if c.finish_reason is None:
             start = self.tools.parser.START
             safe = 0 if self.tools.forced else text.find(start)
-            if safe < 0:        # hold a tail that may be the beginning of a call
+            if safe < 0:        # hold a tail that may be the beginning of a call, and the space before it
                 safe = len(text) - next((k for k in range(min(len(start), len(text)), 0, -1)
                                          if start.startswith(text[-k:])), 0)
+            safe = len(text[:safe].rstrip())
             delta = {"content": text[c.sent:safe]} if safe > c.sent else {}
             c.sent = max(c.sent, safe)
             return delta, None
