@@ -187,6 +187,14 @@ def test_bad_tools_are_400(server, tools, choice, param):
     assert_error(post(server, "/v1/chat/completions", body, key=None), 400, param)
 
 
+@pytest.mark.parametrize("calls", ["f", [{"function": "f"}], [{"type": "function", "function": {"name": "f"}}],
+                                   [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]])
+def test_bad_assistant_tool_calls_are_400(server, calls):
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": calls}]
+    assert_error(post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 4}, key=None), 400,
+                 "messages")
+
+
 def test_batch_forced_call():
     worker = BatchWorker(None, 2)
     line, err = batch_answer(worker, "/v1/chat/completions",

@@ -99,7 +99,7 @@ def validation_error(exc: ValidationError) -> APIError:
     kind = err.get("type", "")
     if kind in ("json_invalid", "json_type"):
         return bad_request("The request body is not valid JSON.", code="invalid_json")
-    if kind in ("model_type", "model_attributes_type") or not err.get("loc"):
+    if not err.get("loc"):          # the body itself (a nested object of the wrong type names its field)
         return bad_request("The request body must be a JSON object.")
     param = str(err["loc"][0])
     if kind == "missing":
@@ -168,11 +168,22 @@ class TextPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str          # JSON text, as OpenAI writes it
+
+
+class ToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[TextPart]]] = None
     name: Optional[str] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None    # an assistant's earlier calls
+    tool_calls: Optional[List[ToolCall]] = None          # an assistant's earlier calls
     tool_call_id: Optional[str] = None                   # a tool message: the call it answers
 
 
@@ -299,7 +310,7 @@ def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, Any]]:
         message: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                    "content": _chat_text(m.content)}
         if m.tool_calls:
-            message["tool_calls"] = template_messages_tool_calls(m.tool_calls)
+            message["tool_calls"] = template_messages_tool_calls([c.model_dump() for c in m.tool_calls])
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)

@@ -105,11 +105,10 @@ def template_messages_tool_calls(tool_calls: List[Dict[str, Any]]) -> List[Dict[
     sends a JSON string; Qwen2.5's template writes `arguments | tojson`)."""
     out = []
     for call in tool_calls:
-        f = dict(call.get("function") or {})
-        if isinstance(f.get("arguments"), str):
-            try:
-                f["arguments"] = json.loads(f["arguments"])
-            except ValueError:
-                pass
+        f = dict(call["function"])
+        try:
+            f["arguments"] = json.loads(f["arguments"])
+        except ValueError:
+            pass            # not JSON: the template gets the text
         out.append({**call, "function": f})
     return out
