@@ -113,7 +113,8 @@ def test_parse_line_accepts_both_endpoints_and_the_shorthand():
     (json.dumps(chat_line("a", messages=[])), "invalid_request", True),
     (json.dumps(chat_line("a", temperature="hot")), "invalid_request", True),
     (json.dumps(chat_line("a", top_p=7)), "invalid_request", True),
-    (json.dumps(chat_line("a", tools=[{"type": "function"}])), "unsupported_parameter", True),
+    (json.dumps(chat_line("a", tools=[{"type": "function"}])), "invalid_request", True),   # no function
+    (json.dumps(chat_line("a", functions=[{"name": "f"}])), "unsupported_parameter", True),
     (json.dumps(chat_line("a", stream=True)), "unsupported_parameter", True),
     ('{"custom_id": "a", "prompt": "x", "temperature": NaN}', "invalid_json", False),   # not JSON, as for the server
     (json.dumps(completion_line("a", prompt=None)), "invalid_request", True),

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .. import SamplingParams
 from ..engine.guided import StructuredOutputsParams
 from ..engine.sampling import MAX_LOGIT_BIAS
+from .tools import ToolConfig, check_tools, template_messages_tool_calls
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -98,7 +99,7 @@ def validation_error(exc: ValidationError) -> APIError:
     kind = err.get("type", "")
     if kind in ("json_invalid", "json_type"):
         return bad_request("The request body is not valid JSON.", code="invalid_json")
-    if kind in ("model_type", "model_attributes_type") or not err.get("loc"):
+    if not err.get("loc"):          # the body itself (a nested object of the wrong type names its field)
         return bad_request("The request body must be a JSON object.")
     param = str(err["loc"][0])
     if kind == "missing":
@@ -167,10 +168,23 @@ class TextPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str          # JSON text, as OpenAI writes it
+
+
+class ToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None          # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                   # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -179,6 +193,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[List[Any]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     functions: Optional[List[Any]] = None   # the deprecated form of tools
     chat_template_kwargs: Optional[Dict[str, Any]] = None   # vLLM's: extra chat template variables
 
@@ -209,6 +225,7 @@ class GenerationRequest:
     suffix: Optional[str] = None            # completions: fill in the middle between prompt and suffix
     template_kwargs: Optional[Dict[str, Any]] = None   # chat: extra chat template variables
     prompt_ids: Optional[List[List[int]]] = None       # set by encode_prompts
+    tools: Optional[ToolConfig] = None                 # chat: the tools, and how calls are parsed
 
     @property
     def prompt_param(self) -> str:
@@ -229,9 +246,13 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
         raise validation_error(e) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatCompletionRequest):
-        return GenerationRequest(True, _chat_params(req), [], _chat_messages(req), req.stream, include_usage,
+        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+        if tools is not None:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools.tools}
+        return GenerationRequest(True, _chat_params(req, tools), [], _chat_messages(req), req.stream, include_usage,
                                  req.model, "max_completion_tokens" if req.max_completion_tokens is not None
-                                 else "max_tokens", template_kwargs=check_template_kwargs(req.chat_template_kwargs))
+                                 else "max_tokens", template_kwargs=template_kwargs, tools=tools)
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported("best_of", "'best_of' must equal 'n' (or be omitted).")
     params = _sampling_params(req, req.max_tokens, req.logprobs, {})
@@ -270,9 +291,7 @@ def check_template_kwargs(kwargs: Optional[Dict[str, Any]],
     return dict(kwargs)
 
 
-def _chat_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools:
-        raise unsupported("tools")
+def _chat_params(req: ChatCompletionRequest, tools: Optional[ToolConfig]) -> SamplingParams:
     if req.functions:
         raise unsupported("functions")
     if req.top_logprobs is not None and not req.logprobs:
@@ -280,13 +299,22 @@ def _chat_params(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     rename = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
               "logprobs": "top_logprobs"}
-    return _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename)
+    guide = tools.guide() if tools is not None and tools.forced else None
+    return _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, rename, guide)
 
 
-def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, str]]:
-    # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
-    return [{"role": "system" if m.role == "developer" else m.role, "content": _chat_text(m.content)}
-            for m in req.messages]
+def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, Any]]:
+    messages = []
+    for m in req.messages:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
+        message: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": _chat_text(m.content)}
+        if m.tool_calls:
+            message["tool_calls"] = template_messages_tool_calls([c.model_dump() for c in m.tool_calls])
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
 def _chat_text(content) -> str:
@@ -310,7 +338,7 @@ def _check_stop(stop: Union[str, List[str], None]) -> None:
 
 
 def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Optional[int],
-                     rename: Dict[str, str]) -> SamplingParams:
+                     rename: Dict[str, str], guide: Optional[StructuredOutputsParams] = None) -> SamplingParams:
     _check_stop(req.stop)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"Invalid value for 'n': it must be an integer from 1 to {MAX_N}.", "n")
@@ -318,6 +346,11 @@ def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Option
         p = rename.get("logprobs", "logprobs")
         raise bad_request(f"Invalid value for '{p}': it must be an integer from 0 to {MAX_LOGPROBS}.", p)
     structured = _structured_outputs(req)
+    if guide is not None:          # a forced tool call
+        if structured is not None:
+            raise bad_request("A forced tool call ('tool_choice' 'required' or a function) cannot be combined "
+                              "with another structured output constraint.", "tool_choice")
+        structured = guide
     logit_bias = _logit_bias(req.logit_bias)
     # a null field takes SamplingParams' default
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,

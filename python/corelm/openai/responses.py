@@ -98,6 +98,7 @@ class Choice:
     finish_reason: Optional[str] = None
     logprobs: List[Tuple[int, float, list, int]] = field(default_factory=list)  # (id, lp, top, text offset)
     offset: int = 0
+    sent: int = 0       # with tools: characters already streamed as content
 
     def add(self, chunk) -> None:
         if chunk.token_id is not None:
@@ -125,6 +126,8 @@ class Response:
         self.created = int(time.time())
         self.model = model
         self.choices = [Choice(i) for i in range(req.num_choices)]
+        # chat with tools: the output is parsed for tool calls (tool_choice "none" leaves it text)
+        self.tools = req.tools if req.chat and req.tools is not None and req.tools.choice != "none" else None
         # echo: each completion choice starts with its prompt's text; the prompt tokens' logprobs are
         # not computed, so with logprobs they are listed with null logprobs.
         self.echo: List[Tuple[str, Optional[Dict[str, Any]]]] = []
@@ -153,13 +156,40 @@ class Response:
         if not (chunk.text or chunk.finish_reason or (self.want_logprobs and new_lp)):
             return None
         entry: Dict[str, Any] = {"index": c.index}
-        if self.chat:
+        finish_reason = chunk.finish_reason
+        if self.tools is not None:
+            entry["delta"], finish_reason = self._tool_delta(c)
+            if not (entry["delta"] or finish_reason or (self.want_logprobs and new_lp)):
+                return None         # all of it held back
+        elif self.chat:
             entry["delta"] = {"content": chunk.text} if chunk.text else {}
         else:
             entry["text"] = chunk.text
         entry["logprobs"] = self._logprobs(new_lp)
-        entry["finish_reason"] = chunk.finish_reason
+        entry["finish_reason"] = finish_reason
         return entry
+
+    def _tool_delta(self, c: Choice) -> Tuple[Dict[str, Any], Optional[str]]:
+        """A streamed choice with tools: text that may be a tool call is held back until the choice
+        finishes, then its calls are sent whole (delta.tool_calls) with finish_reason "tool_calls"."""
+        text = "".join(c.text)
+        if c.finish_reason is None:
+            start = self.tools.parser.START
+            safe = 0 if self.tools.forced else text.find(start)
+            if safe < 0:        # hold a tail that may be the beginning of a call, and the space before it
+                safe = len(text) - next((k for k in range(min(len(start), len(text)), 0, -1)
+                                         if start.startswith(text[-k:])), 0)
+            safe = len(text[:safe].rstrip())
+            delta = {"content": text[c.sent:safe]} if safe > c.sent else {}
+            c.sent = max(c.sent, safe)
+            return delta, None
+        content, calls = self.tools.parse(text)
+        rest = (content or "")[c.sent:] if calls else text[c.sent:]
+        delta: Dict[str, Any] = {"content": rest} if rest else {}
+        if not calls:
+            return delta, c.finish_reason
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return delta, "tool_calls"
 
     def _echo_logprobs(self, ids: List[int], text_len: int) -> Dict[str, Any]:
         out: Dict[str, List[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -193,7 +223,14 @@ class Response:
         for c in self.choices:
             text = "".join(c.text)
             item: Dict[str, Any] = {"index": c.index}
-            if self.chat:
+            finish_reason = c.finish_reason
+            if self.tools is not None:
+                content, calls = self.tools.parse(text)
+                item["message"] = {"role": "assistant", "content": content if calls else text}
+                if calls:
+                    item["message"]["tool_calls"] = calls
+                    finish_reason = "tool_calls"
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
@@ -201,7 +238,7 @@ class Response:
             if self.echo and item["logprobs"] is not None:
                 prompt_part = self.echo[c.index // self.n][1]
                 item["logprobs"] = {k: prompt_part[k] + v for k, v in item["logprobs"].items()}
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = finish_reason
             out.append(item)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": self.usage()}

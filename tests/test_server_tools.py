@@ -1,0 +1,205 @@
+"""Tool calling through the HTTP server (the official openai client) and batch files, on the embedded
+SmolLM2-135M-Instruct; the Hermes tool-call parser on handwritten outputs."""
+import json
+
+import pytest
+
+from corelm.openai.tool_parsers import hermes
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+import os  # noqa: E402
+
+from corelm.entrypoints.batch.worker import BatchWorker  # noqa: E402
+from corelm.openai import CHAT_URL, parse_request  # noqa: E402
+from corelm.tokenizer import Tokenizer  # noqa: E402
+from conftest import FIXTURES, MODELS  # noqa: E402
+from test_server import assert_error, batch_answer, post  # noqa: E402
+from test_server_structured_output import client, served, server  # noqa: E402,F401  (the fixtures)
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.",
+                                           "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# --- the Hermes parser -------------------------------------------------------------------------------
+
+def test_hermes_one_call():
+    assert hermes.parse('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>') == \
+        (None, [("f", {"x": 1})])
+
+
+def test_hermes_two_calls_and_text_before():
+    text = 'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n' \
+           '<tool_call>{"name": "g", "arguments": {"y": "z"}}</tool_call>'
+    assert hermes.parse(text) == ("Let me check.", [("f", {}), ("g", {"y": "z"})])
+
+
+def test_hermes_plain_and_malformed_stay_text():
+    assert hermes.parse("Just text.") == ("Just text.", [])
+    for bad in ['<tool_call>{"name": "f", "arguments": {</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": 3}</tool_call>', '<tool_call>[1]</tool_call>']:
+        assert hermes.parse(bad) == (bad, [])
+
+
+# --- responses: the output of an auto tool choice, streamed and whole ------------------------------------
+
+def _answer(pieces, stream):
+    """The model writing `pieces` (one token each) answered as a response to a request with TOOLS."""
+    from corelm.engine.sequence import StreamChunk
+    from corelm.openai import Response
+    req = parse_request(CHAT_URL, {"messages": ASK, "tools": TOOLS})
+    req.prompt_ids = [[1]]
+    response = Response(req, 1, "m", None)
+    entries = [response.add(0, StreamChunk(p, 7, "stop" if i == len(pieces) - 1 else None))
+               for i, p in enumerate(pieces)]
+    return [e for e in entries if e is not None] if stream else response.body()["choices"][0]
+
+
+CALL = ["Sure", ".", "\n<tool", "_call", '>{"name": "get_time", ', '"arguments": {"zone": "UTC"}}</tool_call>']
+
+
+def test_auto_call_after_text():
+    choice = _answer(CALL, stream=False)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    deltas = _answer(CALL, stream=True)
+    assert "".join(e["delta"].get("content", "") for e in deltas) == "Sure."
+    assert not any("<" in e["delta"].get("content", "") for e in deltas)      # the call's text is held back
+    [last] = [e for e in deltas if "tool_calls" in e["delta"]]
+    assert last is deltas[-1] and last["finish_reason"] == "tool_calls"
+    assert last["delta"]["tool_calls"][0]["index"] == 0
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_auto_text_and_a_held_lookalike_stay_text():
+    for pieces in (["Hello", " there."], ["a <", "tool", " b"], ["x <tool_call>{bad"]):
+        text = "".join(pieces)
+        choice = _answer(pieces, stream=False)
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, "stop")
+        assert "tool_calls" not in choice["message"]
+        deltas = _answer(pieces, stream=True)
+        assert "".join(e["delta"].get("content", "") for e in deltas) == text
+        assert deltas[-1]["finish_reason"] == "stop"
+
+
+# --- the chat template gets the tools, the calls and their results --------------------------------------
+
+def test_qwen_template_renders_tools_calls_and_results():
+    with open(os.path.join(FIXTURES, "tokenizer_qwen2.5-coder.json"), encoding="utf-8") as f:
+        template = json.load(f)["chat_template"]
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    req = parse_request(CHAT_URL, {"messages": messages, "tools": TOOLS})
+    tok = Tokenizer.from_hf_folder(os.path.join(MODELS, "stories260K"))
+    text = tok.apply_chat_template(req.messages, chat_template=template, **req.template_kwargs)
+    assert "<tools>" in text and '"name": "get_time"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' \
+        in text
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
+
+
+# --- through the server ------------------------------------------------------------------------------
+
+def check_call(call, names=SCHEMAS):
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_call(client, choice):
+    for seed in range(2):
+        r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=80, temperature=0.8, seed=seed)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        [call] = c.message.tool_calls
+        check_call(call, ["get_time"] if isinstance(choice, dict) else SCHEMAS)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_streaming(client, choice):
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                 max_tokens=80, temperature=0, stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert not any(d.delta.content for d in deltas)
+    [call] = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert call.index == 0
+    check_call(call, ["get_weather"] if isinstance(choice, dict) else SCHEMAS)
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_two_step_loop(client):
+    first = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    messages = ASK + [message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=30, temperature=0)
+    c = second.choices[0]
+    assert c.finish_reason in ("stop", "length") and c.message.tool_calls is None
+    assert isinstance(c.message.content, str) and c.message.content
+
+
+def test_tool_choice_none_and_auto_answer_text(client):
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                           tools=TOOLS, tool_choice=choice, max_tokens=12, temperature=0)
+        assert isinstance(r.choices[0].message.content, str)
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([{"type": "retrieval"}], None, "tools"),
+    (["get_weather"], None, "tools"),
+    ([{"type": "function", "function": {"description": "no name"}}], None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}], None,
+     "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "nope"}}], None, "tools"),
+    (TOOLS, {"type": "function", "function": {"name": "unknown"}}, "tool_choice"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (None, "required", "tool_choice"),
+])
+def test_bad_tools_are_400(server, tools, choice, param):
+    body = {"messages": ASK, "max_tokens": 4}
+    if tools is not None:
+        body["tools"] = tools
+    if choice is not None:
+        body["tool_choice"] = choice
+    assert_error(post(server, "/v1/chat/completions", body, key=None), 400, param)
+
+
+@pytest.mark.parametrize("calls", ["f", [{"function": "f"}], [{"type": "function", "function": {"name": "f"}}],
+                                   [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]])
+def test_bad_assistant_tool_calls_are_400(server, calls):
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": calls}]
+    assert_error(post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 4}, key=None), 400,
+                 "messages")
+
+
+def test_batch_forced_call():
+    worker = BatchWorker(None, 2)
+    line, err = batch_answer(worker, "/v1/chat/completions",
+                             {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80})
+    assert err is None, err
+    message = line["response"]["body"]["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]),
+                        SCHEMAS[message["tool_calls"][0]["function"]["name"]])
