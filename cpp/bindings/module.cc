@@ -13,7 +13,7 @@
 #include "bindings/bindings.h"
 #include "kernels/kernels.h"
 #include "kernels/amx/amx.h"
-#include "kernels/quant_formats.h"
+#include "kernels/ggml_formats.h"
 #include "kernels/quantize.h"
 #include "model/model.h"
 
@@ -116,7 +116,7 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.set_weight_raw(name, quant::type_of_ggml(ggml_type), raw.data(), (size_t)raw.size(), shape);
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
-         "Takes a matrix as raw GGUF Q8_0/Q4_0/Q4_1 blocks (uint8), repacked without dequantizing.")
+         "Takes a matrix as raw GGUF blocks (uint8; option_names()['gguf_raw']): Q8_0/Q4_0/Q4_1 repacked, the others multiplied as stored, never dequantized.")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
       .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                                py::list seqs) {

@@ -14,7 +14,7 @@
 #include "bindings/bindings.h"
 #include "kernels/amx/amx.h"
 #include "kernels/kernels.h"
-#include "kernels/quant_formats.h"
+#include "kernels/ggml_formats.h"
 
 namespace py = pybind11;
 
@@ -73,14 +73,27 @@ void register_testing_kernels(py::module_& m) {
     return kt.pack_raw(t, raw.data(), rows, cols, nullptr);
   };
   m.def("kernel_matmul_raw", [pack_raw](const std::string& isa, FloatArray x, RawArray raw, const std::string& ggml_type,
-                                        int64_t rows, int64_t cols) {
+                                        int64_t rows, int64_t cols, const std::string& activations, int64_t n0, int64_t n1) {
     if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("kernel_matmul_raw needs x [M, cols]");
+    if (n1 < 0) n1 = rows;
+    if (n0 < 0 || n0 > n1 || n1 > rows) throw std::invalid_argument("bad column range");
     const KernelTable& kt = table(isa);
     PackedMatrix pw = pack_raw(kt, raw, ggml_type, rows, cols);
-    py::array_t<float> y({(int64_t)x.shape(0), rows});
-    kt.matmul(x.data(), x.shape(0), cols, pw, y.mutable_data(), rows, 0, rows);
+    const int64_t M = x.shape(0);
+    py::array_t<float> y({M, rows});
+    std::fill(y.mutable_data(), y.mutable_data() + M * rows, 0.f);
+    const ActType act = parse_act_type(activations);
+    if (act == ActType::I8) {
+      kt.matmul(x.data(), M, cols, pw, y.mutable_data(), rows, n0, n1);
+    } else {
+      auto qa = aligned_buffer(kt.quant_act_bytes(pw, M, act));
+      kt.quantize_act(x.data(), M, cols, pw, act, qa.get());
+      kt.matmul_quant(qa.get(), M, act, pw, y.mutable_data(), rows, n0, n1);
+    }
     return y;
-  });
+  }, py::arg("isa"), py::arg("x"), py::arg("raw"), py::arg("ggml_type"), py::arg("rows"), py::arg("cols"),
+     py::arg("activations") = "int8", py::arg("n0") = 0, py::arg("n1") = -1,
+     "x W^T with W given as raw GGUF blocks [rows, row bytes], packed by the table; columns [n0, n1) only.");
   m.def("kernel_raw_to_f32", [pack_raw](const std::string& isa, RawArray raw, const std::string& ggml_type, int64_t rows,
                                         int64_t cols) {
     const KernelTable& kt = table(isa);

@@ -12,11 +12,17 @@
 
 namespace corelm {
 
-// Q8/Q4/Q4M: blocks of 32 along K with fp16 scales, see kernels/quant_formats.h.
-enum class WeightType : int { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4 };
+// Q8/Q4/Q4M: blocks of 32 along K with fp16 scales, repacked per table (kernels/quant_formats.h).
+// Q5_0 .. IQ4_XS: GGUF's own blocks, multiplied as the file stores them (kernels/ggml_formats.h).
+enum class WeightType : int {
+  F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4,
+  Q5_0 = 5, Q5_1 = 6, Q2_K = 7, Q3_K = 8, Q4_K = 9, Q5_K = 10, Q6_K = 11, IQ4_NL = 12, IQ4_XS = 13
+};
 inline constexpr EnumName<WeightType> kWeightTypeNames[] = {
     {WeightType::F32, "fp32"}, {WeightType::BF16, "bf16"}, {WeightType::Q8, "q8"}, {WeightType::Q4, "q4"},
-    {WeightType::Q4M, "q4m"}};
+    {WeightType::Q4M, "q4m"}, {WeightType::Q5_0, "q5_0"}, {WeightType::Q5_1, "q5_1"}, {WeightType::Q2_K, "q2_k"},
+    {WeightType::Q3_K, "q3_k"}, {WeightType::Q4_K, "q4_k"}, {WeightType::Q5_K, "q5_k"}, {WeightType::Q6_K, "q6_k"},
+    {WeightType::IQ4_NL, "iq4_nl"}, {WeightType::IQ4_XS, "iq4_xs"}};
 inline const char* weight_type_name(WeightType t) { return name_of(kWeightTypeNames, t); }
 inline WeightType parse_weight_type(const std::string& name) { return parse_name(kWeightTypeNames, name, "weight type"); }
 

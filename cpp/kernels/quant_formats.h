@@ -29,11 +29,6 @@
 namespace corelm {
 namespace quant {
 
-// The GGUF block types whose raw blocks the tables repack as Q8, Q4 and Q4M (ggml's type names).
-inline constexpr EnumName<WeightType> kGgufRawNames[] = {
-    {WeightType::Q8, "Q8_0"}, {WeightType::Q4, "Q4_0"}, {WeightType::Q4M, "Q4_1"}};
-inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
-
 namespace {  // each ISA file's own copy, built with its flags (see kernels/kernel_util.h)
 
 constexpr int64_t kBlock = 32;
@@ -176,19 +171,6 @@ inline float dequant_value(WeightType t, int q, float d, float m) {
   return t == WeightType::Q8 ? d * (float)q : t == WeightType::Q4 ? d * (float)(q - 8) : d * (float)q + m;
 }
 
-// Raw ggml blocks [rows][cols/32] -> fp32 row-major (for fusing matrices of different raw types).
-inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int64_t cols, float* out) {
-  const size_t bb = ggml_block_bytes(t);
-  int8_t q[32];
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t b = 0; b < cols / kBlock; b++) {
-      uint16_t d16 = 0, m16 = 0;
-      decode_ggml_block(t, raw + (r * (cols / kBlock) + b) * bb, q, &d16, &m16);
-      const float d = f16_to_f32(d16), m = f16_to_f32(m16);
-      for (int j = 0; j < 32; j++) out[r * cols + b * kBlock + j] = dequant_value(t, q[j], d, m);
-    }
-}
-
 // The activation quantizer of every matmul (reference; ISA versions must give the same bytes), for Q
 // int8_t (ActType::I8, dx = absmax/127) or int16_t (I16, dx = absmax/32767).
 // x has n floats; xq gets round_up(n, 32) values, dx and sxq one entry per block.
@@ -211,14 +193,6 @@ inline void quantize_activations(const float* x, int64_t n, Q* xq, float* dx, in
 }
 
 inline size_t act_elem_bytes(ActType a) { return a == ActType::I16 ? 2 : 1; }
-
-// Validates a raw buffer's size for rows x cols of type t; cols must be a multiple of 32.
-inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
-  if (cols % kBlock != 0) throw std::invalid_argument("raw quantized rows must have a multiple of 32 columns");
-  if (nbytes != (size_t)rows * (cols / kBlock) * ggml_block_bytes(t))
-    throw std::invalid_argument("raw buffer has " + std::to_string(nbytes) + " bytes, expected " +
-                                std::to_string((size_t)rows * (cols / kBlock) * ggml_block_bytes(t)));
-}
 
 }  // namespace
 }  // namespace quant

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/quant_formats.h"
+#include "kernels/ggml_formats.h"
 #include "model/model.h"
 
 namespace corelm {
@@ -135,7 +135,7 @@ void Model::raw_partners_to_f32(const WeightName& w) {
     auto it = pending_raw_.find(p);
     if (it == pending_raw_.end()) continue;
     const int64_t cols = cfg_.dim;  // every fused matrix has dim columns
-    const int64_t rows = (int64_t)(it->second.second.size() / quant::ggml_block_bytes(it->second.first) / (cols / 32));
+    const int64_t rows = (int64_t)(it->second.second.size() / quant::ggml_row_bytes(it->second.first, cols));
     std::vector<float> f((size_t)rows * cols);
     quant::dequantize_ggml(it->second.first, it->second.second.data(), rows, cols, f.data());
     pending_raw_.erase(it);
@@ -146,7 +146,7 @@ void Model::raw_partners_to_f32(const WeightName& w) {
 void Model::set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
                            const std::vector<int64_t>& shape) {
   require(!ready_, "weights can't change after finalize()");
-  require(quant::is_quant(type), "raw weights must be Q8_0, Q4_0 or Q4_1 blocks");
+  require(quant::is_raw_type(type), "raw weights must be GGUF blocks of a type the kernels take");
   require(shape.size() == 2, "raw weight " + name + " must be a matrix");
   quant::check_raw(type, nbytes, shape[0], shape[1]);
   const WeightName w = parse_weight_name(name, cfg_.n_layers);
@@ -194,7 +194,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   } else {
     const std::vector<uint8_t>&g = pending_raw_[partners[0]].second, &u = pending_raw_[partners[1]].second;
     fused.resize(2 * g.size());
-    interleave_gate_up(g.data(), u.data(), f, (size_t)(d / 32) * quant::ggml_block_bytes(type), fused.data());
+    interleave_gate_up(g.data(), u.data(), f, quant::ggml_row_bytes(type, d), fused.data());
     rows = 2 * f;
   }
   LayerWeights& L = layers_[w.layer];

@@ -13,6 +13,7 @@
 #include "kernels/avx2/avx2_util.h"
 #include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
+#include "kernels/ggml_formats.h"
 #include "kernels/quant_layout.h"
 
 namespace corelm {
@@ -55,7 +56,7 @@ struct Scratch {
 };
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
-  if (quant::is_quant(type)) return quant::avx2_pack(src, rows, cols, type, par);
+  if (quant::is_raw_type(type)) return quant::avx2_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -290,7 +291,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
             int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  if (quant::is_quant(w.type)) return quant::avx2_matmul(x, m, ldx, w, y, ldy, n0, n1);
+  if (quant::is_raw_type(w.type)) return quant::avx2_matmul(x, m, ldx, w, y, ldy, n0, n1);
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
     bf16 ? gemv<true>(x, w, y, n0, n1) : gemv<false>(x, w, y, n0, n1);
@@ -303,6 +304,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);
   const int64_t K = w.cols, c = row % kPanel;
   const size_t panel = (size_t)(row - c) * K;

@@ -12,6 +12,7 @@
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
+#include "kernels/ggml_formats.h"
 #include "kernels/quant_layout.h"
 
 namespace corelm {
@@ -36,7 +37,7 @@ constexpr int64_t kSmallBatch = 32;  // up to this many rows of x, stream weight
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
-  if (quant::is_quant(type)) return quant::avx512_pack(src, rows, cols, type, par);
+  if (quant::is_raw_type(type)) return quant::avx512_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -209,7 +210,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
             int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  if (quant::is_quant(w.type)) return quant::avx512_matmul(x, m, ldx, w, y, ldy, n0, n1);
+  if (quant::is_raw_type(w.type)) return quant::avx512_matmul(x, m, ldx, w, y, ldy, n0, n1);
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
     bf16 ? gemv<true>(x, w, y, n0, n1) : gemv<false>(x, w, y, n0, n1);
@@ -354,6 +355,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);
   const size_t esz = w.type == WeightType::BF16 ? 2 : 4;
   const int64_t nchunks = w.ld / kChunk;

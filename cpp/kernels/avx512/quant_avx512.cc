@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "kernels/avx512/panel_gemm.h"
+#include "kernels/ggml_formats.h"
 #include "kernels/quant_layout.h"
 
 namespace corelm {
@@ -556,25 +557,30 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
 }  // namespace
 
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  require_packable(type);
   return grouped_pack(src, rows, cols, type, par, &kAvx512Kernels);
 }
 
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx512Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
 }
 
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
   quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
 }
 
 void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
+  if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) {
     const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
     if (w.type == WeightType::Q8) return matmul16_t<WeightType::Q8>(a, m, w, y, ldy, n0, n1);

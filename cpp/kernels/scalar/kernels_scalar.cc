@@ -3,14 +3,14 @@
 #include <cstring>
 
 #include "kernels/kernels.h"
-#include "kernels/quant_formats.h"
+#include "kernels/ggml_formats.h"
 
 namespace corelm {
 namespace {
 
 // Layout: plain row-major, ld = cols.
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
-  if (quant::is_quant(type)) return quant::scalar_pack(src, rows, cols, type, par);
+  if (quant::is_raw_type(type)) return quant::scalar_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -36,7 +36,7 @@ inline float weight_at(const PackedMatrix& w, int64_t row, int64_t col) {
 
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
-  if (quant::is_quant(w.type)) return quant::scalar_matmul(x, m, ldx, w, y, ldy, n0, n1);
+  if (quant::is_raw_type(w.type)) return quant::scalar_matmul(x, m, ldx, w, y, ldy, n0, n1);
   for (int64_t i = 0; i < m; i++)
     for (int64_t n = n0; n < n1; n++) {
       float acc = 0.f;
@@ -92,7 +92,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
-  if (quant::is_quant(w.type)) return quant::scalar_row_to_f32(w, row, out);
+  if (quant::is_raw_type(w.type)) return quant::scalar_row_to_f32(w, row, out);
   for (int64_t k = 0; k < w.cols; k++) out[k] = weight_at(w, row, k);
 }
 
