@@ -92,6 +92,20 @@ PYBIND11_MODULE(_core, m) {
   }, "CPU features, the kernel tables this CPU can run, and the one chosen for each operation.");
   bind_runtime(m);
 
+  m.def("dequantize_gguf", [](const std::string& ggml_type, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw,
+                              int64_t numel) {
+    const WeightType t = quant::type_of_ggml(ggml_type);
+    if (numel < 0) throw std::invalid_argument("numel must not be negative");
+    quant::check_raw(t, (size_t)raw.size(), 1, numel);
+    py::array_t<float> out(numel);
+    {
+      py::gil_scoped_release nogil;
+      quant::dequantize_ggml(t, raw.data(), 1, numel, out.mutable_data());
+    }
+    return out;
+  }, py::arg("ggml_type"), py::arg("raw"), py::arg("numel"),
+     "numel weights of raw GGUF blocks of a type the kernels take (option_names()['gguf_raw']) as float32, "
+     "bit for bit as gguf.quants dequantizes them.");
   m.def("option_names", [] {
     py::dict d;
     d["weight_type"] = names_of(kWeightTypeNames);

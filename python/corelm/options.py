@@ -23,6 +23,7 @@ class WeightFormat:
     block: int                  # weights per block (1: plain floats)
     block_bytes: int            # bytes per block, scales included
     description: str
+    from_floats: bool = True    # the core quantizes float weights into it (else: only a GGUF's own blocks)
 
     @property
     def bits(self) -> float:
@@ -38,13 +39,30 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
                  "blocks of 32 4-bit codes with an fp16 scale, as ggml's Q4_0"),
     WeightFormat("q4_1", ("q4m",), "q4m", "q4m", "Q4_1", 32, 20,
                  "blocks of 32 4-bit codes with an fp16 scale and minimum, as ggml's Q4_1"),
-)}
+) + tuple(WeightFormat(name, (), name, name, name.upper(), block, nbytes, what, from_floats=False) for name, block, nbytes, what in (
+    ("q5_0", 32, 22, "ggml's Q5_0: blocks of 32 5-bit codes with an fp16 scale"),
+    ("q5_1", 32, 24, "ggml's Q5_1: blocks of 32 5-bit codes with an fp16 scale and minimum"),
+    ("q2_k", 256, 84, "ggml's Q2_K: 2-bit codes, 4-bit scales and minimums per 16, fp16 super-block scales"),
+    ("q3_k", 256, 110, "ggml's Q3_K: 3-bit codes, 6-bit scales per 16, an fp16 super-block scale"),
+    ("q4_k", 256, 144, "ggml's Q4_K: 4-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
+    ("q5_k", 256, 176, "ggml's Q5_K: 5-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
+    ("q6_k", 256, 210, "ggml's Q6_K: 6-bit codes, 8-bit scales per 16, an fp16 super-block scale"),
+    ("iq4_nl", 32, 18, "ggml's IQ4_NL: blocks of 32 4-bit indices into a fixed non-linear table, fp16 scale"),
+    ("iq4_xs", 256, 136, "ggml's IQ4_XS: IQ4_NL's table, 6-bit scales per 32, an fp16 super-block scale"),
+))}
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
+# Formats that exist only as a GGUF's own blocks, multiplied as stored (kernels/ggml_formats.h).
+GGUF_BLOCK_FORMATS = tuple(f.name for f in WEIGHT_FORMATS.values() if not f.from_floats)
+# The formats a float matrix can be quantized into at load or by convert.
+PACKABLE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.from_floats)
 
 # GGUF blocks that loading keeps as stored (repacked, never dequantized) under each dtype: "auto" keeps
-# every quantized type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized tensor again.
+# every quantized type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized tensor again,
+# and every quantized dtype keeps the formats that exist only as GGUF blocks (the core cannot quantize
+# into them); fp32 and bf16 dequantize everything.
 KEEP_GGUF_BLOCKS: Dict[str, Tuple[str, ...]] = {
-    "auto": QUANTIZED, "q8_0": ("q8_0",), "q4_0": QUANTIZED, "q4_1": QUANTIZED,
+    "auto": QUANTIZED + GGUF_BLOCK_FORMATS, "q8_0": ("q8_0",) + GGUF_BLOCK_FORMATS,
+    "q4_0": QUANTIZED + GGUF_BLOCK_FORMATS, "q4_1": QUANTIZED + GGUF_BLOCK_FORMATS,
 }
 
 
@@ -63,10 +81,10 @@ def _formats_aliases() -> Dict[str, str]:
 
 
 CHOICES: Dict[str, Choice] = {c.option: c for c in (
-    Choice("dtype", ("auto",) + tuple(WEIGHT_FORMATS), _formats_aliases(),
+    Choice("dtype", ("auto",) + PACKABLE, _formats_aliases(),
            "matrix weights at load: auto (a GGUF's quantized blocks as stored, else bf16 where the CPU has "
            "AVX512_BF16, else fp32), or a weight format to convert to"),
-    Choice("weights", tuple(WEIGHT_FORMATS), _formats_aliases(),
+    Choice("weights", PACKABLE, _formats_aliases(),
            "what `corelm convert` stores matrices as"),
     Choice("kv_cache_dtype", ("auto", "fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
            "precision of the KV cache: auto is bf16 where the matrices are bf16 or quantized, fp32 where "
@@ -102,6 +120,9 @@ def choose_optional(option: str, value) -> Optional[str]:
 
 def weight_format(name: str) -> WeightFormat:
     """The WeightFormat for a canonical name or alias (ValueError otherwise)."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key in WEIGHT_FORMATS:
+        return WEIGHT_FORMATS[key]
     return WEIGHT_FORMATS[choose("weights", name)]
 
 

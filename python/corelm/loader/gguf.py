@@ -60,7 +60,7 @@ GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
 }
 GGML_TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
-SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16") + tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,14 @@ _DECODERS = {
     "Q4_0": _dequant_q4_0,
     "Q4_1": _dequant_q4_1,
 }
+# The types kept only as GGUF blocks: the core's one description of them (kernels/ggml_formats.h).
+_DECODERS.update({f.gguf: (lambda t: lambda raw, n: _core_dequantize(t, raw, n))(f.gguf)
+                  for f in WEIGHT_FORMATS.values() if not f.from_floats})
+
+
+def _core_dequantize(ggml_type: str, raw: np.ndarray, n: int) -> np.ndarray:
+    from .. import _core
+    return _core.dequantize_gguf(ggml_type, raw, n)
 
 
 # ---------------------------------------------------------------------------------------------------

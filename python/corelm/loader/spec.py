@@ -112,7 +112,9 @@ def release_mapped_range(buf, offset: int, length: int) -> None:
 
 _log = None
 # GGUF block type -> (bytes per block, offsets of the fp16 fields: scale d, and Q4_1's minimum m)
-_BLOCK_F16_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2))}
+_BLOCK_F16_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
+                     "Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
+                     "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
 
 
 def _warn(source: str, name: str, what: str) -> None:
@@ -134,7 +136,7 @@ def check_finite(w: np.ndarray, source: str, name: str) -> np.ndarray:
 
 
 def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str) -> None:
-    """Warns when a Q8_0/Q4_0/Q4_1 tensor's fp16 block scales (or minimums) hold NaN or Inf."""
+    """Warns when a quantized tensor's fp16 block scales (or minimums) hold NaN or Inf."""
     layout = _BLOCK_F16_FIELDS.get(type_name)
     if layout is None or raw.size == 0 or raw.size % layout[0]:
         return
