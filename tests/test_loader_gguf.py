@@ -74,11 +74,12 @@ def test_missing_file_and_unknown_tensor(tmp_path):
 
 
 def test_unsupported_quant_type_names_the_type(tmp_path):
-    p = tmp_path / "q4k.gguf"
-    p.write_bytes(tool.build_gguf([], [("w", [256], GGML_TYPE_IDS["Q4_K"], b"\0" * 144)]))
+    p = tmp_path / "iq2.gguf"
+    p.write_bytes(tool.build_gguf([], [("w", [256], GGML_TYPE_IDS["IQ2_XXS"], b"\0" * 66)]))
     g = read_gguf(str(p))
-    with pytest.raises(ModelLoadError, match=r"tensor w uses GGUF type Q4_K, which corelm does not support yet "
-                                             r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1\)"):
+    with pytest.raises(ModelLoadError, match=r"tensor w uses GGUF type IQ2_XXS, which corelm does not support yet "
+                                             r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                                             r"Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS\)"):
         g.dequantize("w")
 
 
@@ -347,8 +348,8 @@ def test_missing_tensor_is_refused(tmp_path):
 
 def test_unsupported_type_is_refused_at_load(tmp_path):
     path = _stories_gguf(tmp_path, drop={"output_norm.weight"},
-                         extra_tensors=[("output_norm.weight", [64], GGML_TYPE_IDS["Q5_0"], b"\0" * 44)])
-    with pytest.raises(ModelLoadError, match="output_norm.weight uses GGUF type Q5_0"):
+                         extra_tensors=[("output_norm.weight", [64], GGML_TYPE_IDS["Q8_1"], b"\0" * 72)])
+    with pytest.raises(ModelLoadError, match="output_norm.weight uses GGUF type Q8_1"):
         load_model(path)
 
 

@@ -11,7 +11,7 @@ from corelm import _core
 from corelm.convert import convert
 from corelm.loader.corelm_format import TYPES
 from corelm.loader.gguf import RAW_GGML_TYPES
-from corelm.options import (CHOICES, KEEP_GGUF_BLOCKS, QUANTIZED, WEIGHT_FORMATS, argparse_choices, choose,
+from corelm.options import (CHOICES, GGUF_BLOCK_FORMATS, KEEP_GGUF_BLOCKS, PACKABLE, QUANTIZED, WEIGHT_FORMATS, argparse_choices, choose,
                             format_of_core, format_of_gguf, weight_format)
 
 STORIES = os.path.join(MODELS, "stories260K")
@@ -28,11 +28,14 @@ def test_core_name_tables_agree():
 
 
 def test_every_format_is_described_once():
-    assert set(QUANTIZED) == {f.name for f in WEIGHT_FORMATS.values() if f.gguf}
+    assert set(QUANTIZED) == {f.name for f in WEIGHT_FORMATS.values() if f.gguf and f.from_floats}
+    assert set(GGUF_BLOCK_FORMATS) == {f.name for f in WEIGHT_FORMATS.values() if not f.from_floats}
+    assert set(CHOICES["dtype"].values) == {"auto"} | set(PACKABLE) and "q4_k" not in CHOICES["weights"].values
     assert sorted(RAW_GGML_TYPES) == sorted(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
     assert TYPES == {f.file_type: (f.block, f.block_bytes, f.gguf) for f in WEIGHT_FORMATS.values()}
     assert {f.name: f.bits for f in WEIGHT_FORMATS.values()} == {
-        "fp32": 32, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0}
+        "fp32": 32, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q2_k": 2.625,
+        "q3_k": 3.4375, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "iq4_nl": 4.5, "iq4_xs": 4.25}
     for f in WEIGHT_FORMATS.values():
         assert format_of_core(f.core) is f and weight_format(f.name) is f
         assert all(weight_format(a) is f for a in f.aliases)

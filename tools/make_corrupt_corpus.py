@@ -33,6 +33,7 @@ _FMT = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32:
         BOOL: "<B", UINT64: "<Q", INT64: "<q", FLOAT64: "<d"}
 # ggml types used here.
 F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, BF16 = 0, 1, 2, 3, 6, 8, 30
+Q4_K, Q6_K, IQ2_XXS = 12, 14, 16
 _TYPE_SIZE = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
               BF16: (1, 2)}
 
@@ -289,8 +290,14 @@ def gguf_cases() -> List[Case]:
         Case("gguf_truncated_before_data.gguf", good[:header_end], "truncated"),
         Case("gguf_truncated_in_data.gguf", good[:len(good) - 40], "past the end"),
         Case("gguf_tensor_past_end_of_data.gguf", two_f32[:-1], "past the end"),
-        Case("gguf_q5_0_tensor_unsupported.gguf", _one_tensor([32], ggml_type=Q5_0, data=b"\0" * 22),
-             "Q5_0, which corelm does not support yet"),
+        Case("gguf_iq2_xxs_tensor_unsupported.gguf", _one_tensor([256], ggml_type=IQ2_XXS, data=b"\0" * 66),
+             "IQ2_XXS, which corelm does not support yet"),
+        Case("gguf_q4_k_row_not_multiple_of_256.gguf", _one_tensor([288, 1], ggml_type=Q4_K, data=b"\0" * 288),
+             "not a multiple of the Q4_K block size"),
+        Case("gguf_q6_k_truncated_super_block.gguf", _one_tensor([512], ggml_type=Q6_K, data=b"\0" * 300),
+             "past the end"),
+        Case("gguf_unknown_ggml_type_36.gguf", _one_tensor([256], ggml_type=36, data=b"\0" * 144),
+             "unknown ggml type 36"),
         # Q4_1 blocks (20 bytes) labelled Q4_0 (18): every tensor still fits, and decodes as garbage.
         Case("gguf_q4_1_relabelled_q4_0.gguf", _relabelled(last=False), "does not match the bytes stored"),
         Case("gguf_q4_1_relabelled_q4_0_last_tensor.gguf", _relabelled(last=True), "does not match its stored"),

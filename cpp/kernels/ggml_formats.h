@@ -29,8 +29,9 @@ namespace quant {
 // Every GGUF block type a table takes raw (pack_raw), by ggml's names: Q8_0/Q4_0/Q4_1 are repacked
 // as Q8/Q4/Q4M, the others kept as stored.
 inline constexpr EnumName<WeightType> kGgufRawNames[] = {
-    {WeightType::Q8, "Q8_0"}, {WeightType::Q4, "Q4_0"}, {WeightType::Q4M, "Q4_1"}, {WeightType::Q5_0, "Q5_0"}, {WeightType::Q5_1, "Q5_1"}, {WeightType::Q5_1, "Q5_1"}, {WeightType::Q2_K, "Q2_K"}, {WeightType::Q3_K, "Q3_K"},
-    {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
+    {WeightType::Q8, "Q8_0"},     {WeightType::Q4, "Q4_0"},     {WeightType::Q4M, "Q4_1"},
+    {WeightType::Q5_0, "Q5_0"},   {WeightType::Q5_1, "Q5_1"},   {WeightType::Q2_K, "Q2_K"},
+    {WeightType::Q3_K, "Q3_K"},   {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
     {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}};
 
 inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
