@@ -448,7 +448,7 @@ def test_batch_needs_in_jsonl_and_out(capsys, fake_batch):
 CHOICE_FLAGS = {"chat": {"--dtype": "dtype", "--activations": "activations", "--schedule": "schedule",
                          "--numa": "numa"},
                 "info": {"--numa": "numa"},
-                "convert": {"--weights": "weights"}}
+                "convert": {"--weights": "weights"}, "pull": {}, "list": {}}
 for _command in ("generate", "serve", "batch"):
     CHOICE_FLAGS[_command] = CHOICE_FLAGS["chat"]
 

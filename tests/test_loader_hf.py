@@ -392,6 +392,8 @@ def test_hub_download_is_used_for_repo_ids(monkeypatch):
         return _stories_dir()
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files",
+                        lambda repo_id, revision=None: sorted(os.listdir(_stories_dir())))
     m = load_model("karpathy/stories260K", revision="main")
     assert m.spec.num_layers == 5
     assert calls[0][0] == "karpathy/stories260K" and calls[0][1] == "main"

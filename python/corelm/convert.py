@@ -340,8 +340,8 @@ def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
     weights = choose("weights", weights)
     if is_corelm_folder(os.path.expanduser(src)):
         return src
-    if not os.path.exists(os.path.expanduser(src)):      # a hub repo id: its downloaded snapshot folder
-        from .loader.hf import download_from_hub, looks_like_repo_id
+    if not os.path.exists(os.path.expanduser(src)):      # a hub reference: its downloaded GGUF file or folder
+        from .loader.hub import download_from_hub, looks_like_repo_id
         if looks_like_repo_id(src):
             src = download_from_hub(src)
     base = os.path.basename(os.path.normpath(src))

@@ -1,5 +1,5 @@
 """Model loading: a local HF folder, a corelm folder (`corelm convert`), a local .gguf file or a Hugging Face
-hub repo id -> LoadedModel.
+hub reference (`owner/name[@REVISION][:QUANT]`, hub.py) -> LoadedModel.
 
     from corelm.loader import load_model
     m = load_model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -20,10 +20,12 @@ __all__ = ["load_model", "LoadedModel", "ModelLoadError", "ModelSpec", "SUPPORTE
 
 
 def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
-    """Load `model`: a folder (config.json + safetensors), a .gguf file, or an 'owner/name' hub repo id.
-    `revision` (branch, tag or commit) applies to hub downloads only."""
+    """Load `model`: a folder (config.json + safetensors), a .gguf file, or a hub reference ('owner/name',
+    'owner/name:Q4_K_M', 'hf.co/owner/name:Q4_K_M'; see hub.py). `revision` (branch, tag or commit) applies
+    to hub downloads only."""
     from .gguf import GGUF_MAGIC, load_gguf_model
-    from .hf import PICKLE_SUFFIXES, download_from_hub, load_hf_folder, looks_like_repo_id
+    from .hf import PICKLE_SUFFIXES, load_hf_folder
+    from .hub import download_from_hub, looks_like_repo_id
 
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -46,10 +48,10 @@ def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
         if lower.endswith(".gguf") or _starts_with(path, GGUF_MAGIC):
             return load_gguf_model(path)
         raise ModelLoadError(f"{path}: not a GGUF file or HF model folder")
-    if looks_like_repo_id(model) and not model.startswith((".", "~")):
-        return load_hf_folder(download_from_hub(model, revision))
-    raise ModelLoadError(f"no such file or folder: {model!r} (and it is not a Hugging Face repo id "
-                         f"of the form 'owner/name')")
+    if looks_like_repo_id(model):
+        return load_model(download_from_hub(model, revision))   # a GGUF file or a snapshot folder
+    raise ModelLoadError(f"no such file or folder: {model!r} (and it is not a Hugging Face hub reference "
+                         f"of the form 'owner/name' or 'owner/name:QUANT')")
 
 
 def _starts_with(path: str, magic: bytes) -> bool:

@@ -1,4 +1,4 @@
-"""Hugging Face model folders (config.json + safetensors) and hub downloads.
+"""Hugging Face model folders (config.json + safetensors); hub downloads are in hub.py.
 
 Also home to the checks every loader shares (`validate_spec`, `check_weight_shapes`, `load_tokenizer`),
 so a GGUF file and an HF folder are held to the same rules.
@@ -22,7 +22,6 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"
 # transformers' per-class default for max_position_embeddings.
 _DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt")
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "chat_template.jinja"]
 MAX_JSON_BYTES = 64 * 1024 * 1024
 
 # Caps on hyper-parameters: real models are far below them, and they stop a hostile config from making
@@ -426,29 +425,3 @@ def _hf_description(tensors: SafetensorsCollection, names: Dict[str, str]) -> st
     dtypes = sorted({tensors.info(hf).dtype for hf in names.values()})
     conv = "" if dtypes == ["F32"] else ", converted to fp32 at load"
     return f"HF safetensors {'/'.join(dtypes)}{conv}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# The hub.
-
-_REPO_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*")
-
-
-def looks_like_repo_id(model: str) -> bool:
-    """'owner/name' as the hub spells it (and nothing that reads as a path: no '..', no leading '/')."""
-    return bool(_REPO_ID_RE.fullmatch(model)) and ".." not in model and len(model) <= 96
-
-
-def download_from_hub(repo_id: str, revision: Optional[str] = None) -> str:
-    """The local snapshot folder of `repo_id` (safetensors, configs and tokenizer files only)."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ModelLoadError(f"{repo_id!r} is not a local path, and huggingface_hub is not installed to "
-                             f"download it; pass a local folder or .gguf file") from None
-    try:
-        return snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
-    except Exception as e:  # offline, 404, gated, auth, disk full: all mean "could not download"
-        reason = f"{type(e).__name__}: {e}".strip().splitlines()[0].rstrip(".")
-        raise ModelLoadError(f"could not download {repo_id!r} from the Hugging Face hub (and there is no local "
-                             f"file or folder by that name): {reason}; pass a local folder or .gguf file") from e

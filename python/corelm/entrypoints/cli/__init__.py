@@ -6,6 +6,8 @@
     corelm serve [MODEL] --port 8000             # OpenAI-compatible HTTP (entrypoints.server)
     corelm batch [MODEL] IN.jsonl -o OUT.jsonl   # an OpenAI Batch file (entrypoints.batch)
     corelm convert SRC -o OUT --weights q8_0
+    corelm pull owner/name:Q4_K_M                # download from the Hugging Face hub, print the path
+    corelm list                                  # the models in the hub's local cache
 
 chat, generate and serve build a corelm.LLM (over its LLMEngine), batch an LLMEngine per worker; the
 command line never reaches past the engine. Flag names and sampling defaults follow llama-cli (--temp
@@ -21,10 +23,10 @@ import traceback
 from typing import List, Optional
 
 from ... import __version__
-from . import batch, chat, convert, generate, info, serve
+from . import batch, chat, convert, generate, info, list_models, pull, serve
 from .terminal import USER_ERRORS, tolerant_text_streams
 
-COMMANDS = (chat, generate, info, serve, batch, convert)
+COMMANDS = (chat, generate, info, serve, batch, convert, pull, list_models)
 
 
 def build_parser() -> argparse.ArgumentParser:

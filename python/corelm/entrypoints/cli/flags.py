@@ -29,7 +29,7 @@ def add_choice_flag(p: argparse.ArgumentParser, flag: str, option: str, default:
 def add_model_arg(p: argparse.ArgumentParser,
                   default: str = "the embedded SmolLM2-135M-Instruct") -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help=f"HF folder, .gguf file or hub repo id (default: {default})")
+                   help=f"HF folder, .gguf file or hub id owner/name[:QUANT] (default: {default})")
 
 
 def add_threads_flag(p: argparse.ArgumentParser, help: str) -> None:
