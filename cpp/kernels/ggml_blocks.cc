@@ -1,7 +1,6 @@
 // The GGUF-block types' shared pieces (ggml_formats.h): the stored matrix, its rows as fp32, the
 // activation quantizer every table uses for them, and the scalar reference matmul.
 #include <cstring>
-#include <vector>
 
 #include "kernels/ggml_formats.h"
 
@@ -31,20 +30,20 @@ namespace {
 struct ActView {
   void* q;
   float* dx;
-  int32_t* sx;
+  int32_t *sx, *sx32;
 };
 ActView act_view(void* qa, int64_t m, ActType act, int64_t ld) {
   float* dx = reinterpret_cast<float*>(static_cast<uint8_t*>(qa) + m * ld * act_elem_bytes(act));
-  return {qa, dx, reinterpret_cast<int32_t*>(dx + m * (ld / 32))};
+  int32_t* sx = reinterpret_cast<int32_t*>(dx + m * (ld / 32));
+  return {qa, dx, sx, sx + m * (ld / 16)};
 }
 
 template <class Q>
 void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t cols, const ActView& a) {
   const int64_t nb = cols / 32;
-  std::vector<int32_t> s32(nb);
   for (int64_t i = 0; i < m; i++) {
     Q* q = static_cast<Q*>(a.q) + i * cols;
-    quantize_activations(x + i * ldx, cols, q, a.dx + i * nb, s32.data());
+    quantize_activations(x + i * ldx, cols, q, a.dx + i * nb, a.sx32 + i * nb);
     for (int64_t h = 0; h < 2 * nb; h++) {
       int32_t s = 0;
       for (int k = 0; k < 16; k++) s += q[16 * h + k];
@@ -81,7 +80,7 @@ void matmul_rows(const ActView& a, int64_t m, const PackedMatrix& w, float* y, i
 
 size_t ggml_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
   if (!is_ggml_block(w.type) || m < 1) return 0;
-  return ((size_t)m * (w.ld * act_elem_bytes(act) + 4 * (w.ld / 32) + 4 * (w.ld / 16)) + 63) / 64 * 64;
+  return ((size_t)m * (w.ld * act_elem_bytes(act) + 8 * (w.ld / 32) + 4 * (w.ld / 16)) + 63) / 64 * 64;
 }
 
 void ggml_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {

@@ -257,8 +257,8 @@ inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
 
 // The tables' halves for these types. The matrix is the file's blocks, row after row (ld = cols); the
 // quantized activations (one layout for every table, filled by ggml_quantize_act) are per row the
-// quants [ld] (int8 or int16), then for all rows dx [m][ld/32] and the sums of quants per 16 columns
-// sx [m][ld/16] (int32).
+// quants [ld] (int8 or int16), then for all rows dx [m][ld/32], the sums of quants per 16 columns
+// sx [m][ld/16] and per 32 columns sx32 [m][ld/32] (int32).
 namespace corelm {
 namespace quant {
 PackedMatrix ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const KernelTable* by);

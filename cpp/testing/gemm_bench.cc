@@ -11,10 +11,23 @@
 #include <thread>
 
 #include "kernels/amx/amx.h"
+#include "kernels/ggml_formats.h"
 #include "kernels/stream_read.h"
 #include "runtime/cpu_relax.h"
 
 namespace corelm {
+
+// "<table>_<weight type>" (both names may hold underscores: avx512_bf16_q4_k): the available table
+// whose name is the longest prefix before an underscore with a weight type after it.
+static const KernelTable* table_and_type(const std::string& kind, WeightType* type) {
+  for (size_t us = kind.rfind('_'); us != std::string::npos && us > 0; us = kind.rfind('_', us - 1)) {
+    const KernelTable* kt = kernels_by_name(kind.substr(0, us));
+    if (!kt) continue;
+    *type = parse_weight_type(kind.substr(us + 1));
+    return kt;
+  }
+  throw std::invalid_argument("unknown or unavailable kind " + kind);
+}
 
 GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads,
                            ActType act) {
@@ -51,12 +64,9 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
 #endif
     };
   } else {
-    const size_t us = kind.rfind('_');
-    if (us == std::string::npos) throw std::invalid_argument("unknown kind " + kind);
-    kt = kernels_by_name(kind.substr(0, us));
-    const std::string wt = kind.substr(us + 1);
-    if (!kt) throw std::invalid_argument("unknown or unavailable kind " + kind);
-    pk = kt->pack(w.data(), N, K, parse_weight_type(wt), nullptr);
+    WeightType wt;
+    kt = table_and_type(kind, &wt);
+    pk = kt->pack(w.data(), N, K, wt, nullptr);
     if (act == ActType::I8 || !kt->quant_act_bytes(pk, M, act)) {
       run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
     } else {  // quantized per call, as matmul does for int8
@@ -100,10 +110,8 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
 
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
                                     int64_t layers, int reps, int threads, bool sync, ActType act) {
-  const size_t us = kind.rfind('_');
-  const KernelTable* kt = us == std::string::npos ? nullptr : kernels_by_name(kind.substr(0, us));
-  if (!kt) throw std::invalid_argument("unknown or unavailable kind " + kind);
-  const WeightType type = parse_weight_type(kind.substr(us + 1));
+  WeightType type;
+  const KernelTable* kt = table_and_type(kind, &type);
   if (type == WeightType::F32) throw std::invalid_argument("the stream takes bf16 or quantized weights, not " + kind);
   if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1 || threads < 1 || threads > 256)
     throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1, 1 <= threads <= 256");
@@ -114,9 +122,16 @@ StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<s
   size_t bytes = 0;
   for (auto [n, k] : shapes) {
     if (n < 1 || k < 1 || n > (1 << 20) || k > (1 << 20)) throw std::invalid_argument("bad shape");
-    std::vector<float> w((size_t)n * k);
-    for (auto& v : w) v = nd(rng);
-    PackedMatrix pk = kt->pack(w.data(), n, k, type, nullptr);
+    PackedMatrix pk;
+    if (quant::is_ggml_block(type)) {  // random GGUF blocks; & 0x3b keeps every fp16 scale finite
+      std::vector<uint8_t> raw((size_t)n * quant::ggml_row_bytes(type, k));
+      for (auto& b : raw) b = (uint8_t)(rng() & 0x3b);
+      pk = kt->pack_raw(type, raw.data(), n, k, nullptr);
+    } else {
+      std::vector<float> w((size_t)n * k);
+      for (auto& v : w) v = nd(rng);
+      pk = kt->pack(w.data(), n, k, type, nullptr);
+    }
     for (int64_t l = 0; l < layers; l++) {  // copies, so no layer finds another's lines in cache
       PackedMatrix c = pk;
       c.storage = aligned_buffer(pk.nbytes);

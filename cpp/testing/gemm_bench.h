@@ -34,7 +34,7 @@ struct StreamBenchResult {
 // `layers` copies of the matrices `shapes` ([(N, K), ...] in the order a layer reads them), end to end
 // in one buffer as the model keeps them (pack_contiguously), each multiplied by one quantized activation
 // row, layer after layer, on `threads` threads (with sync, waiting for each other after every matrix,
-// as the model's regions do). kind: "<table>_<weight type>", weight type bf16, q8, q4 or q4m. The two
+// as the model's regions do). kind: "<table>_<weight type>", weight type bf16, a quantized type or a GGUF-block type (q4_k, ...: random blocks). The two
 // passes alternate `reps` times.
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
                                     int64_t layers, int reps, int threads, bool sync, ActType act);

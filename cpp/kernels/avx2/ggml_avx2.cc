@@ -66,7 +66,7 @@ inline __m256i decode_values(const uint8_t* blk, int c) {
 struct Act {
   const void* q;
   const float* dx;
-  const int32_t* sx;
+  const int32_t *sx, *sx32;  // per 16 and per 32 columns
   int64_t ld;
 };
 
@@ -76,79 +76,176 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Rows n0..n0+NR-1 of w against activation rows i0..i0+MR-1: y[i][n] for each.
+template <WeightType T>
+constexpr bool small_blocks() {  // one chunk per block: a group of 8 chunks is 8 blocks
+  return T == WeightType::Q5_0 || T == WeightType::Q5_1 || T == WeightType::IQ4_NL;
+}
+template <WeightType T>
+constexpr bool half_scales() {
+  return T == WeightType::Q2_K || T == WeightType::Q3_K || T == WeightType::Q6_K;
+}
+template <WeightType T>
+constexpr bool minimums() {
+  return T == WeightType::Q5_1 || T == WeightType::Q2_K || T == WeightType::Q4_K || T == WeightType::Q5_K;
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline __m256 bytes_times(__m128i b8, float d, bool is_signed) {  // 8 bytes (low half of b8) as floats, times d
+  const __m256i w = is_signed ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(d));
+}
+inline __m128i even_odd(__m128i b16) {  // bytes 0,2,..,14 then 1,3,..,15
+  return _mm_shuffle_epi8(b16, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+}
+
+// The scales of a group of 8 chunks (chunk c in lane c; nc < 8 chunks: the rest are 0): ds0/ds1 =
+// d * s[half 0/1] (ds1 only with half scales), dm0/dm1 = dm * mn (with minimums), as decode_scales.
+template <WeightType T>
+inline void group_scales(const uint8_t* blk, int nc, __m256* ds0, __m256* ds1, __m256* dm0, __m256* dm1) {
+  if constexpr (small_blocks<T>()) {
+    constexpr size_t bb = T == WeightType::Q5_0 ? 22 : T == WeightType::Q5_1 ? 24 : 18;
+    alignas(16) uint16_t d[8] = {0}, m[8] = {0};
+    for (int c = 0; c < nc; c++) {
+      std::memcpy(&d[c], blk + c * bb, 2);
+      if (T == WeightType::Q5_1) std::memcpy(&m[c], blk + c * bb + 2, 2);
+    }
+    *ds0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)d));
+    if (T == WeightType::Q5_1)  // dm = -m, mn = 1
+      *dm0 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_load_si128((const __m128i*)m)));
+  } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
+    const uint32_t a = u32_at(blk + 4), b = u32_at(blk + 8), c = u32_at(blk + 12);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t m_lo = b & 0x3f3f3f3fu, m_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    *ds0 = bytes_times(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0), f16_at(blk), false);
+    *dm0 = bytes_times(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0), f16_at(blk + 2), false);
+  } else if constexpr (T == WeightType::Q6_K) {
+    const __m128i eo = even_odd(_mm_loadu_si128((const __m128i*)(blk + 192)));
+    const float d = f16_at(blk + 208);
+    *ds0 = bytes_times(eo, d, true), *ds1 = bytes_times(_mm_srli_si128(eo, 8), d, true);
+  } else if constexpr (T == WeightType::Q3_K) {
+    const uint32_t a0 = u32_at(blk + 96), a1 = u32_at(blk + 100), t = u32_at(blk + 104), lo = 0x0f0f0f0fu, hi = 0x03030303u;
+    const __m128i s = _mm_sub_epi8(
+        _mm_setr_epi32((int)((a0 & lo) | ((t & hi) << 4)), (int)((a1 & lo) | (((t >> 2) & hi) << 4)),
+                       (int)(((a0 >> 4) & lo) | (((t >> 4) & hi) << 4)), (int)(((a1 >> 4) & lo) | (((t >> 6) & hi) << 4))),
+        _mm_set1_epi8(32));
+    const __m128i eo = even_odd(s);
+    const float d = f16_at(blk + 108);
+    *ds0 = bytes_times(eo, d, true), *ds1 = bytes_times(_mm_srli_si128(eo, 8), d, true);
+  } else if constexpr (T == WeightType::Q2_K) {
+    const __m128i eo = even_odd(_mm_loadu_si128((const __m128i*)blk)), m4 = _mm_set1_epi8(0x0f);
+    const __m128i s = _mm_and_si128(eo, m4), mn = _mm_and_si128(_mm_srli_epi16(eo, 4), m4);
+    const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
+    *ds0 = bytes_times(s, d, false), *ds1 = bytes_times(_mm_srli_si128(s, 8), d, false);
+    *dm0 = bytes_times(mn, dmin, false), *dm1 = bytes_times(_mm_srli_si128(mn, 8), dmin, false);
+  } else {  // IQ4_XS
+    alignas(32) int32_t s[8];
+    for (int c = 0; c < 8; c++) s[c] = iq4xs_scale(blk, c);
+    *ds0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)s)), _mm256_set1_ps(f16_at(blk)));
+  }
+}
+
+// P[c] (8 int32 lanes per chunk: lanes 0..3 sums over the chunk's first half, 4..7 its second) for the
+// 8 chunks of a group -> the chunks' half sums, chunk c in lane c: h0 (first halves) and h1.
+inline void reduce_group(const __m256i P[8], __m256i* h0, __m256i* h1) {
+  const __m256i t0 = _mm256_hadd_epi32(P[0], P[1]), t1 = _mm256_hadd_epi32(P[2], P[3]);
+  const __m256i t2 = _mm256_hadd_epi32(P[4], P[5]), t3 = _mm256_hadd_epi32(P[6], P[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  *h0 = _mm256_permute2x128_si256(u0, u1, 0x20);
+  *h1 = _mm256_permute2x128_si256(u0, u1, 0x31);
+}
+
+inline __m256i lane_mask(int n) {  // the first n of 8 lanes
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Rows n0..n0+NR-1 of w against activation rows i0..i0+MR-1: y[i][n] for each. Per group of 8 chunks
+// each (row, activation row) gets its chunks' integer sums in 8 lanes, then one FMA with the 8 chunks'
+// d * s * dx (and, with minimums, one for dm * mn * dx * sum(xq)).
 template <WeightType T, class Q, int NR, int MR>
 void tile(const Act& a, const PackedMatrix& w, int64_t n0, int64_t i0, float* y, int64_t ldy) {
-  constexpr int64_t kElems = T == WeightType::Q5_0 || T == WeightType::Q5_1 || T == WeightType::IQ4_NL ? 32 : 256;
-  constexpr int kChunks = kElems / 32;
+  constexpr bool kSmall = small_blocks<T>(), kHalves = half_scales<T>(), kMins = minimums<T>();
   const size_t bb = ggml_type_block_bytes(T), rb = ggml_row_bytes(T, w.cols);
   const int64_t nb = w.cols / 32;
   const uint8_t* rows[NR];
   for (int r = 0; r < NR; r++) rows[r] = static_cast<const uint8_t*>(w.data()) + (n0 + r) * rb;
   __m256 acc[MR][NR];
-  float macc[MR][NR];
   for (int i = 0; i < MR; i++)
-    for (int r = 0; r < NR; r++) acc[i][r] = _mm256_setzero_ps(), macc[i][r] = 0.f;
-  const bool halves = has_half_scales(T), mins = has_minimums(T);
-  for (int64_t c = 0; c < nb; c++) {
-    const int cc = (int)(c % kChunks);
-    __m256i v[NR];
-    Chunk sc[NR];
-    for (int r = 0; r < NR; r++) {
-      const uint8_t* blk = rows[r] + (c / kChunks) * bb;
-      v[r] = decode_values<T>(blk, cc);
-      decode_scales(T, blk, cc, &sc[r]);
-    }
-    if constexpr (sizeof(Q) == 1) {
-      __m256 ds[NR];  // d * s per lane: lanes 0..3 are the first half
-      __m256i av[NR];
-      for (int r = 0; r < NR; r++) {
-        ds[r] = _mm256_set_m128(_mm_set1_ps(sc[r].d * (float)sc[r].s[1]), _mm_set1_ps(sc[r].d * (float)sc[r].s[0]));
-        av[r] = _mm256_sign_epi8(v[r], v[r]);
+    for (int r = 0; r < NR; r++) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < nb; c0 += 8) {
+    const int nc = (int)std::min<int64_t>(8, nb - c0);
+    const size_t g_at = kSmall ? c0 * bb : (c0 / 8) * bb;  // the group's first block
+    __m256 ds0[NR], ds1[NR], dm0[NR], dm1[NR];
+    for (int r = 0; r < NR; r++) group_scales<T>(rows[r] + g_at, nc, &ds0[r], &ds1[r], &dm0[r], &dm1[r]);
+    __m256i P[MR][NR][8];
+    for (int c = 0; c < 8; c++) {
+      if (c >= nc) {  // only small blocks have partial groups
+        for (int i = 0; i < MR; i++)
+          for (int r = 0; r < NR; r++) P[i][r][c] = _mm256_setzero_si256();
+        continue;
       }
-      for (int i = 0; i < MR; i++) {
-        const int64_t ib = (i0 + i) * nb + c;
-        const __m256i x = load32(static_cast<const uint8_t*>(a.q) + (i0 + i) * a.ld + 32 * c);
-        const __m256 dx = _mm256_set1_ps(a.dx[ib]);
-        for (int r = 0; r < NR; r++) {
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[r], _mm256_sign_epi8(x, v[r])), _mm256_set1_epi16(1));
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ds[r], dx), acc[i][r]);
+      __m256i v[NR];
+      for (int r = 0; r < NR; r++) v[r] = kSmall ? decode_values<T>(rows[r] + g_at + c * bb, 0) : decode_values<T>(rows[r] + g_at, c);
+      if constexpr (sizeof(Q) == 1) {
+        __m256i av[NR];
+        for (int r = 0; r < NR; r++) av[r] = _mm256_sign_epi8(v[r], v[r]);
+        for (int i = 0; i < MR; i++) {
+          const __m256i x = load32(static_cast<const uint8_t*>(a.q) + (i0 + i) * a.ld + 32 * (c0 + c));
+          for (int r = 0; r < NR; r++)
+            P[i][r][c] = _mm256_madd_epi16(_mm256_maddubs_epi16(av[r], _mm256_sign_epi8(x, v[r])), _mm256_set1_epi16(1));
         }
-      }
-    } else {
-      __m256i vlo[NR], vhi[NR];
-      for (int r = 0; r < NR; r++) {
-        vlo[r] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v[r]));
-        vhi[r] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v[r], 1));
-      }
-      for (int i = 0; i < MR; i++) {
-        const int64_t ib = (i0 + i) * nb + c;
-        const int16_t* xq = static_cast<const int16_t*>(a.q) + (i0 + i) * a.ld + 32 * c;
-        const __m256i xlo = _mm256_loadu_si256((const __m256i*)xq), xhi = _mm256_loadu_si256((const __m256i*)(xq + 16));
-        const float dx = a.dx[ib];
+      } else {
+        __m256i vlo[NR], vhi[NR];
         for (int r = 0; r < NR; r++) {
-          const __m256i p0 = _mm256_madd_epi16(vlo[r], xlo), p1 = _mm256_madd_epi16(vhi[r], xhi);
-          if (halves) {
-            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sc[r].d * (float)sc[r].s[0] * dx), acc[i][r]);
-            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(sc[r].d * (float)sc[r].s[1] * dx), acc[i][r]);
-          } else {
-            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                        _mm256_set1_ps(sc[r].d * (float)sc[r].s[0] * dx), acc[i][r]);
+          vlo[r] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v[r]));
+          vhi[r] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v[r], 1));
+        }
+        for (int i = 0; i < MR; i++) {
+          const int16_t* xq = static_cast<const int16_t*>(a.q) + (i0 + i) * a.ld + 32 * (c0 + c);
+          const __m256i xlo = _mm256_loadu_si256((const __m256i*)xq), xhi = _mm256_loadu_si256((const __m256i*)(xq + 16));
+          for (int r = 0; r < NR; r++) {
+            const __m256i p0 = _mm256_madd_epi16(vlo[r], xlo), p1 = _mm256_madd_epi16(vhi[r], xhi);
+            P[i][r][c] = kHalves ? _mm256_add_epi32(_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p0, p1, 0x31))
+                                 : _mm256_add_epi32(p0, p1);
           }
         }
       }
     }
-    if (mins)
-      for (int i = 0; i < MR; i++) {
-        const int64_t ib = (i0 + i) * nb + c;
-        const float dx = a.dx[ib];
-        const int32_t s0 = a.sx[2 * ib], s1 = a.sx[2 * ib + 1];
-        for (int r = 0; r < NR; r++)
-          macc[i][r] += sc[r].dm * dx * (float)(sc[r].mn[0] * s0 + sc[r].mn[1] * s1);
+    const __m256i live = lane_mask(nc);
+    for (int i = 0; i < MR; i++) {
+      const int64_t ib = (i0 + i) * nb + c0;
+      const __m256 dx = _mm256_castsi256_ps(_mm256_maskload_epi32((const int*)(a.dx + ib), live));
+      __m256 sx0, sx1;
+      if constexpr (kMins && kHalves) {  // sums per half: sx[2c + h], chunk c in lane c
+        const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        const __m256i A = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(a.sx + 2 * ib)), order);
+        const __m256i B = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(a.sx + 2 * ib + 8)), order);
+        sx0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(A, B, 0x20));
+        sx1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(A, B, 0x31));
+      } else if constexpr (kMins) {
+        sx0 = _mm256_cvtepi32_ps(_mm256_maskload_epi32(a.sx32 + ib, live));
       }
+      for (int r = 0; r < NR; r++) {
+        __m256i h0, h1;
+        reduce_group(P[i][r], &h0, &h1);
+        if constexpr (kHalves) {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(ds0[r], dx), acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), _mm256_mul_ps(ds1[r], dx), acc[i][r]);
+        } else {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), _mm256_mul_ps(ds0[r], dx), acc[i][r]);
+        }
+        if constexpr (kMins) {
+          acc[i][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dm0[r], dx), sx0, acc[i][r]);
+          if constexpr (kHalves) acc[i][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dm1[r], dx), sx1, acc[i][r]);
+        }
+      }
+    }
   }
   for (int i = 0; i < MR; i++)
-    for (int r = 0; r < NR; r++) y[(i0 + i) * ldy + n0 + r] = hsum(acc[i][r]) - macc[i][r];
+    for (int r = 0; r < NR; r++) y[(i0 + i) * ldy + n0 + r] = hsum(acc[i][r]);
 }
 
 constexpr int kNR = 2, kMR = 4;
@@ -163,9 +260,9 @@ void rows_tile(const Act& a, const PackedMatrix& w, int64_t n0, int64_t n1, int6
 
 template <WeightType T, class Q>
 void matmul_t(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if (m == 1) {  // decode: four rows at a time, one stream each
+  if (m == 1) {  // decode: two rows at a time, one stream each
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile<T, Q, 4, 1>(a, w, n, 0, y, ldy);
+    for (; n + 2 <= n1; n += 2) tile<T, Q, 2, 1>(a, w, n, 0, y, ldy);
     for (; n < n1; n++) tile<T, Q, 1, 1>(a, w, n, 0, y, ldy);
     return;
   }
@@ -205,7 +302,8 @@ void ggml_matmul_quant_avx2(const void* qa, int64_t m, ActType act, const Packed
   n1 = std::min(n1, w.rows);
   const size_t e = act_elem_bytes(act);
   const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * e);
-  const Act a{qa, dx, reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32)), w.ld};
+  const int32_t* sx = reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32));
+  const Act a{qa, dx, sx, sx + m * (w.ld / 16), w.ld};
   if (act == ActType::I16) return matmul_q<int16_t>(a, m, w, y, ldy, n0, n1);
   matmul_q<int8_t>(a, m, w, y, ldy, n0, n1);
 }
