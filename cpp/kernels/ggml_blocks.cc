@@ -38,12 +38,12 @@ ActView act_view(void* qa, int64_t m, ActType act, int64_t ld) {
   return {qa, dx, sx, sx + m * (ld / 16)};
 }
 
-template <class Q>
+template <class Q, int kMaxQ = sizeof(Q) == 1 ? 127 : 32767>
 void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t cols, const ActView& a) {
   const int64_t nb = cols / 32;
   for (int64_t i = 0; i < m; i++) {
     Q* q = static_cast<Q*>(a.q) + i * cols;
-    quantize_activations(x + i * ldx, cols, q, a.dx + i * nb, a.sx32 + i * nb);
+    quantize_activations<Q, kMaxQ>(x + i * ldx, cols, q, a.dx + i * nb, a.sx32 + i * nb);
     for (int64_t h = 0; h < 2 * nb; h++) {
       int32_t s = 0;
       for (int k = 0; k < 16; k++) s += q[16 * h + k];
@@ -87,6 +87,12 @@ void ggml_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatri
   const ActView a = act_view(qa, m, act, w.ld);
   if (act == ActType::I16) return quantize_rows<int16_t>(x, m, ldx, w.cols, a);
   quantize_rows<int8_t>(x, m, ldx, w.cols, a);
+}
+
+void ggml_quantize_act_wide(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  const ActView a = act_view(qa, m, ActType::I16, w.ld);
+  if (act == ActType::I16) return quantize_rows<int16_t>(x, m, ldx, w.cols, a);
+  quantize_rows<int16_t, 127>(x, m, ldx, w.cols, a);
 }
 
 void ggml_matmul_quant_scalar(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,

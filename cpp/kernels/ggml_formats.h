@@ -265,6 +265,9 @@ PackedMatrix ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, in
 void ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 size_t ggml_act_bytes(const PackedMatrix& w, int64_t m, ActType act);
 void ggml_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
+// The same layout with int16 quants whatever act is (int8 precision for ActType::I8), as kernels that
+// widen to int16 anyway take them; ggml_act_bytes(w, m, ActType::I16) bytes.
+void ggml_quantize_act_wide(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
 void ggml_matmul_quant_scalar(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                               int64_t n0, int64_t n1);
 #if defined(CORELM_HAVE_X86)

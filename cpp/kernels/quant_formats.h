@@ -174,9 +174,10 @@ inline float dequant_value(WeightType t, int q, float d, float m) {
 // The activation quantizer of every matmul (reference; ISA versions must give the same bytes), for Q
 // int8_t (ActType::I8, dx = absmax/127) or int16_t (I16, dx = absmax/32767).
 // x has n floats; xq gets round_up(n, 32) values, dx and sxq one entry per block.
-template <class Q>
+// kMaxQ: the largest quant (an int16 Q may hold int8-precision quants, 127).
+template <class Q, int kMaxQ = sizeof(Q) == 1 ? 127 : 32767>
 inline void quantize_activations(const float* x, int64_t n, Q* xq, float* dx, int32_t* sxq) {
-  constexpr float kMax = sizeof(Q) == 1 ? 127.f : 32767.f;
+  constexpr float kMax = (float)kMaxQ;
   for (int64_t b = 0; b * kBlock < n; b++) {
     float amax = 0.f;
     for (int64_t j = b * kBlock; j < n && j < (b + 1) * kBlock; j++) amax = std::fmax(amax, std::fabs(x[j]));

@@ -20,8 +20,9 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
-#include "kernels/ggml_formats.h"
+#include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
 
 namespace corelm {
@@ -55,11 +56,6 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
                                    _mm512_set1_epi16(16));
     return _mm512_add_epi32(acc, _mm512_add_epi32(lo, hi));
   }
-}
-
-bool use_vnni() {
-  static const bool v = cpu_features().os_avx512 && cpu_features().avx512_vnni && !std::getenv("CORELM_NO_VNNI");
-  return v;
 }
 
 // One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
@@ -361,31 +357,13 @@ void gemm(const QuantAct& qr, int64_t m, const PackedMatrix& w, float* y, int64_
 // row's sum, so every table rounds the same block products the same way).
 constexpr int kMR16 = 6;  // activation rows per prefill tile (x 2 groups: 12 int32 + 12 fp32 accumulators)
 
-inline __m512i bcast8(const int16_t* p) {  // 4 activations to every 64-bit lane
-  long long v;
-  std::memcpy(&v, p, 8);
-  return _mm512_set1_epi64(v);
-}
 inline __m512 scales_pairs(const uint16_t* p) {  // 8 fp16 -> each twice, lanes 2j, 2j+1 = row j
   const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))));
 }
-inline __m512i pair_sums(__m512i a) {  // lanes 2j and 2j+1 -> both their sum, row j's
-  return _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
-}
 inline __m256 even_lanes(__m512 f) {  // one copy of each row: lanes 0, 2, .., 14
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(even, f));
-}
-
-template <bool VNNI>
-inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
-  if constexpr (VNNI) {
-    __asm__("vpdpwssd %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
-    return acc;
-  } else {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-  }
 }
 
 // Calls piece(p, w) for the 8 pieces of block row qs of G groups (group g at qs + g * QSB), w[g] the
@@ -562,17 +540,20 @@ PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
 }
 
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (is_grouped_ggml(type)) return grouped_ggml_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx512Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (is_grouped_ggml(w.type)) return ggml_act_bytes(w, m, ActType::I16);  // int16 quants either way
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
 }
 
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (is_grouped_ggml(w.type)) return ggml_quantize_act_wide(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
   quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
@@ -580,6 +561,7 @@ void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMat
 
 void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
+  if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx512(qa, m, w, y, ldy, n0, n1);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) {
     const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));

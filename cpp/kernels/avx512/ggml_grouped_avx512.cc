@@ -1,0 +1,231 @@
+// AVX-512 matmul of the GGUF block types in the grouped layout (ggml_grouped.h): Q4_K, Q5_K, Q6_K,
+// IQ4_XS, Q5_0, IQ4_NL. As the int16 Q4 kernels (quant_avx512.cc): a chunk's 4-bit codes of 8 rows,
+// 32 bytes at a time widened to int16, each piece (8 rows x 4 columns) multiplied by a broadcast of
+// its 4 activations with VPDPWSSD, so every row's sum stays in its own pair of lanes; the high bits
+// (Q5_*, Q6_K) are ORed in from their plane and the IQ4 codes looked up (VPERMW) before that. Per
+// chunk and 8 rows, one FMA adds cvt(sum) * (d * s) * dx and, with minimums, one more takes
+// (dm * mn) * dx * sum(xq) off. Activations are int16 (int8 precision for ActType::I8), the code
+// offset (Q6_K 32, Q5_0 16) comes off as -offset * sum(xq) in the integer sums.
+// GEMV and GEMM compute each (row, token) with the same operations in the same order, so a token's
+// result does not depend on its batch.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels/avx512/int_dot.h"
+#include "kernels/ggml_grouped.h"
+
+namespace corelm {
+namespace quant {
+namespace {
+
+struct Act {  // ggml_formats.h's activation layout, int16 quants
+  const int16_t* q;
+  const float* dx;
+  const int32_t *sx, *sx32;
+  int64_t ld, nb;
+};
+Act act_of(const void* qa, int64_t m, const PackedMatrix& w) {
+  const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * 2);
+  const int32_t* sx = reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32));
+  return {static_cast<const int16_t*>(qa), dx, sx, sx + m * (w.ld / 16), w.ld, w.ld / 32};
+}
+
+template <WeightType T>
+struct Tr {
+  static constexpr bool table = T == WeightType::IQ4_XS || T == WeightType::IQ4_NL;
+  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 ? 1 : T == WeightType::Q6_K ? 2 : 0;
+  static constexpr int offset = T == WeightType::Q6_K ? 32 : T == WeightType::Q5_0 ? 16 : 0;
+  static constexpr bool halves = T == WeightType::Q6_K;
+  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K;
+  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::IQ4_NL;
+  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::IQ4_NL ? 1 : 8;
+  static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
+  static constexpr int hi_bytes = 32 * hi;
+};
+
+// Piece p's high bits (from the plane widened to int16) moved to bit 4 (and 5), ORed into w.
+template <WeightType T>
+inline __m512i add_high(__m512i w, __m512i plane, int p) {
+  const __m512i mask = _mm512_set1_epi16(Tr<T>::hi == 1 ? 0x10 : 0x30);
+  const int at = Tr<T>::hi == 1 ? p : 2 * (p % 4);  // where the piece's bits sit in its plane byte
+  const __m512i moved = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+  return _mm512_ternarylogic_epi32(moved, mask, w, 0xEA);  // (moved & mask) | w
+}
+
+// Calls piece(p, w) for the 8 pieces of chunk c of super-block sb for NG groups from group view v:
+// w[g] the piece's values of group g as int16 (u, or the IQ4 table's v).
+template <WeightType T, int NG, class Piece>
+inline void for_pieces(const GroupedView& v, int64_t sb, int c, Piece piece) {
+  const __m512i m4 = _mm512_set1_epi16(0x0f);
+  const __m512i table = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)kIq4Values)));
+  const uint8_t* qs = v.qs(sb, c);
+  const uint8_t* hp = v.hi(sb, c);
+  __m512i plane[NG];
+  if constexpr (Tr<T>::hi == 1)
+    for (int g = 0; g < NG; g++) plane[g] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(hp + g * 32)));
+  __m512i lo[NG], hi[NG];
+#pragma GCC unroll 4
+  for (int uh = 0; uh < 4; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
+    const int u = uh >> 1, h = uh & 1;
+    for (int g = 0; g < NG; g++) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + g * 128 + 32 * uh)));
+      lo[g] = _mm512_and_si512(b, m4), hi[g] = _mm512_srli_epi16(b, 4);
+      if constexpr (Tr<T>::hi == 2)
+        plane[g] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(hp + g * 64 + 32 * u)));
+      if constexpr (Tr<T>::hi > 0) {
+        lo[g] = add_high<T>(lo[g], plane[g], 4 * u + h);
+        hi[g] = add_high<T>(hi[g], plane[g], 4 * u + 2 + h);
+      }
+      if constexpr (Tr<T>::table) {
+        lo[g] = _mm512_permutexvar_epi16(lo[g], table);
+        hi[g] = _mm512_permutexvar_epi16(hi[g], table);
+      }
+    }
+    piece(4 * u + h, lo);
+    piece(4 * u + 2 + h, hi);
+  }
+}
+
+inline __m256 rows8(__m512i acc) {  // a row's pair of lanes summed -> 8 floats, row j in lane j
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm256_cvtepi32_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi32(even, pair_sums(acc))));
+}
+inline __m256 s8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline __m256 u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline __m256 f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// MR activation rows (from i0) x NG groups (from the view's group) over the whole row: out[i][g].
+template <WeightType T, bool VNNI, int MR, int NG>
+void tile(const Act& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 out[MR][NG]) {
+  using R = Tr<T>;
+  __m256 acc[MR][NG];
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; sb++) {
+    for (int c = 0; c < R::chunks; c++) {  // (the super-block's scales are re-read from L1 per chunk: registers go to the sums)
+      const int64_t b = sb * R::chunks + c;  // the chunk's index along the row
+      __m512i s[MR][2][NG];                   // two chains per (row, group): halves, or even/odd pieces
+      for (int i = 0; i < MR; i++) {
+        const int64_t ib = (i0 + i) * a.nb + b;
+        for (int g = 0; g < NG; g++) {
+          if constexpr (R::halves) {
+            s[i][0][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx[2 * ib]);
+            s[i][1][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx[2 * ib + 1]);
+          } else {
+            s[i][0][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx32[ib]);
+            s[i][1][g] = _mm512_setzero_si512();
+          }
+        }
+      }
+      for_pieces<T, NG>(v, sb, c, [&](int p, const __m512i* w) {
+        const int k = R::halves ? p / 4 : p & 1;
+        for (int i = 0; i < MR; i++) {
+          const __m512i x = bcast8(a.q + (i0 + i) * a.ld + 32 * b + 4 * p);
+          for (int g = 0; g < NG; g++) s[i][k][g] = dpwssd<VNNI>(s[i][k][g], w[g], x);
+        }
+      });
+      for (int g = 0; g < NG; g++) {
+        const __m256 D = f16x8(v.D(sb) + 8 * g);
+        __m256 ds0 = D, ds1 = D;
+        if constexpr (R::scales) {
+          const int8_t* S = v.S(sb, R::halves ? 2 * c : c) + g * 8 * R::nsc;
+          ds0 = _mm256_mul_ps(s8(S), D);
+          if constexpr (R::halves) ds1 = _mm256_mul_ps(s8(S + 8), D);
+        }
+        __m256 dmm;
+        if constexpr (R::mins) dmm = _mm256_mul_ps(u8(v.M(sb, c) + g * 64), f16x8(v.Dm(sb) + 8 * g));
+        for (int i = 0; i < MR; i++) {
+          const int64_t ib = (i0 + i) * a.nb + b;
+          const __m256 dx = _mm256_set1_ps(a.dx[ib]);
+          if constexpr (R::halves) {
+            acc[i][g] = _mm256_fmadd_ps(rows8(s[i][0][g]), _mm256_mul_ps(ds0, dx), acc[i][g]);
+            acc[i][g] = _mm256_fmadd_ps(rows8(s[i][1][g]), _mm256_mul_ps(ds1, dx), acc[i][g]);
+          } else {
+            acc[i][g] = _mm256_fmadd_ps(rows8(_mm512_add_epi32(s[i][0][g], s[i][1][g])), _mm256_mul_ps(ds0, dx), acc[i][g]);
+          }
+          if constexpr (R::mins) acc[i][g] = _mm256_fnmadd_ps(dmm, _mm256_set1_ps(a.dx[ib] * (float)a.sx32[ib]), acc[i][g]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) out[i][g] = acc[i][g];
+}
+
+inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r) {  // rows of [n0, n1) only
+  __mmask8 keep = 0;
+  for (int j = 0; j < kGroup; j++) keep |= (__mmask8)((r0 + j >= n0 && r0 + j < n1) << j);
+  _mm256_mask_storeu_ps(yp, keep, r);
+}
+
+template <WeightType T, bool VNNI, int MR, int NG>
+void run_tile(const Act& a, int64_t i0, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
+              int64_t ldy, int64_t n0, int64_t n1) {
+  __m256 out[MR][NG];
+  tile<T, VNNI, MR, NG>(a, i0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
+  for (int i = 0; i < MR; i++)
+    for (int k = 0; k < NG; k++) store_rows(y + (i0 + i) * ldy + (g + k) * kGroup, (g + k) * kGroup, n0, n1, out[i][k]);
+}
+
+constexpr int kMR = 4;  // activation rows per prefill tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
+
+template <WeightType T, bool VNNI, int NG>
+void rows_tiles(const Act& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
+                int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t i = 0;
+  for (; i + kMR <= m; i += kMR) run_tile<T, VNNI, kMR, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+  switch (m - i) {
+    case 3: return run_tile<T, VNNI, 3, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    case 2: return run_tile<T, VNNI, 2, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    case 1: return run_tile<T, VNNI, 1, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    default: return;
+  }
+}
+
+// Decode (m == 1): a super-group's kSuper groups at once where [n0, n1) covers it (one stream), else
+// group by group. Prefill: pairs of groups of a super-group, all activation rows in tiles of kMR.
+template <WeightType T, bool VNNI>
+void matmul_t(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nsb = w.cols / ggml_block_elems(T), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  for (int64_t g = n0 / kGroup; g < g_end;) {
+    const int64_t first = g / kSuper * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
+    if (m == 1 && g == first && ns == kSuper && g + kSuper <= g_end) {
+      run_tile<T, VNNI, 1, kSuper>(a, 0, w, nsb, groups, g, y, ldy, n0, n1);
+      g += kSuper;
+    } else if (m > 1 && g + 2 <= g_end && (g + 1) / kSuper == g / kSuper) {
+      rows_tiles<T, VNNI, 2>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
+      g += 2;
+    } else {
+      rows_tiles<T, VNNI, 1>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
+      g += 1;
+    }
+  }
+}
+
+template <WeightType T>
+void matmul_vnni(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (use_vnni()) return matmul_t<T, true>(a, m, w, y, ldy, n0, n1);
+  matmul_t<T, false>(a, m, w, y, ldy, n0, n1);
+}
+
+}  // namespace
+
+void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                                int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+  const Act a = act_of(qa, m, w);
+  switch (w.type) {
+    case WeightType::Q4_K: return matmul_vnni<WeightType::Q4_K>(a, m, w, y, ldy, n0, n1);
+    case WeightType::Q5_K: return matmul_vnni<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);
+    case WeightType::Q6_K: return matmul_vnni<WeightType::Q6_K>(a, m, w, y, ldy, n0, n1);
+    case WeightType::IQ4_XS: return matmul_vnni<WeightType::IQ4_XS>(a, m, w, y, ldy, n0, n1);
+    case WeightType::Q5_0: return matmul_vnni<WeightType::Q5_0>(a, m, w, y, ldy, n0, n1);
+    case WeightType::IQ4_NL: return matmul_vnni<WeightType::IQ4_NL>(a, m, w, y, ldy, n0, n1);
+    default: return;
+  }
+}
+
+}  // namespace quant
+}  // namespace corelm

@@ -1,0 +1,107 @@
+// The grouped layout of the GGUF block types that the AVX-512 tables repack (Q4_K, Q5_K, Q6_K,
+// IQ4_XS, Q5_0, IQ4_NL): quant_layout.h's rows in groups of 8 and super-groups of kSuper groups, its
+// 4-bit quant bytes, and every other bit and scale of the file kept exactly (ggml_formats.h defines
+// the values). Decode then multiplies 8 rows at once with no horizontal sums, as for Q4/Q4M.
+//
+// A super-group (ns groups) is, super-block after super-block (256 columns; 32 for Q5_0 / IQ4_NL):
+//   header  D[ns][8] fp16 (the file's d of each row), Dm[ns][8] fp16 (Q4_K/Q5_K: dmin),
+//           S[ns][nsc][8] int8 (the sub-block scales s, nsc per super-block and row: 8, Q6_K 16),
+//           M[ns][8][8] uint8 (Q4_K/Q5_K: the minimums mn), padded to 64 bytes
+//   then per chunk of 32 columns
+//           qs[ns][128]  the low 4 bits of each code u, in quant_layout.h's Q4 order
+//           hi[ns][HB]   Q5_*: bit 4 of u (HB 32: byte i bit p = piece p's byte i); Q6_K: bits 4-5
+//                        (HB 64: byte 32v + i, bits 2f..2f+1 = piece 4v + f's byte i), padded to 64
+// A piece p (0..7) is the 32 bytes of 8 rows x columns 4p..4p+3 (row j in bytes 4j..4j+3), as the
+// AVX-512 int16 kernels walk a block. The value is v = u - kOffset[type] (Q6_K 32, Q5_0 16), or the
+// IQ4 table's entry for u.
+#pragma once
+#include <cstdint>
+
+#include "kernels/ggml_formats.h"
+#include "kernels/quant_layout.h"
+
+namespace corelm {
+namespace quant {
+namespace {
+
+inline bool is_grouped_ggml(WeightType t) {
+  return t == WeightType::Q4_K || t == WeightType::Q5_K || t == WeightType::Q6_K || t == WeightType::IQ4_XS ||
+         t == WeightType::Q5_0 || t == WeightType::IQ4_NL;
+}
+
+struct GroupedTraits {
+  int chunks;     // chunks of 32 columns per super-block
+  int hi_bits;    // bits of u above the low 4
+  int offset;     // v = u - offset (table types: 0, the table gives v)
+  bool table;     // IQ4: v = kIq4Values[u]
+  bool halves;    // sub-block scales per 16 columns
+  bool mins;      // Dm and M
+  bool scales;    // S (else s = 1)
+};
+inline GroupedTraits grouped_traits(WeightType t) {
+  switch (t) {
+    case WeightType::Q4_K: return {8, 0, 0, false, false, true, true};
+    case WeightType::Q5_K: return {8, 1, 0, false, false, true, true};
+    case WeightType::Q6_K: return {8, 2, 32, false, true, false, true};
+    case WeightType::IQ4_XS: return {8, 0, 0, true, false, false, true};
+    case WeightType::Q5_0: return {1, 1, 16, false, false, false, false};
+    default: return {1, 0, 0, true, false, false, false};  // IQ4_NL
+  }
+}
+
+// Bytes per group of each part, and of a super-block's header and chunk row for ns groups.
+inline int64_t grouped_nsc(const GroupedTraits& g) { return g.scales ? g.chunks * (g.halves ? 2 : 1) : 0; }
+inline int64_t grouped_header_bytes(const GroupedTraits& g, int64_t ns) {
+  return (ns * (16 + (g.mins ? 16 : 0) + 8 * grouped_nsc(g) + (g.mins ? 64 : 0)) + 63) / 64 * 64;
+}
+inline int64_t grouped_hi_bytes(const GroupedTraits& g) { return g.hi_bits * 32; }
+inline int64_t grouped_chunk_bytes(const GroupedTraits& g, int64_t ns) {
+  return (ns * (128 + grouped_hi_bytes(g)) + 63) / 64 * 64;
+}
+inline int64_t grouped_sb_bytes(const GroupedTraits& g, int64_t ns) {
+  return grouped_header_bytes(g, ns) + g.chunks * grouped_chunk_bytes(g, ns);
+}
+
+// Where group g (of `groups`) of a matrix with nsb super-blocks per row starts: its super-group's
+// first super-block, the group's index in it (i) and the super-group's size (ns).
+struct GroupedView {
+  const uint8_t* base;  // the super-group's first super-block header
+  int64_t i, ns, first;
+  int64_t sb_bytes, header_bytes, chunk_bytes;
+  GroupedTraits tr;
+  const uint16_t* D(int64_t sb) const { return reinterpret_cast<const uint16_t*>(base + sb * sb_bytes) + 8 * i; }
+  const uint16_t* Dm(int64_t sb) const { return reinterpret_cast<const uint16_t*>(base + sb * sb_bytes) + 8 * ns + 8 * i; }
+  const int8_t* S(int64_t sb, int64_t k) const {  // k: chunk (or chunk * 2 + half)
+    return reinterpret_cast<const int8_t*>(base + sb * sb_bytes + ns * (16 + (tr.mins ? 16 : 0))) +
+           (i * grouped_nsc(tr) + k) * 8;
+  }
+  const uint8_t* M(int64_t sb, int64_t c) const {
+    return base + sb * sb_bytes + ns * (32 + 8 * grouped_nsc(tr)) + (i * 8 + c) * 8;
+  }
+  const uint8_t* qs(int64_t sb, int64_t c) const { return base + sb * sb_bytes + header_bytes + c * chunk_bytes + i * 128; }
+  const uint8_t* hi(int64_t sb, int64_t c) const {
+    return base + sb * sb_bytes + header_bytes + c * chunk_bytes + ns * 128 + i * grouped_hi_bytes(tr);
+  }
+};
+inline GroupedView grouped_view(const void* data, WeightType t, int64_t nsb, int64_t groups, int64_t g) {
+  const GroupedTraits tr = grouped_traits(t);
+  const int64_t s = g / kSuper, first = s * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
+  const uint8_t* base = static_cast<const uint8_t*>(data) + (size_t)s * nsb * grouped_sb_bytes(tr, kSuper);
+  return {base, g - first, ns, first, grouped_sb_bytes(tr, ns), grouped_header_bytes(tr, ns), grouped_chunk_bytes(tr, ns), tr};
+}
+
+}  // namespace
+
+// Raw GGUF rows of a grouped type repacked (on par's threads when given) for table `by`, and a row
+// read back as fp32 (bit for bit ggml_row_to_f32's).
+PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols,
+                                   const ParallelFor* par, const KernelTable* by);
+void grouped_ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+#if defined(CORELM_HAVE_X86)
+// y = x W^T for rows [n0, n1) from ggml_quantize_act_wide's activations.
+void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                                int64_t n1);
+#endif
+
+}  // namespace quant
+}  // namespace corelm
