@@ -98,6 +98,10 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
                                    const ParallelFor* par, const KernelTable* by);
 void grouped_ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 #if defined(CORELM_HAVE_X86)
+// ggml_quantize_act_wide, vectorized (the same bytes); w.cols must be whole blocks of 32, as every
+// grouped type's rows are.
+void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
+                                      void* qa);
 // y = x W^T for rows [n0, n1) from ggml_quantize_act_wide's activations.
 void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                                 int64_t n1);

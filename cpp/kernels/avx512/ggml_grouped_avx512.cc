@@ -211,6 +211,34 @@ void matmul_vnni(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64
 
 }  // namespace
 
+void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
+                                      void* qa) {
+  // Bit for bit ggml_quantize_act_wide (quant_formats.h's quantize_activations: VCVTPS2DQ rounds to
+  // nearest even as nearbyint does), 32 columns at a time.
+  const int64_t nb = w.ld / 32;
+  int16_t* q = static_cast<int16_t*>(qa);
+  float* dx = reinterpret_cast<float*>(q + m * w.ld);
+  int32_t* sx = reinterpret_cast<int32_t*>(dx + m * nb);
+  int32_t* sx32 = sx + m * 2 * nb;
+  const float top = act == ActType::I16 ? 32767.f : 127.f;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + i * ldx + 32 * b;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+      const float d = amax / top;
+      const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+      _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b), _mm512_cvtepi32_epi16(q0));
+      _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b + 16), _mm512_cvtepi32_epi16(q1));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+      dx[i * nb + b] = d;
+      sx[i * 2 * nb + 2 * b] = s0, sx[i * 2 * nb + 2 * b + 1] = s1;
+      sx32[i * nb + b] = s0 + s1;
+    }
+}
+
 void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                                 int64_t n1) {
   n1 = std::min(n1, w.rows);

@@ -553,7 +553,7 @@ size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
 }
 
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
-  if (is_grouped_ggml(w.type)) return ggml_quantize_act_wide(x, m, ldx, w, act, qa);
+  if (is_grouped_ggml(w.type)) return grouped_ggml_quantize_act_avx512(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
   quantize_act(x, m, ldx, w.cols, nblocks(w), w.type, act_view(qa, m, nblocks(w)));
