@@ -56,6 +56,10 @@ struct PackedMatrix {
   size_t nbytes = 0;
   const KernelTable* packed_by = nullptr;
   std::shared_ptr<void> storage;            // 64-byte aligned
+  // Non-empty: the matrix is these matrices' rows one after the other (each with its own type and
+  // storage; nbytes their sum, storage empty), as q, k and v kept in different GGUF types are. Kernels
+  // take the parts one at a time; the model, which stacks them, walks them (model/forward.cc).
+  std::vector<PackedMatrix> parts;
   const void* data() const { return storage.get(); }
   size_t bytes() const { return nbytes; }
 };

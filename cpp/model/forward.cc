@@ -9,6 +9,15 @@
 
 namespace corelm {
 
+// The bytes of w's quantized input for m rows (0: float weights); a stacked matrix's parts' inputs one
+// after the other, each 64-byte aligned.
+static size_t act_bytes(const KernelTable& k, const PackedMatrix& w, int64_t m, ActType act) {
+  if (w.parts.empty()) return k.quant_act_bytes(w, m, act);
+  size_t total = 0;
+  for (const PackedMatrix& p : w.parts) total += (k.quant_act_bytes(p, m, act) + 63) / 64 * 64;
+  return total;
+}
+
 void Model::set_act_type(ActType a) {
   pool_.quiesce();  // a descheduled pool thread may still read the old buffers
   cfg_.act_type = a;
@@ -29,7 +38,7 @@ void Model::ensure_scratch(int64_t n) {
   // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
   qact_ld_ = 0;
   auto fit = [&](const PackedMatrix& w) {
-    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (kt_.quant_act_bytes(w, m, cfg_.act_type) + 63) / 64 * 64);
+    for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (act_bytes(kt_, w, m, cfg_.act_type) + 63) / 64 * 64);
   };
   for (const LayerWeights& L : layers_)
     for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) fit(*w);
@@ -119,11 +128,34 @@ struct TaskMatmul {
   size_t ld_qa;
   ActType act;
   void prepare(int buf, const float* x, int64_t m, int64_t ldx) const {
-    if (qa) k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
+    if (!qa) return;
+    if (w->parts.empty()) return k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
+    uint8_t* at = qa + buf * ld_qa;  // a stacked matrix: each part's own input (act_bytes)
+    for (const PackedMatrix& p : w->parts) {
+      const size_t n = k->quant_act_bytes(p, m, act);
+      if (n) k->quantize_act(x, m, ldx, p, act, at);
+      at += (n + 63) / 64 * 64;
+    }
   }
   void run(int buf, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
-    if (!qa) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
-    k->matmul_quant(qa + buf * ld_qa, m, act, *w, y, ldy, n0, n1);
+    if (w->parts.empty()) {
+      if (!qa) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
+      return k->matmul_quant(qa + buf * ld_qa, m, act, *w, y, ldy, n0, n1);
+    }
+    const uint8_t* at = qa ? qa + buf * ld_qa : nullptr;
+    int64_t r0 = 0;  // the part's first row; the kernels index y by the part's own rows, hence y + r0
+    for (const PackedMatrix& p : w->parts) {
+      const size_t n = k->quant_act_bytes(p, m, act);
+      const int64_t a = std::max(n0, r0), b = std::min(n1, r0 + p.rows);
+      if (a < b) {
+        if (n)
+          k->matmul_quant(at, m, act, p, y + r0, ldy, a - r0, b - r0);
+        else
+          k->matmul(x, m, ldx, p, y + r0, ldy, a - r0, b - r0);
+      }
+      if (at) at += (n + 63) / 64 * 64;
+      r0 += p.rows;
+    }
   }
 };
 
@@ -240,7 +272,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto task_matmul = [&](const PackedMatrix& w) {
-    const bool quantized = k.quant_act_bytes(w, 1, cfg_.act_type) != 0;
+    const bool quantized = act_bytes(k, w, 1, cfg_.act_type) != 0;
     return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
   };
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {

@@ -122,7 +122,9 @@ class Model {
   // tok_embeddings, matrix). The one list finalize(), place_weights() and weight_spans() walk.
   struct NamedMatrix {
     std::string name, kind;
-    PackedMatrix* m;
+    PackedMatrix* m;         // a part of a stacked matrix comes by itself:
+    int64_t first_row = 0;   // its first row in the whole matrix
+    int64_t whole_rows = 0;  // the whole matrix's rows (0: m is the whole matrix)
   };
   std::vector<NamedMatrix> matrices_in_decode_order();
 

@@ -84,9 +84,12 @@ void Model::place_weights() {
   for (const NamedMatrix& nm : numa_places_memory() ? matrices_in_decode_order() : std::vector<NamedMatrix>{}) {
     if (nm.kind.empty()) continue;
     const PackedMatrix& m = *nm.m;
-    std::vector<RowRange> bytes;
-    for (const RowRange& r : numa_.ranges(m.rows, row_grain(nm.kind, cfg_.head_dim, kt_)))
-      bytes.push_back({r.node, (int64_t)row_offset(r.begin, m.rows, m.nbytes), (int64_t)row_offset(r.end, m.rows, m.nbytes)});
+    std::vector<RowRange> bytes;  // the whole matrix's node ranges, within this matrix (or part)
+    const int64_t r0 = nm.first_row, whole = nm.whole_rows ? nm.whole_rows : m.rows;
+    for (const RowRange& r : numa_.ranges(whole, row_grain(nm.kind, cfg_.head_dim, kt_))) {
+      const int64_t b = std::clamp(r.begin - r0, (int64_t)0, m.rows), e = std::clamp(r.end - r0, (int64_t)0, m.rows);
+      if (b < e) bytes.push_back({r.node, (int64_t)row_offset(b, m.rows, m.nbytes), (int64_t)row_offset(e, m.rows, m.nbytes)});
+    }
     place(nm.name, m.data(), m.nbytes, std::move(bytes), /*strict=*/true);
   }
   numa_status_ = numa_summary(numa_, numa_places_memory(), placed_);

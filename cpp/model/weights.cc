@@ -178,13 +178,36 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   check_shape(name, shape, {part == "wq" ? q_rows : part == "wk" || part == "wv" ? kv_rows : f, d});
   const std::string key = layer_weight_name(w.layer, part);
   for (const std::string& p : partners)
-    if (p != key && (pending_.count(p) || (pending_raw_.count(p) && pending_raw_[p].first != type))) {
-      raw_partners_to_f32(w);  // partners of another type: everything fuses as fp32
+    if (p != key && (pending_.count(p) || (partners.size() == 2 && pending_raw_.count(p) && pending_raw_[p].first != type))) {
+      raw_partners_to_f32(w);  // float partners, or gate/up of two types: everything fuses as fp32
       return as_f32();
     }
   pending_raw_[key] = {type, std::vector<uint8_t>(raw, raw + nbytes)};
   for (const std::string& p : partners)
     if (!pending_raw_.count(p)) return;
+  // q, k and v of different types: consecutive ones of one type fused, stacked (each in its own bits).
+  if (partners.size() == 3 && (pending_raw_[partners[0]].first != pending_raw_[partners[1]].first ||
+                               pending_raw_[partners[1]].first != pending_raw_[partners[2]].first)) {
+    PackedMatrix stacked;
+    stacked.cols = d;
+    for (size_t i = 0; i < partners.size();) {
+      const WeightType t = pending_raw_[partners[i]].first;
+      std::vector<uint8_t> run;
+      size_t j = i;
+      for (; j < partners.size() && pending_raw_[partners[j]].first == t; j++)
+        run.insert(run.end(), pending_raw_[partners[j]].second.begin(), pending_raw_[partners[j]].second.end());
+      const int64_t rows = (int64_t)(run.size() / quant::ggml_row_bytes(t, d));
+      stacked.parts.push_back(kt_.pack_raw(t, run.data(), rows, d, &pack_threads_));
+      stacked.rows += rows;
+      stacked.nbytes += stacked.parts.back().nbytes;
+      i = j;
+    }
+    stacked.type = stacked.parts.front().type;
+    stacked.packed_by = &kt_;
+    layers_[w.layer].wqkv = std::move(stacked);
+    for (const std::string& p : partners) pending_raw_.erase(p);
+    return;
+  }
   // All partners are raw blocks of one type: concatenate (q, k, v) or interleave (gate/up) whole rows.
   std::vector<uint8_t> fused;
   int64_t rows = 0;
@@ -212,7 +235,7 @@ void Model::finalize() {
     const std::string p = layer_weight_name(i, "");
     if (L.attn_norm.empty()) missing(p + "attn_norm");
     if (L.ffn_norm.empty()) missing(p + "ffn_norm");
-    if (!L.wqkv.storage) missing(p + "wq/wk/wv");
+    if (!L.wqkv.storage && L.wqkv.parts.empty()) missing(p + "wq/wk/wv");
     if (!L.wo.storage) missing(p + "wo");
     if (!L.w_gate_up.storage) missing(p + "w_gate/w_up");
     if (!L.w_down.storage) missing(p + "w_down");
@@ -249,7 +272,18 @@ std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
     LayerWeights& L = layers_[l];
     const std::pair<const char*, PackedMatrix*> kinds[] = {
         {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
-    for (const auto& k : kinds) out.push_back({layer_weight_name(l, k.first), k.first, k.second});
+    for (const auto& k : kinds) {
+      if (k.second->parts.empty()) {
+        out.push_back({layer_weight_name(l, k.first), k.first, k.second});
+        continue;
+      }
+      int64_t r0 = 0;
+      for (size_t i = 0; i < k.second->parts.size(); i++) {
+        PackedMatrix& p = k.second->parts[i];
+        out.push_back({layer_weight_name(l, k.first) + "." + std::to_string(i), k.first, &p, r0, k.second->rows});
+        r0 += p.rows;
+      }
+    }
   }
   out.push_back({"lm_head", "lm_head", &lm_head_});
   out.push_back({"tok_embeddings", "", &tok_embeddings_});  // read a row per token; shares lm_head's bytes when tied
