@@ -14,6 +14,7 @@
 
 #include "kernels/avx512/int_dot.h"
 #include "kernels/ggml_grouped.h"
+#include "kernels/kernel_util.h"
 
 namespace corelm {
 namespace quant {
@@ -95,6 +96,13 @@ inline __m256 s8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi
 inline __m256 u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline __m256 f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
+// Decode's software prefetch: the super-block about kPrefetchBytes ahead, a chunk's share of its lines
+// per chunk. Unlike the Q4/Q4M stream (quant_avx512.cc), this one needs it on Zen 4: Q4_K 10 -> 24,
+// Q6_K 6 -> 20 GB/s of a 28 GB/s read, one thread (4 KiB ahead: 22 / 20, 12 KiB: 24 / 12-19).
+// CORELM_DECODE_PREFETCH=0 turns it off (kernel_util.h).
+constexpr int64_t kPrefetchBytes = 8192;
+const bool kPrefetch = decode_prefetch(true);
+
 // MR activation rows (from i0) x NG groups (from the view's group) over the whole row: out[i][g].
 template <WeightType T, bool VNNI, int MR, int NG>
 void tile(const Act& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 out[MR][NG]) {
@@ -102,8 +110,15 @@ void tile(const Act& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 ou
   __m256 acc[MR][NG];
   for (int i = 0; i < MR; i++)
     for (int g = 0; g < NG; g++) acc[i][g] = _mm256_setzero_ps();
+  const int64_t pf_lines = (v.sb_bytes + 63) / 64, pf_per_chunk = (pf_lines + R::chunks - 1) / R::chunks;
+  const int64_t kPrefetchSuperBlocks = std::max<int64_t>(1, (kPrefetchBytes + v.sb_bytes / 2) / v.sb_bytes);
   for (int64_t sb = 0; sb < nsb; sb++) {
     for (int c = 0; c < R::chunks; c++) {  // (the super-block's scales are re-read from L1 per chunk: registers go to the sums)
+      if (kPrefetch) {  // the super-block kPrefetchSuperBlocks ahead, a chunk's share at a time
+        const char* ahead = reinterpret_cast<const char*>(v.base) + (sb + kPrefetchSuperBlocks) * v.sb_bytes;
+        for (int64_t l = c * pf_per_chunk; l < std::min(pf_lines, (c + 1) * pf_per_chunk); l++)
+          _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      }
       const int64_t b = sb * R::chunks + c;  // the chunk's index along the row
       __m512i s[MR][2][NG];                   // two chains per (row, group): halves, or even/odd pieces
       for (int i = 0; i < MR; i++) {
