@@ -90,6 +90,33 @@ inline GroupedView grouped_view(const void* data, WeightType t, int64_t nsb, int
   return {base, g - first, ns, first, grouped_sb_bytes(tr, ns), grouped_header_bytes(tr, ns), grouped_chunk_bytes(tr, ns), tr};
 }
 
+// ggml_formats.h's activation layout with int16 quants, as the grouped kernels take it.
+struct GroupedAct {
+  const int16_t* q;
+  const float* dx;
+  const int32_t *sx, *sx32;
+  int64_t ld, nb;
+};
+inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w) {
+  const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * 2);
+  const int32_t* sx = reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32));
+  return {static_cast<const int16_t*>(qa), dx, sx, sx + m * (w.ld / 16), w.ld, w.ld / 32};
+}
+
+// The grouped_traits of T at compile time, for the kernels.
+template <WeightType T>
+struct Tr {
+  static constexpr bool table = T == WeightType::IQ4_XS || T == WeightType::IQ4_NL;
+  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 ? 1 : T == WeightType::Q6_K ? 2 : 0;
+  static constexpr int offset = T == WeightType::Q6_K ? 32 : T == WeightType::Q5_0 ? 16 : 0;
+  static constexpr bool halves = T == WeightType::Q6_K;
+  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K;
+  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::IQ4_NL;
+  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::IQ4_NL ? 1 : 8;
+  static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
+  static constexpr int hi_bytes = 32 * hi;
+};
+
 }  // namespace
 
 // Raw GGUF rows of a grouped type repacked (on par's threads when given) for table `by`, and a row
@@ -102,9 +129,13 @@ void grouped_ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 // grouped type's rows are.
 void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
                                       void* qa);
+void grouped_ggml_quantize_act_avx2(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
+                                    void* qa);
 // y = x W^T for rows [n0, n1) from ggml_quantize_act_wide's activations.
 void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                                 int64_t n1);
+void grouped_ggml_matmul_avx2(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                              int64_t n1);
 #endif
 
 }  // namespace quant

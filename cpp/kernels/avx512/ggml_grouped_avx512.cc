@@ -20,31 +20,6 @@ namespace corelm {
 namespace quant {
 namespace {
 
-struct Act {  // ggml_formats.h's activation layout, int16 quants
-  const int16_t* q;
-  const float* dx;
-  const int32_t *sx, *sx32;
-  int64_t ld, nb;
-};
-Act act_of(const void* qa, int64_t m, const PackedMatrix& w) {
-  const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * 2);
-  const int32_t* sx = reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32));
-  return {static_cast<const int16_t*>(qa), dx, sx, sx + m * (w.ld / 16), w.ld, w.ld / 32};
-}
-
-template <WeightType T>
-struct Tr {
-  static constexpr bool table = T == WeightType::IQ4_XS || T == WeightType::IQ4_NL;
-  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 ? 1 : T == WeightType::Q6_K ? 2 : 0;
-  static constexpr int offset = T == WeightType::Q6_K ? 32 : T == WeightType::Q5_0 ? 16 : 0;
-  static constexpr bool halves = T == WeightType::Q6_K;
-  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K;
-  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::IQ4_NL;
-  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::IQ4_NL ? 1 : 8;
-  static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
-  static constexpr int hi_bytes = 32 * hi;
-};
-
 // Piece p's high bits (from the plane widened to int16) moved to bit 4 (and 5), ORed into w.
 template <WeightType T>
 inline __m512i add_high(__m512i w, __m512i plane, int p) {
@@ -105,7 +80,7 @@ const bool kPrefetch = decode_prefetch(true);
 
 // MR activation rows (from i0) x NG groups (from the view's group) over the whole row: out[i][g].
 template <WeightType T, bool VNNI, int MR, int NG>
-void tile(const Act& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 out[MR][NG]) {
+void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 out[MR][NG]) {
   using R = Tr<T>;
   __m256 acc[MR][NG];
   for (int i = 0; i < MR; i++)
@@ -175,7 +150,7 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r) 
 }
 
 template <WeightType T, bool VNNI, int MR, int NG>
-void run_tile(const Act& a, int64_t i0, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
+void run_tile(const GroupedAct& a, int64_t i0, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
               int64_t ldy, int64_t n0, int64_t n1) {
   __m256 out[MR][NG];
   tile<T, VNNI, MR, NG>(a, i0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
@@ -186,7 +161,7 @@ void run_tile(const Act& a, int64_t i0, const PackedMatrix& w, int64_t nsb, int6
 constexpr int kMR = 4;  // activation rows per prefill tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
 
 template <WeightType T, bool VNNI, int NG>
-void rows_tiles(const Act& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
+void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
                 int64_t ldy, int64_t n0, int64_t n1) {
   int64_t i = 0;
   for (; i + kMR <= m; i += kMR) run_tile<T, VNNI, kMR, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
@@ -201,7 +176,7 @@ void rows_tiles(const Act& a, int64_t m, const PackedMatrix& w, int64_t nsb, int
 // Decode (m == 1): a super-group's kSuper groups at once where [n0, n1) covers it (one stream), else
 // group by group. Prefill: pairs of groups of a super-group, all activation rows in tiles of kMR.
 template <WeightType T, bool VNNI>
-void matmul_t(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nsb = w.cols / ggml_block_elems(T), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const int64_t first = g / kSuper * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
@@ -219,7 +194,7 @@ void matmul_t(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t 
 }
 
 template <WeightType T>
-void matmul_vnni(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void matmul_vnni(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (use_vnni()) return matmul_t<T, true>(a, m, w, y, ldy, n0, n1);
   matmul_t<T, false>(a, m, w, y, ldy, n0, n1);
 }
@@ -258,7 +233,7 @@ void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w
                                 int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  const Act a = act_of(qa, m, w);
+  const GroupedAct a = grouped_act(qa, m, w);
   switch (w.type) {
     case WeightType::Q4_K: return matmul_vnni<WeightType::Q4_K>(a, m, w, y, ldy, n0, n1);
     case WeightType::Q5_K: return matmul_vnni<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);
