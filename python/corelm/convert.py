@@ -29,14 +29,17 @@ from .loader import load_model
 from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, is_corelm_folder,
                                    spec_to_dict)
 from .loader.spec import LoadedModel
-from .options import WEIGHT_FORMATS, choose, format_of_gguf
+from .options import GGUF_BLOCK_FORMATS, WEIGHT_FORMATS, choose, format_of_gguf
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
            "quantize_q4_1_search", "to_bf16", "cache_dir"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # GGUF block formats copied as they are under each target (4-bit targets keep either 4-bit format).
-RAW_KEEP = {"q8_0": ("q8_0",), "q4_0": ("q4_0", "q4_1"), "q4_1": ("q4_0", "q4_1")}
+# A GGUF's blocks copied as they are: its own 8-bit or 4-bit ones where they fit the target, and the
+# formats that exist only as GGUF blocks (Q4_K, Q6_K, ...: corelm cannot quantize into them) always.
+RAW_KEEP = {t: keep + GGUF_BLOCK_FORMATS for t, keep in
+            {"q8_0": ("q8_0",), "q4_0": ("q4_0", "q4_1"), "q4_1": ("q4_0", "q4_1")}.items()}
 # The 4-bit targets keep the embedding and lm_head at 8 bits: on Qwen2.5-0.5B 4-bit ones cost ~3 points
 # of perplexity. q4_1's scale and minimum are searched (quantize_q4_1_search): on SmolLM2-135M, Q4_0
 # blocks everywhere cost +37% perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss and
