@@ -48,7 +48,11 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
       for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t* blk = raw + r * rb + sb * bb;
         std::memcpy(const_cast<uint16_t*>(v.D(sb)) + j, blk + d_offset(type), 2);
-        if (tr.mins) std::memcpy(const_cast<uint16_t*>(v.Dm(sb)) + j, blk + 2, 2);
+        if (tr.mins) {  // Q5_1: -m (w = d*u - (-m)*1), its sign bit flipped: exact
+          uint16_t dm;
+          std::memcpy(&dm, blk + 2, 2);
+          const_cast<uint16_t*>(v.Dm(sb))[j] = type == WeightType::Q5_1 ? (uint16_t)(dm ^ 0x8000u) : dm;
+        }
         for (int c = 0; c < tr.chunks; c++) {
           decode_chunk(type, blk, c, &ch);
           if (tr.scales)

@@ -1,12 +1,13 @@
-// The grouped layout of the GGUF block types that the AVX-512 tables repack (Q4_K, Q5_K, Q6_K,
-// IQ4_XS, Q5_0, IQ4_NL): quant_layout.h's rows in groups of 8 and super-groups of kSuper groups, its
+// The grouped layout of the GGUF block types that the AVX-512 and AVX2 tables repack (Q4_K, Q5_K,
+// Q6_K, IQ4_XS, Q5_0, Q5_1, IQ4_NL): quant_layout.h's rows in groups of 8 and super-groups of kSuper groups, its
 // 4-bit quant bytes, and every other bit and scale of the file kept exactly (ggml_formats.h defines
 // the values). Decode then multiplies 8 rows at once with no horizontal sums, as for Q4/Q4M.
 //
-// A super-group (ns groups) is, super-block after super-block (256 columns; 32 for Q5_0 / IQ4_NL):
-//   header  D[ns][8] fp16 (the file's d of each row), Dm[ns][8] fp16 (Q4_K/Q5_K: dmin),
-//           S[ns][nsc][8] int8 (the sub-block scales s, nsc per super-block and row: 8, Q6_K 16),
-//           M[ns][8][8] uint8 (Q4_K/Q5_K: the minimums mn), padded to 64 bytes
+// A super-group (ns groups) is, super-block after super-block (256 columns; 32 for Q5_0/Q5_1/IQ4_NL):
+//   header  D[ns][8] fp16 (the file's d of each row), Dm[ns][8] fp16 (Q4_K/Q5_K: dmin; Q5_1: -m,
+//           the minimum with its sign bit flipped, exactly), S[ns][nsc][8] int8 (the sub-block scales
+//           s, nsc per super-block and row: 8, Q6_K 16), M[ns][chunks][8] uint8 (the minimums mn:
+//           Q4_K/Q5_K's, Q5_1's 1), padded to 64 bytes
 //   then per chunk of 32 columns
 //           qs[ns][128]  the low 4 bits of each code u, in quant_layout.h's Q4 order
 //           hi[ns][HB]   Q5_*: bit 4 of u (HB 32: byte i bit p = piece p's byte i); Q6_K: bits 4-5
@@ -26,7 +27,7 @@ namespace {
 
 inline bool is_grouped_ggml(WeightType t) {
   return t == WeightType::Q4_K || t == WeightType::Q5_K || t == WeightType::Q6_K || t == WeightType::IQ4_XS ||
-         t == WeightType::Q5_0 || t == WeightType::IQ4_NL;
+         t == WeightType::Q5_0 || t == WeightType::Q5_1 || t == WeightType::IQ4_NL;
 }
 
 struct GroupedTraits {
@@ -45,6 +46,7 @@ inline GroupedTraits grouped_traits(WeightType t) {
     case WeightType::Q6_K: return {8, 2, 32, false, true, false, true};
     case WeightType::IQ4_XS: return {8, 0, 0, true, false, false, true};
     case WeightType::Q5_0: return {1, 1, 16, false, false, false, false};
+    case WeightType::Q5_1: return {1, 1, 0, false, false, true, false};
     default: return {1, 0, 0, true, false, false, false};  // IQ4_NL
   }
 }
@@ -52,7 +54,7 @@ inline GroupedTraits grouped_traits(WeightType t) {
 // Bytes per group of each part, and of a super-block's header and chunk row for ns groups.
 inline int64_t grouped_nsc(const GroupedTraits& g) { return g.scales ? g.chunks * (g.halves ? 2 : 1) : 0; }
 inline int64_t grouped_header_bytes(const GroupedTraits& g, int64_t ns) {
-  return (ns * (16 + (g.mins ? 16 : 0) + 8 * grouped_nsc(g) + (g.mins ? 64 : 0)) + 63) / 64 * 64;
+  return (ns * (16 + (g.mins ? 16 + 8 * g.chunks : 0) + 8 * grouped_nsc(g)) + 63) / 64 * 64;
 }
 inline int64_t grouped_hi_bytes(const GroupedTraits& g) { return g.hi_bits * 32; }
 inline int64_t grouped_chunk_bytes(const GroupedTraits& g, int64_t ns) {
@@ -76,7 +78,7 @@ struct GroupedView {
            (i * grouped_nsc(tr) + k) * 8;
   }
   const uint8_t* M(int64_t sb, int64_t c) const {
-    return base + sb * sb_bytes + ns * (32 + 8 * grouped_nsc(tr)) + (i * 8 + c) * 8;
+    return base + sb * sb_bytes + ns * (32 + 8 * grouped_nsc(tr)) + (i * tr.chunks + c) * 8;
   }
   const uint8_t* qs(int64_t sb, int64_t c) const { return base + sb * sb_bytes + header_bytes + c * chunk_bytes + i * 128; }
   const uint8_t* hi(int64_t sb, int64_t c) const {
@@ -107,12 +109,14 @@ inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w) 
 template <WeightType T>
 struct Tr {
   static constexpr bool table = T == WeightType::IQ4_XS || T == WeightType::IQ4_NL;
-  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 ? 1 : T == WeightType::Q6_K ? 2 : 0;
+  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 || T == WeightType::Q5_1 ? 1
+                            : T == WeightType::Q6_K                                                ? 2
+                                                                                                   : 0;
   static constexpr int offset = T == WeightType::Q6_K ? 32 : T == WeightType::Q5_0 ? 16 : 0;
   static constexpr bool halves = T == WeightType::Q6_K;
-  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K;
-  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::IQ4_NL;
-  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::IQ4_NL ? 1 : 8;
+  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q5_1;
+  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::Q5_1 && T != WeightType::IQ4_NL;
+  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::Q5_1 || T == WeightType::IQ4_NL ? 1 : 8;
   static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
   static constexpr int hi_bytes = 32 * hi;
 };

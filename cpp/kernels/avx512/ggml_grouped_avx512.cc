@@ -124,7 +124,7 @@ void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __
           if constexpr (R::halves) ds1 = _mm256_mul_ps(s8(S + 8), D);
         }
         __m256 dmm;
-        if constexpr (R::mins) dmm = _mm256_mul_ps(u8(v.M(sb, c) + g * 64), f16x8(v.Dm(sb) + 8 * g));
+        if constexpr (R::mins) dmm = _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g));
         for (int i = 0; i < MR; i++) {
           const int64_t ib = (i0 + i) * a.nb + b;
           const __m256 dx = _mm256_set1_ps(a.dx[ib]);
@@ -239,6 +239,7 @@ void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w
     case WeightType::Q5_K: return matmul_vnni<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);
     case WeightType::Q6_K: return matmul_vnni<WeightType::Q6_K>(a, m, w, y, ldy, n0, n1);
     case WeightType::IQ4_XS: return matmul_vnni<WeightType::IQ4_XS>(a, m, w, y, ldy, n0, n1);
+    case WeightType::Q5_1: return matmul_vnni<WeightType::Q5_1>(a, m, w, y, ldy, n0, n1);
     case WeightType::Q5_0: return matmul_vnni<WeightType::Q5_0>(a, m, w, y, ldy, n0, n1);
     case WeightType::IQ4_NL: return matmul_vnni<WeightType::IQ4_NL>(a, m, w, y, ldy, n0, n1);
     default: return;
