@@ -3,8 +3,9 @@ noisy neighbour on the machine hurts both alike. Each build is a python/ folder 
 _core extension (a worktree's python/, or a copy of one with the built .so in place).
 
     python tools/ab_builds.py --a /tmp/base/python --b python [--dtypes q4,q8] [--threads 1,2] [--rounds 3]
+                              [--model FOLDER_OR_GGUF]
 
-Every worker loads $PEERS/models/qwen0.5b-dims-rand at the dtype, warms up, then times --reps requests
+Every worker loads $PEERS/models/qwen0.5b-dims-rand (or --model) at the dtype, warms up, then times --reps requests
 of a fresh 128-token random prompt and 64 greedy tokens: prefill = 128 / time to first token, decode =
 63 / (time of the last token - time of the first). Prints the medians and the ratio B / A."""
 import argparse
@@ -17,7 +18,7 @@ import sys
 import time
 
 PEERS = os.environ.get("PEERS", os.path.expanduser("~/corelm-peers"))
-MODEL = os.path.join(PEERS, "models", "qwen0.5b-dims-rand")
+MODEL = os.environ.get("AB_MODEL") or os.path.join(PEERS, "models", "qwen0.5b-dims-rand")  # --model sets it for workers
 N_PROMPT, N_GEN = 128, 64
 
 
@@ -49,10 +50,13 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2, help="requests timed per worker process")
+    ap.add_argument("--model", help="HF folder or .gguf file (default $PEERS/models/qwen0.5b-dims-rand); dtype auto keeps a GGUF's blocks")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker[0], int(a.worker[1]), int(a.worker[2]))
+    if a.model:
+        os.environ["AB_MODEL"] = os.path.abspath(a.model)
     builds = {"A": os.path.abspath(a.a), "B": os.path.abspath(a.b)}
     keys = [(d, int(t)) for d in a.dtypes.split(",") for t in a.threads.split(",")]
     got = {}

@@ -68,7 +68,7 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms) {
   std::map<const void*, size_t> offset;  // storage already placed (a tied lm_head and embedding)
   size_t total = 0;
   for (PackedMatrix* m : ms)
-    if (m->storage && !offset.count(m->data())) {
+    if (m->storage && m->nbytes < kHugePageBytes && !offset.count(m->data())) {
       const size_t at = place_at(total, m->nbytes);
       offset[m->data()] = at;
       total = end_of(at, m->nbytes);
@@ -82,7 +82,7 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms) {
   }
   std::map<const void*, std::shared_ptr<void>> moved;
   for (PackedMatrix* m : ms) {
-    if (!m->storage) continue;
+    if (!m->storage || !offset.count(m->data())) continue;
     auto it = moved.find(m->data());
     if (it == moved.end()) {
       char* dst = static_cast<char*>(arena.get()) + offset[m->data()];

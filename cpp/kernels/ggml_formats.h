@@ -108,44 +108,43 @@ inline bool has_minimums(WeightType t) {
   return t == WeightType::Q5_1 || t == WeightType::Q2_K || t == WeightType::Q4_K || t == WeightType::Q5_K;
 }
 
-// The scales of chunk c (0 .. block_elems/32 - 1) of the block at blk (o->v untouched).
-inline void decode_scales(WeightType t, const uint8_t* blk, int c, Chunk* o) {
+// The integer scales s and minimums mn of chunk c (0 .. block_elems/32 - 1) of the block at blk.
+inline void decode_int_scales(WeightType t, const uint8_t* blk, int c, Chunk* o) {
   o->s[0] = o->s[1] = 1;
   o->mn[0] = o->mn[1] = 0;
-  o->dm = 0.f;
   switch (t) {
-    case WeightType::Q5_0:
-    case WeightType::IQ4_NL:
-      o->d = f16_at(blk);
-      return;
     case WeightType::Q5_1:
-      o->d = f16_at(blk), o->dm = -f16_at(blk + 2), o->mn[0] = o->mn[1] = 1;
+      o->mn[0] = o->mn[1] = 1;
       return;
     case WeightType::IQ4_XS:
       o->s[0] = o->s[1] = iq4xs_scale(blk, c);
-      o->d = f16_at(blk);
       return;
     case WeightType::Q4_K:
     case WeightType::Q5_K:
       k4_scale_min(blk + 4, c, &o->s[0], &o->mn[0]);
       o->s[1] = o->s[0], o->mn[1] = o->mn[0];
-      o->d = f16_at(blk), o->dm = f16_at(blk + 2);
       return;
     case WeightType::Q6_K:
       o->s[0] = (int8_t)blk[192 + 2 * c], o->s[1] = (int8_t)blk[192 + 2 * c + 1];
-      o->d = f16_at(blk + 208);
       return;
     case WeightType::Q3_K:
       o->s[0] = k3_scale(blk + 96, 2 * c), o->s[1] = k3_scale(blk + 96, 2 * c + 1);
-      o->d = f16_at(blk + 108);
       return;
     case WeightType::Q2_K:
       for (int i = 0; i < 2; i++) o->s[i] = blk[2 * c + i] & 0xF, o->mn[i] = blk[2 * c + i] >> 4;
-      o->d = f16_at(blk + 80), o->dm = f16_at(blk + 82);
       return;
-    default:
+    default:  // Q5_0, IQ4_NL: s = 1, no minimum
       return;
   }
+}
+
+// The scales of chunk c of the block at blk: the integer ones and d, dm (o->v untouched).
+inline void decode_scales(WeightType t, const uint8_t* blk, int c, Chunk* o) {
+  decode_int_scales(t, blk, c, o);
+  const int d_at = t == WeightType::Q6_K ? 208 : t == WeightType::Q3_K ? 108 : t == WeightType::Q2_K ? 80 : 0;
+  o->d = f16_at(blk + d_at);
+  o->dm = t == WeightType::Q5_1 ? -f16_at(blk + 2) : t == WeightType::Q2_K ? f16_at(blk + 82)
+          : t == WeightType::Q4_K || t == WeightType::Q5_K ? f16_at(blk + 2) : 0.f;
 }
 
 // Chunk c of the block at blk: its 32 values and its scales.

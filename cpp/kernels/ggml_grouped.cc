@@ -8,11 +8,47 @@ namespace {
 // The byte offsets of a block's fp16 d (and dmin) in the file.
 inline int d_offset(WeightType t) { return t == WeightType::Q6_K ? 208 : 0; }
 
-inline int code_of(WeightType t, int v, const GroupedTraits& tr) {
-  if (!tr.table) return v + tr.offset;
-  for (int u = 0; u < 16; u++)
-    if (kIq4Values[u] == v) return u;
-  return 0;
+// The 32 codes u of chunk c (the stored bits: v = u - offset, or the IQ4 table's entry for u).
+inline void chunk_codes(WeightType t, const uint8_t* blk, int c, uint8_t* u) {
+  auto nibbles = [&](const uint8_t* qs) {  // element k < 16 in the low nibble of qs[k], k + 16 in the high
+    for (int k = 0; k < 16; k++) u[k] = qs[k] & 0xf, u[k + 16] = qs[k] >> 4;
+  };
+  auto bit4 = [&](uint32_t qh) {
+    for (int k = 0; k < 32; k++) u[k] |= (uint8_t)(((qh >> k) & 1) << 4);
+  };
+  uint32_t qh;
+  switch (t) {
+    case WeightType::Q5_0:
+      nibbles(blk + 6), std::memcpy(&qh, blk + 2, 4), bit4(qh);
+      return;
+    case WeightType::Q5_1:
+      nibbles(blk + 8), std::memcpy(&qh, blk + 4, 4), bit4(qh);
+      return;
+    case WeightType::IQ4_NL:
+      return nibbles(blk + 2);
+    case WeightType::IQ4_XS:
+      return nibbles(blk + 8 + 16 * c);
+    case WeightType::Q4_K:
+      for (int k = 0; k < 32; k++) u[k] = (blk[16 + 32 * (c / 2) + k] >> (4 * (c % 2))) & 0xf;
+      return;
+    case WeightType::Q5_K:
+      for (int k = 0; k < 32; k++)
+        u[k] = (uint8_t)(((blk[48 + 32 * (c / 2) + k] >> (4 * (c % 2))) & 0xf) | (((blk[16 + k] >> c) & 1) << 4));
+      return;
+    default: {  // Q6_K
+      const int h = c / 4, q = c % 4;
+      const uint8_t *ql = blk + 64 * h + 32 * (q % 2), *qhb = blk + 128 + 32 * h;
+      for (int k = 0; k < 32; k++) u[k] = (uint8_t)(((ql[k] >> (4 * (q / 2))) & 0xf) | (((qhb[k] >> (2 * q)) & 3) << 4));
+      return;
+    }
+  }
+}
+
+inline void or4(uint8_t* p, uint32_t v) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  w |= v;
+  std::memcpy(p, &w, 4);
 }
 
 // Byte and shift of column k of row j (of 8) among a chunk's 128 nibble bytes (quant_layout.h's Q4).
@@ -54,21 +90,21 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
           const_cast<uint16_t*>(v.Dm(sb))[j] = type == WeightType::Q5_1 ? (uint16_t)(dm ^ 0x8000u) : dm;
         }
         for (int c = 0; c < tr.chunks; c++) {
-          decode_chunk(type, blk, c, &ch);
+          decode_int_scales(type, blk, c, &ch);
           if (tr.scales)
             for (int h = 0; h < (tr.halves ? 2 : 1); h++)
               const_cast<int8_t*>(v.S(sb, tr.halves ? 2 * c + h : c))[j] = (int8_t)ch.s[h];
           if (tr.mins) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
+          uint8_t u[32];
+          chunk_codes(type, blk, c, u);
           uint8_t* qs = const_cast<uint8_t*>(v.qs(sb, c));
           uint8_t* hi = const_cast<uint8_t*>(v.hi(sb, c));
-          for (int k = 0; k < 32; k++) {
-            const int u = code_of(type, ch.v[k], tr);
-            int byte, shift;
-            nibble_at(j, k, &byte, &shift);
-            qs[byte] |= (uint8_t)((u & 0xf) << shift);
-            const int p = k / 4, i = 4 * j + k % 4;
-            if (tr.hi_bits == 1) hi[i] |= (uint8_t)(((u >> 4) & 1) << p);
-            if (tr.hi_bits == 2) hi[32 * (p / 4) + i] |= (uint8_t)(((u >> 4) & 3) << (2 * (p % 4)));
+          for (int p = 0; p < 8; p++) {  // piece p: columns 4p..4p+3, the 4 bytes of row j (nibble_at), 4 codes at once
+            uint32_t w4;
+            std::memcpy(&w4, u + 4 * p, 4);
+            or4(qs + 64 * (p / 4) + 32 * (p % 2) + 4 * j, (w4 & 0x0f0f0f0fu) << (4 * ((p / 2) % 2)));
+            if (tr.hi_bits == 1) or4(hi + 4 * j, ((w4 >> 4) & 0x01010101u) << p);
+            if (tr.hi_bits == 2) or4(hi + 32 * (p / 4) + 4 * j, ((w4 >> 4) & 0x03030303u) << (2 * (p % 4)));
           }
         }
       }

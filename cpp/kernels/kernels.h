@@ -70,10 +70,11 @@ std::shared_ptr<void> aligned_buffer(size_t bytes);
 // Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
 // pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.
 bool aligned_buffer_owns_pages(size_t bytes);
-// Moves the matrices' storage into one buffer, end to end in the given order (those large enough to
-// own their pages on pages of their own, as aligned_buffer gives them), so a pass over all of them is
-// one sequential stream on 2 MiB pages; matrices sharing storage keep sharing it. Without memory for
-// the one buffer, leaves them where they are.
+// Moves the storage of the matrices under 2 MiB into one buffer, end to end in the given order (those
+// large enough to own their pages on pages of their own, as aligned_buffer gives them), so the small
+// ones stream on 2 MiB pages too; larger ones already have 2 MiB-aligned mappings of their own, and
+// copying them cost a second allocation and copy of the whole model at load. Matrices sharing storage
+// keep sharing it. Without memory for the one buffer, leaves them where they are.
 void pack_contiguously(const std::vector<PackedMatrix*>& ms);
 
 struct KernelTable {
