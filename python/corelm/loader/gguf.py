@@ -307,11 +307,36 @@ def _read_array(r: _Reader, key: str) -> list:
     if n > MAX_ARRAY_LEN or n * min_elem > r.size - r.pos:
         raise r.fail(f"array {key!r} claims {n} elements, more than the file can hold")
     if etype == GGUF_TYPE_STRING:
-        return [r.string(f"element {j} of {key!r}") for j in range(n)]
+        return _read_strings(r, key, n)
     raw = r.take(n * min_elem, f"array {key!r}")
     arr = np.frombuffer(raw, dtype=_NUMPY_TYPES[etype], count=n)
     # Plain lists: consumers (the tokenizer) can treat them like any other metadata value.
     return arr.astype(bool).tolist() if etype == GGUF_TYPE_BOOL else arr.tolist()
+
+
+_U64 = struct.Struct("<Q").unpack_from
+
+
+def _read_strings(r: _Reader, key: str, n: int) -> list:
+    """n strings (a vocabulary: 150k of them) in one tight loop; one that does not pass is read by
+    r.string, which raises the error that says why."""
+    buf, pos, size, out = r.buf, r.pos, r.size, []
+    append = out.append
+    for j in range(n):
+        if size - pos >= 8:
+            ln = _U64(buf, pos)[0]
+            if ln <= MAX_STRING_LEN and ln <= size - pos - 8:
+                try:
+                    append(bytes(buf[pos + 8:pos + 8 + ln]).decode("utf-8"))
+                    pos += 8 + ln
+                    continue
+                except UnicodeDecodeError:
+                    pass
+        r.pos = pos  # the slow path, which names what is wrong (truncated, too long, not UTF-8)
+        append(r.string(f"element {j} of {key!r}"))
+        pos = r.pos
+    r.pos = pos
+    return out
 
 
 def _alignment(r: _Reader, metadata: Dict[str, Any], types: Dict[str, int]) -> int:
