@@ -1,6 +1,8 @@
 """GGUF block types multiplied as the file stores them (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS;
 cpp/kernels/ggml_formats.h): dequantization bit for bit as gguf.quants, every kernel table against the
 scalar reference and against numpy, int8 and int16 activations, row ranges, decode == prefill rows."""
+import os
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,97 @@ def test_bad_raw_buffers_are_refused():
         _core.dequantize_gguf("Q6_K", np.zeros(209, np.uint8), 256)
     with pytest.raises(ValueError, match="GGUF type"):
         _core.dequantize_gguf("Q8_K", np.zeros(292, np.uint8), 256)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A whole model of mixed GGUF types, through the engine: q, k and v of three types (stacked), gate and up
+# of one type (fused) and of two (converted), every type somewhere, the embedding and lm_head too.
+
+LAYER_TYPES = [  # (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down)
+    ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "IQ4_XS", "Q2_K"),
+    ("Q5_0", "Q5_0", "Q5_0", "IQ4_NL", "Q4_K", "Q6_K", "Q5_K"),
+    ("Q5_1", "Q5_1", "Q8_0", "Q4_0", "Q5_1", "Q5_1", "Q4_1"),
+]
+DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
+
+
+def mixed_gguf(path):
+    from conftest import corpus_tool
+    from corelm.loader.gguf import GGML_TYPE_IDS
+    tool = corpus_tool()
+    rng = np.random.default_rng(5)
+    hd = DIM // HEADS
+
+    def blocks(t, rows, cols, seed):
+        if t in TYPES:
+            raw = random_blocks(t, rows, cols // block_of(t)[0], seed=seed)
+        else:  # Q8_0 / Q4_0 / Q4_1: random codes, small scales
+            bb = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[t]
+            raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // 32, bb), np.uint8)
+            for off in (0, 2) if t == "Q4_1" else (0,):
+                raw[:, :, off:off + 2] = (np.random.default_rng(seed + 1).standard_normal((rows, cols // 32)) * 0.01
+                                          ).astype(np.float16).view(np.uint8).reshape(rows, cols // 32, 2)
+            raw = raw.reshape(rows, -1)
+        return [cols, rows], GGML_TYPE_IDS[t], raw.tobytes()
+
+    f32 = lambda a: ([len(a)], GGML_TYPE_IDS["F32"], a.astype(np.float32).tobytes())  # noqa: E731
+    tensors = [("token_embd.weight", *blocks("Q6_K", VOCAB, DIM, 1)), ("output.weight", *blocks("Q5_1", VOCAB, DIM, 2)),
+               ("output_norm.weight", *f32(1 + 0.1 * rng.standard_normal(DIM)))]
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    for i, types in enumerate(LAYER_TYPES):
+        shapes = {"attn_q": (DIM, DIM), "attn_k": (KV_HEADS * hd, DIM), "attn_v": (KV_HEADS * hd, DIM),
+                  "attn_output": (DIM, DIM), "ffn_gate": (FFN, DIM), "ffn_up": (FFN, DIM), "ffn_down": (DIM, FFN)}
+        for j, (part, t) in enumerate(zip(parts, types)):
+            tensors.append((f"blk.{i}.{part}.weight", *blocks(t, *shapes[part], 100 * i + j)))
+        tensors += [(f"blk.{i}.attn_norm.weight", *f32(1 + 0.1 * rng.standard_normal(DIM))),
+                    (f"blk.{i}.ffn_norm.weight", *f32(1 + 0.1 * rng.standard_normal(DIM)))]
+    meta = [("general.architecture", tool.STRING, "llama"), ("llama.context_length", tool.UINT32, 64),
+            ("llama.embedding_length", tool.UINT32, DIM), ("llama.block_count", tool.UINT32, len(LAYER_TYPES)),
+            ("llama.feed_forward_length", tool.UINT32, FFN), ("llama.attention.head_count", tool.UINT32, HEADS),
+            ("llama.attention.head_count_kv", tool.UINT32, KV_HEADS), ("llama.rope.freq_base", tool.FLOAT32, 10000.0),
+            ("llama.attention.layer_norm_rms_epsilon", tool.FLOAT32, 1e-5),
+            ("tokenizer.ggml.model", tool.STRING, "llama"),
+            ("tokenizer.ggml.tokens", tool.ARRAY, (tool.STRING, [f"t{i}" for i in range(VOCAB)])),
+            ("tokenizer.ggml.scores", tool.ARRAY, (tool.FLOAT32, [0.0] * VOCAB)),
+            ("tokenizer.ggml.token_type", tool.ARRAY, (tool.INT32, [1] * VOCAB)),
+            ("tokenizer.ggml.bos_token_id", tool.UINT32, 1), ("tokenizer.ggml.eos_token_id", tool.UINT32, 2)]
+    path.write_bytes(tool.build_gguf(meta, tensors))
+    return str(path)
+
+
+def check_mixed_model(path):
+    """The engine on the file's own blocks (stacked q/k/v, the K-quant embedding read back by row) against
+    the same file dequantized to fp32 (gguf.quants' values, float matmuls): logits agree to the int16
+    activations' rounding, and greedy tokens are the same. Returns the NMSE."""
+    import corelm
+    from conftest import core_forward
+    ref = corelm.LLM(path, dtype="fp32", kv_cache_dtype="fp32", max_seq_len=64)
+    assert ref.engine.loaded.stored_types == "fp32"
+    tokens = np.array([1, 17, 99, 250, 3, 41, 7, 300], np.int32)
+    want = core_forward(ref.engine.core, tokens, 0, True)
+    llm = corelm.LLM(path, kv_cache_dtype="fp32", max_seq_len=64, activations="int16")
+    stored = set(llm.engine.loaded.stored_types.split("+"))
+    assert {"q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", "iq4_nl", "q5_0", "q5_1", "q8_0"} <= stored
+    weights = {s[0] for s in llm.engine.core.weight_spans()}
+    assert {"layers.0.wqkv.0", "layers.0.wqkv.1", "layers.0.wqkv.2", "layers.2.wqkv.0", "layers.2.wqkv.1"} <= weights
+    got = core_forward(llm.engine.core, tokens, 0, True)
+    nmse = float(np.mean((got - want) ** 2) / np.mean(want ** 2))
+    assert np.all(np.isfinite(got)) and nmse < 1e-4, nmse
+    sp = corelm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    a = ref.generate({"prompt_token_ids": tokens.tolist()}, sp)[0].outputs[0].token_ids
+    b = llm.generate({"prompt_token_ids": tokens.tolist()}, sp)[0].outputs[0].token_ids
+    assert a == b
+    return nmse
+
+
+@pytest.mark.parametrize("isa", [t for t in TABLES if t != "amx"])
+def test_mixed_type_model_matches_its_dequantized_weights(tmp_path, isa):
+    """check_mixed_model under each kernel table (CORELM_ISA is read once per process: a child each)."""
+    import subprocess
+    import sys
+    path = mixed_gguf(tmp_path / "mixed.gguf")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_ggml_blocks as t; print(t.check_mixed_model({path!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, CORELM_ISA=isa), cwd=here)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
