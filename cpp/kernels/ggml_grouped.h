@@ -92,17 +92,21 @@ inline GroupedView grouped_view(const void* data, WeightType t, int64_t nsb, int
   return {base, g - first, ns, first, grouped_sb_bytes(tr, ns), grouped_header_bytes(tr, ns), grouped_chunk_bytes(tr, ns), tr};
 }
 
-// ggml_formats.h's activation layout with int16 quants, as the grouped kernels take it.
+// ggml_formats.h's activation layout as the grouped kernels take it: int16 quants (q), or int8 ones
+// (q8, the AVX-512 int8 path; q8 null otherwise).
 struct GroupedAct {
   const int16_t* q;
+  const int8_t* q8;
   const float* dx;
   const int32_t *sx, *sx32;
   int64_t ld, nb;
 };
-inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w) {
-  const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * 2);
+inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w, ActType elems = ActType::I16) {
+  const float* dx = reinterpret_cast<const float*>(static_cast<const uint8_t*>(qa) + m * w.ld * act_elem_bytes(elems));
   const int32_t* sx = reinterpret_cast<const int32_t*>(dx + m * (w.ld / 32));
-  return {static_cast<const int16_t*>(qa), dx, sx, sx + m * (w.ld / 16), w.ld, w.ld / 32};
+  const bool i8 = elems == ActType::I8;
+  return {i8 ? nullptr : static_cast<const int16_t*>(qa), i8 ? static_cast<const int8_t*>(qa) : nullptr, dx, sx,
+          sx + m * (w.ld / 16), w.ld, w.ld / 32};
 }
 
 // The grouped_traits of T at compile time, for the kernels.
@@ -129,15 +133,17 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
                                    const ParallelFor* par, const KernelTable* by);
 void grouped_ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 #if defined(CORELM_HAVE_X86)
-// ggml_quantize_act_wide, vectorized (the same bytes); w.cols must be whole blocks of 32, as every
-// grouped type's rows are.
+// ggml_quantize_act (act I8) or ggml_quantize_act_wide (I16), vectorized (the same bytes); w.cols must be
+// whole blocks of 32, as every grouped type's rows are.
 void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
                                       void* qa);
 void grouped_ggml_quantize_act_avx2(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
                                     void* qa);
 // y = x W^T for rows [n0, n1) from ggml_quantize_act_wide's activations.
-void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-                                int64_t n1);
+// y = x W^T for rows [n0, n1): AVX-512 from grouped_ggml_quantize_act_avx512's activations (int8 ones for
+// act I8), AVX2 from ggml_quantize_act_wide's.
+void grouped_ggml_matmul_avx512(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                                int64_t n0, int64_t n1);
 void grouped_ggml_matmul_avx2(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                               int64_t n1);
 #endif

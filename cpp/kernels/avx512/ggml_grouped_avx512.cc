@@ -63,6 +63,49 @@ inline void for_pieces(const GroupedView& v, int64_t sb, int c, Piece piece) {
   }
 }
 
+// The int8 path's order: calls pair(u, k, w) for u = 0, 1 and k = 0, 1, w[g] the 64 code bytes of
+// pieces 4u + 2k and 4u + 2k + 1 of group g (one 32-byte piece per 256-bit half) as unsigned bytes: u,
+// or the IQ4 table's v + 128.
+template <WeightType T, int NG, class Pair>
+inline void for_pairs(const GroupedView& v, int64_t sb, int c, Pair pair) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8((char)0x80)));
+  const uint8_t* qs = v.qs(sb, c);
+  const uint8_t* hp = v.hi(sb, c);
+  // where pieces p0, p0 + 1's high bits sit in their plane byte, as left shifts (negative: right)
+  auto high = [&](__m512i w, __m512i plane, int p0) {
+    const int a0 = Tr<T>::hi == 1 ? p0 : 2 * (p0 % 4), a1 = Tr<T>::hi == 1 ? p0 + 1 : a0 + 2;
+    const __m512i mask = _mm512_set1_epi8(Tr<T>::hi == 1 ? 0x10 : 0x30);
+    const __m512i moved = a1 <= 4 ? _mm512_sllv_epi16(plane, _mm512_inserti64x4(_mm512_set1_epi16((short)(4 - a0)), _mm256_set1_epi16((short)(4 - a1)), 1))
+                                  : _mm512_srlv_epi16(plane, _mm512_inserti64x4(_mm512_set1_epi16((short)(a0 - 4)), _mm256_set1_epi16((short)(a1 - 4)), 1));
+    return _mm512_ternarylogic_epi32(moved, mask, w, 0xEA);  // (moved & mask) | w
+  };
+  for (int u = 0; u < 2; u++) {
+    __m512i lo[NG], hi[NG];
+    for (int g = 0; g < NG; g++) {
+      const __m512i b = _mm512_loadu_si512((const void*)(qs + g * 128 + 64 * u));
+      lo[g] = _mm512_and_si512(b, m4), hi[g] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+      if constexpr (Tr<T>::hi > 0) {
+        const uint8_t* pl = Tr<T>::hi == 1 ? hp + g * 32 : hp + g * 64 + 32 * u;
+        const __m512i plane = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)pl));
+        lo[g] = high(lo[g], plane, 4 * u), hi[g] = high(hi[g], plane, 4 * u + 2);
+      }
+      if constexpr (Tr<T>::table) lo[g] = _mm512_shuffle_epi8(table, lo[g]), hi[g] = _mm512_shuffle_epi8(table, hi[g]);
+    }
+    pair(u, 0, lo);
+    pair(u, 1, hi);
+  }
+}
+
+// 8 int8 activations x[0..7] as VPDPBUSD takes them against a pair: x[0..3] in lanes 0-7, x[4..7] in 8-15.
+inline __m512i spread8(const int8_t* x) {
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)x)));
+}
+inline __m256 rows8_i8(__m512i acc) {  // lanes j and j + 8 summed -> 8 floats, row j in lane j
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1)));
+}
+
 inline __m256 rows8(__m512i acc) {  // a row's pair of lanes summed -> 8 floats, row j in lane j
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
   return _mm256_cvtepi32_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi32(even, pair_sums(acc))));
@@ -79,9 +122,11 @@ constexpr int64_t kPrefetchBytes = 8192;
 const bool kPrefetch = decode_prefetch(true);
 
 // MR activation rows (from i0) x NG groups (from the view's group) over the whole row: out[i][g].
-template <WeightType T, bool VNNI, int MR, int NG>
+// I8: int8 activations against the codes as bytes (VPDPBUSD, pairs of pieces), else int16 (VPDPWSSD).
+template <WeightType T, bool VNNI, bool I8, int MR, int NG>
 void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __m256 out[MR][NG]) {
   using R = Tr<T>;
+  constexpr int kOffset = I8 && R::table ? 128 : R::offset;  // int8 path: the IQ4 table stored + 128
   __m256 acc[MR][NG];
   for (int i = 0; i < MR; i++)
     for (int g = 0; g < NG; g++) acc[i][g] = _mm256_setzero_ps();
@@ -100,21 +145,32 @@ void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __
         const int64_t ib = (i0 + i) * a.nb + b;
         for (int g = 0; g < NG; g++) {
           if constexpr (R::halves) {
-            s[i][0][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx[2 * ib]);
-            s[i][1][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx[2 * ib + 1]);
+            s[i][0][g] = _mm512_set1_epi32(-kOffset / 2 * a.sx[2 * ib]);
+            s[i][1][g] = _mm512_set1_epi32(-kOffset / 2 * a.sx[2 * ib + 1]);
           } else {
-            s[i][0][g] = _mm512_set1_epi32(-R::offset / 2 * a.sx32[ib]);
+            s[i][0][g] = _mm512_set1_epi32(-kOffset / 2 * a.sx32[ib]);
             s[i][1][g] = _mm512_setzero_si512();
           }
         }
       }
-      for_pieces<T, NG>(v, sb, c, [&](int p, const __m512i* w) {
-        const int k = R::halves ? p / 4 : p & 1;
-        for (int i = 0; i < MR; i++) {
-          const __m512i x = bcast8(a.q + (i0 + i) * a.ld + 32 * b + 4 * p);
-          for (int g = 0; g < NG; g++) s[i][k][g] = dpwssd<VNNI>(s[i][k][g], w[g], x);
-        }
-      });
+      if constexpr (I8) {
+        for_pairs<T, NG>(v, sb, c, [&](int u, int k, const __m512i* w) {
+          const int chain = R::halves ? u : k;  // pieces 4u..4u+3 are half u
+          for (int i = 0; i < MR; i++) {
+            const __m512i x = spread8(a.q8 + (i0 + i) * a.ld + 32 * b + 16 * u + 8 * k);
+            for (int g = 0; g < NG; g++) s[i][chain][g] = dpbusd<VNNI>(s[i][chain][g], w[g], x);
+          }
+        });
+      } else {
+        for_pieces<T, NG>(v, sb, c, [&](int p, const __m512i* w) {
+          const int k = R::halves ? p / 4 : p & 1;
+          for (int i = 0; i < MR; i++) {
+            const __m512i x = bcast8(a.q + (i0 + i) * a.ld + 32 * b + 4 * p);
+            for (int g = 0; g < NG; g++) s[i][k][g] = dpwssd<VNNI>(s[i][k][g], w[g], x);
+          }
+        });
+      }
+      auto rows = [](__m512i acc) { return I8 ? rows8_i8(acc) : rows8(acc); };
       for (int g = 0; g < NG; g++) {
         const __m256 D = f16x8(v.D(sb) + 8 * g);
         __m256 ds0 = D, ds1 = D;
@@ -129,10 +185,10 @@ void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __
           const int64_t ib = (i0 + i) * a.nb + b;
           const __m256 dx = _mm256_set1_ps(a.dx[ib]);
           if constexpr (R::halves) {
-            acc[i][g] = _mm256_fmadd_ps(rows8(s[i][0][g]), _mm256_mul_ps(ds0, dx), acc[i][g]);
-            acc[i][g] = _mm256_fmadd_ps(rows8(s[i][1][g]), _mm256_mul_ps(ds1, dx), acc[i][g]);
+            acc[i][g] = _mm256_fmadd_ps(rows(s[i][0][g]), _mm256_mul_ps(ds0, dx), acc[i][g]);
+            acc[i][g] = _mm256_fmadd_ps(rows(s[i][1][g]), _mm256_mul_ps(ds1, dx), acc[i][g]);
           } else {
-            acc[i][g] = _mm256_fmadd_ps(rows8(_mm512_add_epi32(s[i][0][g], s[i][1][g])), _mm256_mul_ps(ds0, dx), acc[i][g]);
+            acc[i][g] = _mm256_fmadd_ps(rows(_mm512_add_epi32(s[i][0][g], s[i][1][g])), _mm256_mul_ps(ds0, dx), acc[i][g]);
           }
           if constexpr (R::mins) acc[i][g] = _mm256_fnmadd_ps(dmm, _mm256_set1_ps(a.dx[ib] * (float)a.sx32[ib]), acc[i][g]);
         }
@@ -149,45 +205,45 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r) 
   _mm256_mask_storeu_ps(yp, keep, r);
 }
 
-template <WeightType T, bool VNNI, int MR, int NG>
+template <WeightType T, bool VNNI, bool I8, int MR, int NG>
 void run_tile(const GroupedAct& a, int64_t i0, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
               int64_t ldy, int64_t n0, int64_t n1) {
   __m256 out[MR][NG];
-  tile<T, VNNI, MR, NG>(a, i0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
+  tile<T, VNNI, I8, MR, NG>(a, i0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
   for (int i = 0; i < MR; i++)
     for (int k = 0; k < NG; k++) store_rows(y + (i0 + i) * ldy + (g + k) * kGroup, (g + k) * kGroup, n0, n1, out[i][k]);
 }
 
 constexpr int kMR = 4;  // activation rows per prefill tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
 
-template <WeightType T, bool VNNI, int NG>
+template <WeightType T, bool VNNI, bool I8, int NG>
 void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
                 int64_t ldy, int64_t n0, int64_t n1) {
   int64_t i = 0;
-  for (; i + kMR <= m; i += kMR) run_tile<T, VNNI, kMR, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+  for (; i + kMR <= m; i += kMR) run_tile<T, VNNI, I8, kMR, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
   switch (m - i) {
-    case 3: return run_tile<T, VNNI, 3, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
-    case 2: return run_tile<T, VNNI, 2, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
-    case 1: return run_tile<T, VNNI, 1, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    case 3: return run_tile<T, VNNI, I8, 3, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    case 2: return run_tile<T, VNNI, I8, 2, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
+    case 1: return run_tile<T, VNNI, I8, 1, NG>(a, i, w, nsb, groups, g, y, ldy, n0, n1);
     default: return;
   }
 }
 
 // Decode (m == 1): a super-group's kSuper groups at once where [n0, n1) covers it (one stream), else
 // group by group. Prefill: pairs of groups of a super-group, all activation rows in tiles of kMR.
-template <WeightType T, bool VNNI>
+template <WeightType T, bool VNNI, bool I8>
 void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nsb = w.cols / ggml_block_elems(T), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const int64_t first = g / kSuper * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
     if (m == 1 && g == first && ns == kSuper && g + kSuper <= g_end) {
-      run_tile<T, VNNI, 1, kSuper>(a, 0, w, nsb, groups, g, y, ldy, n0, n1);
+      run_tile<T, VNNI, I8, 1, kSuper>(a, 0, w, nsb, groups, g, y, ldy, n0, n1);
       g += kSuper;
     } else if (m > 1 && g + 2 <= g_end && (g + 1) / kSuper == g / kSuper) {
-      rows_tiles<T, VNNI, 2>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
+      rows_tiles<T, VNNI, I8, 2>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
       g += 2;
     } else {
-      rows_tiles<T, VNNI, 1>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
+      rows_tiles<T, VNNI, I8, 1>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
       g += 1;
     }
   }
@@ -195,19 +251,20 @@ void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, i
 
 template <WeightType T>
 void matmul_vnni(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if (use_vnni()) return matmul_t<T, true>(a, m, w, y, ldy, n0, n1);
-  matmul_t<T, false>(a, m, w, y, ldy, n0, n1);
+  const bool vnni = use_vnni();
+  if (a.q8) return vnni ? matmul_t<T, true, true>(a, m, w, y, ldy, n0, n1) : matmul_t<T, false, true>(a, m, w, y, ldy, n0, n1);
+  vnni ? matmul_t<T, true, false>(a, m, w, y, ldy, n0, n1) : matmul_t<T, false, false>(a, m, w, y, ldy, n0, n1);
 }
 
 }  // namespace
 
 void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act,
                                       void* qa) {
-  // Bit for bit ggml_quantize_act_wide (quant_formats.h's quantize_activations: VCVTPS2DQ rounds to
-  // nearest even as nearbyint does), 32 columns at a time.
+  // Bit for bit ggml_quantize_act (act I8: int8 quants) or ggml_quantize_act_wide (I16) (quant_formats.h's
+  // quantize_activations: VCVTPS2DQ rounds to nearest even as nearbyint does), 32 columns at a time.
   const int64_t nb = w.ld / 32;
   int16_t* q = static_cast<int16_t*>(qa);
-  float* dx = reinterpret_cast<float*>(q + m * w.ld);
+  float* dx = reinterpret_cast<float*>(static_cast<uint8_t*>(qa) + m * w.ld * act_elem_bytes(act));
   int32_t* sx = reinterpret_cast<int32_t*>(dx + m * nb);
   int32_t* sx32 = sx + m * 2 * nb;
   const float top = act == ActType::I16 ? 32767.f : 127.f;
@@ -220,8 +277,14 @@ void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, co
       const float d = amax / top;
       const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-      _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b), _mm512_cvtepi32_epi16(q0));
-      _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b + 16), _mm512_cvtepi32_epi16(q1));
+      if (act == ActType::I8) {
+        int8_t* q8 = reinterpret_cast<int8_t*>(qa) + i * w.ld + 32 * b;
+        _mm_storeu_si128((__m128i*)q8, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(q8 + 16), _mm512_cvtepi32_epi8(q1));
+      } else {
+        _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b), _mm512_cvtepi32_epi16(q0));
+        _mm256_storeu_si256((__m256i*)(q + i * w.ld + 32 * b + 16), _mm512_cvtepi32_epi16(q1));
+      }
       const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
       dx[i * nb + b] = d;
       sx[i * 2 * nb + 2 * b] = s0, sx[i * 2 * nb + 2 * b + 1] = s1;
@@ -229,11 +292,11 @@ void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, co
     }
 }
 
-void grouped_ggml_matmul_avx512(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
-                                int64_t n1) {
+void grouped_ggml_matmul_avx512(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                                int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  const GroupedAct a = grouped_act(qa, m, w);
+  const GroupedAct a = grouped_act(qa, m, w, act);
   switch (w.type) {
     case WeightType::Q4_K: return matmul_vnni<WeightType::Q4_K>(a, m, w, y, ldy, n0, n1);
     case WeightType::Q5_K: return matmul_vnni<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);

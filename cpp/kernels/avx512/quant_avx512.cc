@@ -41,23 +41,6 @@ inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// VPDPBUSD: acc += sum of 4 (u8 a * s8 b) per 32-bit lane. VNNI by inline assembly (this file is
-// built without -mavx512vnni so nothing else can use it); without VNNI, the same sum from
-// VPMADDUBSW on nibbles (no int16 saturation: 2 * 15 * 128 fits) and VPMADDWD.
-template <bool VNNI>
-inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-  if constexpr (VNNI) {
-    __asm__("vpdpbusd %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
-    return acc;
-  } else {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(a, m4), b), _mm512_set1_epi16(1));
-    __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), b),
-                                   _mm512_set1_epi16(16));
-    return _mm512_add_epi32(acc, _mm512_add_epi32(lo, hi));
-  }
-}
-
 // One block of activations (the `left` floats from x that exist, zeros after) quantized bit for bit
 // as quant::quantize_activations: the 32 int8 in the low 256 bits, its scale and its sum of quants.
 inline __m512i quantize_act_block(const float* x, int64_t left, float* d, int32_t* s) {
@@ -546,7 +529,6 @@ PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
-  if (is_grouped_ggml(w.type)) return ggml_act_bytes(w, m, ActType::I16);  // int16 quants either way
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
@@ -561,7 +543,7 @@ void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMat
 
 void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
-  if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx512(qa, m, w, y, ldy, n0, n1);
+  if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx512(qa, m, act, w, y, ldy, n0, n1);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) {
     const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
