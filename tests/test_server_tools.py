@@ -56,6 +56,22 @@ def test_hermes_plain_and_malformed_stay_text():
         assert hermes.parse(bad) == (bad, [])
 
 
+def test_bare_call_object_naming_a_declared_tool():
+    """Qwen2.5-Coder's way: the whole answer is the call object, bare or in a ```json fence."""
+    call = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    for text in (call, "```json\n" + call + "\n```", "\n```\n" + call + "```\n"):
+        assert hermes.parse(text, ["get_time"]) == (None, [("get_time", {"zone": "UTC"})])
+    for text, names in ((call, ["get_weather"]), (call, []), ("Here: " + call, ["get_time"]),
+                        ('{"name": "get_time", "arguments": {}, "x": 1}', ["get_time"]),
+                        ('{"name": "get_time", "arguments": "UTC"}', ["get_time"]),
+                        ("```python\n" + call + "\n```", ["get_time"])):
+        assert hermes.parse(text, names) == (text, [])
+    assert hermes.may_be_bare_call("") and hermes.may_be_bare_call("``") and hermes.may_be_bare_call("```json\n{")
+    assert hermes.may_be_bare_call('{ "name": "get_ti')
+    assert not hermes.may_be_bare_call("```python") and not hermes.may_be_bare_call("Sure") \
+        and not hermes.may_be_bare_call('{"city"')
+
+
 # --- responses: the output of an auto tool choice, streamed and whole ------------------------------------
 
 def _answer(pieces, stream):
@@ -85,6 +101,20 @@ def test_auto_call_after_text():
     assert last is deltas[-1] and last["finish_reason"] == "tool_calls"
     assert last["delta"]["tool_calls"][0]["index"] == 0
     assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_auto_bare_call_streamed_and_whole():
+    pieces = ["```", "json", "\n{", '"name": "get_time", ', '"arguments": {"zone": "UTC"}}', "\n```"]
+    choice = _answer(pieces, stream=False)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    deltas = _answer(pieces, stream=True)
+    assert not any(e["delta"].get("content") for e in deltas)              # held back, then sent as the call
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    code = ["```", "python", "\nprint(1)", "\n```"]                      # a code answer streams as it comes
+    deltas = _answer(code, stream=True)
+    assert "".join(e["delta"].get("content", "") for e in deltas) == "".join(code)
+    assert any(e["delta"].get("content") for e in deltas[:-1])              # before the answer ends
 
 
 def test_auto_text_and_a_held_lookalike_stay_text():
@@ -203,3 +233,30 @@ def test_batch_forced_call():
     message = line["response"]["body"]["choices"][0]["message"]
     jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]),
                         SCHEMAS[message["tool_calls"][0]["function"]["name"]])
+
+
+def test_real_model_calls_tools_in_auto_mode():
+    """Qwen2.5-Coder-0.5B (a real GGUF, skipped without it) answers tool requests with bare call objects in
+    a ```json fence: with tool_choice auto they come back as tool_calls."""
+    from conftest import real_model
+    from test_server import running_server
+    import corelm
+    llm = corelm.LLM(real_model("qwen2.5-coder-0.5b-instruct.gguf"), max_seq_len=1024)
+    with running_server(lambda: llm, api_key=None) as s:
+        assert s.state.wait_ready(120)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        for question, name, args in (("What is the weather in Paris, in celsius?", "get_weather",
+                                      {"city": "Paris", "unit": "celsius"}),
+                                     ("What time is it in zone UTC?", "get_time", {"zone": "UTC"})):
+            for stream in (False, True):
+                r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], tools=TOOLS,
+                                              temperature=0, max_tokens=100, stream=stream)
+                if stream:
+                    chunks = list(r)
+                    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                    [call] = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+                    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+                else:
+                    assert r.choices[0].finish_reason == "tool_calls"
+                    [call] = r.choices[0].message.tool_calls
+                assert call.function.name == name and json.loads(call.function.arguments) == args

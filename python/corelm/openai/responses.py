@@ -175,7 +175,8 @@ class Response:
         text = "".join(c.text)
         if c.finish_reason is None:
             start = self.tools.parser.START
-            safe = 0 if self.tools.forced else text.find(start)
+            bare = self.tools.parser.may_be_bare_call(text)  # the whole answer may be one call object
+            safe = 0 if self.tools.forced or bare else text.find(start)
             if safe < 0:        # hold a tail that may be the beginning of a call, and the space before it
                 safe = len(text) - next((k for k in range(min(len(start), len(text)), 0, -1)
                                          if start.startswith(text[-k:])), 0)

@@ -41,6 +41,10 @@ class ToolConfig:
         so.source_param = "tools"
         return so
 
+    @property
+    def names(self) -> List[str]:
+        return [t["function"]["name"] for t in self.tools]
+
     def parse(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
         """The output -> (content, OpenAI tool_calls); no calls leaves the text as content."""
         if self.choice == "none":
@@ -52,7 +56,7 @@ class ToolConfig:
             except (ValueError, KeyError, TypeError):
                 return text, []
         else:
-            content, calls = self.parser.parse(text)
+            content, calls = self.parser.parse(text, self.names)
         if not self.parallel:
             calls = calls[:1]
         return content, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
