@@ -260,3 +260,32 @@ def test_real_model_calls_tools_in_auto_mode():
                     assert r.choices[0].finish_reason == "tool_calls"
                     [call] = r.choices[0].message.tool_calls
                 assert call.function.name == name and json.loads(call.function.arguments) == args
+
+
+def test_real_model_two_step_agent_loop():
+    """The official client's agent loop with Qwen2.5-Coder-0.5B (skipped without the file): the model calls
+    get_weather, the tool's result goes back as a role "tool" message, the model answers in text using it;
+    streamed and not."""
+    from conftest import real_model
+    from test_server import running_server
+    import corelm
+    llm = corelm.LLM(real_model("qwen2.5-coder-0.5b-instruct.gguf"), max_seq_len=1024)
+    with running_server(lambda: llm, api_key=None) as s:
+        assert s.state.wait_ready(120)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        for stream in (False, True):
+            messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+            r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, max_tokens=100)
+            [call] = r.choices[0].message.tool_calls
+            assert call.function.name == "get_weather"
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 17, "sky": "rain"}'})
+            r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, max_tokens=60,
+                                          stream=stream)
+            if stream:
+                chunks = [ch for ch in r if ch.choices]
+                text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            assert finish in ("stop", "length") and "17" in text, text
