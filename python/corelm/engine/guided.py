@@ -242,10 +242,6 @@ class GuidedMatcher:
         self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
         return np.unpackbits(w.view(np.uint8), count=self.vocab_size, bitorder="little").view(np.bool_)
 
-    def accepts(self, token: int) -> bool:
-        """Whether the grammar takes token next (no state change; much cheaper than allowed())."""
-        return self.matcher.validate_tokens([int(token)]) == 1
-
     def consume(self, token: int) -> bool:
         return bool(self.matcher.consume_token(int(token)))
 

@@ -467,21 +467,6 @@ class Sampler:
         self._pending = token
         return token
 
-    def greedy_if(self, logits: np.ndarray, accepts) -> Optional[int]:
-        """Greedy decoding under a grammar, cheaply: the best token as sample() would choose it without
-        the mask, taken (as sample() takes a token) when accepts(token), since it is then also the best
-        the mask allows; None (nothing taken) when it is refused or the sampling is not greedy."""
-        p = self.params
-        if not (p.is_greedy or p.top_k == 1) or logits.shape[-1] != self.vocab_size:
-            return None
-        if self._pending is not None:            # the previous step's token, as sample() commits it
-            self.accept(self._pending)
-        token = int(np.argmax(self._processed_logits(np.asarray(logits).reshape(-1))))
-        if not accepts(token):
-            return None
-        self._pending = token
-        return token
-
     def _processed_logits(self, logits: np.ndarray, allowed: Optional[np.ndarray] = None) -> np.ndarray:
         """Penalties, logit_bias, the min_tokens mask and the grammar's mask, on a copy (only when
         there is something to change)."""

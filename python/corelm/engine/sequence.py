@@ -91,15 +91,12 @@ class Sequence:
         params = self.params
         guide = self.guide
         allowed = None
-        # greedy: the unmasked best token when the grammar takes it (the masked choice would be the same)
-        token = self.sampler.greedy_if(logits, guide.accepts) if guide is not None else None
-        if guide is not None and token is None:
+        if guide is not None:
             allowed = guide.allowed()
             if not allowed.any():        # the grammar failed (e.g. out of its step budget): end with EOS
                 log.warning("structured output: the grammar allows no token (%s); the sequence ends", guide.error)
                 allowed[list(guide.eos)] = True
-        if token is None:
-            token = self.sampler.sample(logits, allowed=allowed)
+        token = self.sampler.sample(logits, allowed=allowed)
         self.output_ids.append(token)
         n = len(self.output_ids)
         lp = self.sampler.logprobs(logits, token) if params.logprobs is not None else None
