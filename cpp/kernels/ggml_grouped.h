@@ -17,6 +17,7 @@
 // IQ4 table's entry for u.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/ggml_formats.h"
 #include "kernels/quant_layout.h"
@@ -24,11 +25,6 @@
 namespace corelm {
 namespace quant {
 namespace {
-
-inline bool is_grouped_ggml(WeightType t) {
-  return t == WeightType::Q4_K || t == WeightType::Q5_K || t == WeightType::Q6_K || t == WeightType::IQ4_XS ||
-         t == WeightType::Q5_0 || t == WeightType::Q5_1 || t == WeightType::IQ4_NL;
-}
 
 struct GroupedTraits {
   int chunks;     // chunks of 32 columns per super-block
@@ -39,7 +35,8 @@ struct GroupedTraits {
   bool mins;      // Dm and M
   bool scales;    // S (else s = 1)
 };
-inline GroupedTraits grouped_traits(WeightType t) {
+// The one list of grouped types and their traits; other types get chunks = 0.
+constexpr GroupedTraits grouped_traits(WeightType t) {
   switch (t) {
     case WeightType::Q4_K: return {8, 0, 0, false, false, true, true};
     case WeightType::Q5_K: return {8, 1, 0, false, false, true, true};
@@ -47,7 +44,28 @@ inline GroupedTraits grouped_traits(WeightType t) {
     case WeightType::IQ4_XS: return {8, 0, 0, true, false, false, true};
     case WeightType::Q5_0: return {1, 1, 16, false, false, false, false};
     case WeightType::Q5_1: return {1, 1, 0, false, false, true, false};
-    default: return {1, 0, 0, true, false, false, false};  // IQ4_NL
+    case WeightType::IQ4_NL: return {1, 0, 0, true, false, false, false};
+    default: return {0, 0, 0, false, false, false, false};
+  }
+}
+inline bool is_grouped_ggml(WeightType t) { return grouped_traits(t).chunks > 0; }
+
+// Calls f(std::integral_constant<WeightType, T>()) for grouped type t (nothing for another type): how
+// the kernels instantiate one matmul per type.
+template <class F>
+inline void with_grouped_type(WeightType t, F f) {
+  switch (t) {
+#define CORELM_GROUPED(T) \
+  case WeightType::T: return f(std::integral_constant<WeightType, WeightType::T>());
+    CORELM_GROUPED(Q4_K)
+    CORELM_GROUPED(Q5_K)
+    CORELM_GROUPED(Q6_K)
+    CORELM_GROUPED(IQ4_XS)
+    CORELM_GROUPED(Q5_0)
+    CORELM_GROUPED(Q5_1)
+    CORELM_GROUPED(IQ4_NL)
+#undef CORELM_GROUPED
+    default: return;
   }
 }
 
@@ -112,15 +130,9 @@ inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w, 
 // The grouped_traits of T at compile time, for the kernels.
 template <WeightType T>
 struct Tr {
-  static constexpr bool table = T == WeightType::IQ4_XS || T == WeightType::IQ4_NL;
-  static constexpr int hi = T == WeightType::Q5_K || T == WeightType::Q5_0 || T == WeightType::Q5_1 ? 1
-                            : T == WeightType::Q6_K                                                ? 2
-                                                                                                   : 0;
-  static constexpr int offset = T == WeightType::Q6_K ? 32 : T == WeightType::Q5_0 ? 16 : 0;
-  static constexpr bool halves = T == WeightType::Q6_K;
-  static constexpr bool mins = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q5_1;
-  static constexpr bool scales = T != WeightType::Q5_0 && T != WeightType::Q5_1 && T != WeightType::IQ4_NL;
-  static constexpr int chunks = T == WeightType::Q5_0 || T == WeightType::Q5_1 || T == WeightType::IQ4_NL ? 1 : 8;
+  static constexpr GroupedTraits g = grouped_traits(T);
+  static constexpr bool table = g.table, halves = g.halves, mins = g.mins, scales = g.scales;
+  static constexpr int hi = g.hi_bits, offset = g.offset, chunks = g.chunks;
   static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
   static constexpr int hi_bytes = 32 * hi;
 };

@@ -1,11 +1,11 @@
-// AVX2 matmul straight from GGUF blocks (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS; ggml_formats.h).
-// The AVX-512 tables use it too. Per 32 weights of a row, the chunk is decoded in registers into 32
-// signed int8 values (nibbles, high bits and the IQ4 table by byte shuffles), then multiplied by each
-// activation row: int8 activations by VPMADDUBSW(|v|, sign(x, v)) + VPMADDWD, int16 by VPMADDWD
-// against v widened; the int32 lanes times (d * s[half] * dx) are added to one fp32 vector per (row,
-// activation row), and the minimums' dm * mn[half] * dx * sx to a scalar. Prefill decodes each chunk
-// once for kMR activation rows. A (row, activation row) result is the same whatever the tile shape,
-// so decode and prefill give the same bits.
+// AVX2 matmul of Q2_K and Q3_K straight from their GGUF blocks (ggml_formats.h), the block types with
+// no grouped layout yet (ggml_grouped.h repacks the others); the AVX-512 tables use it too. Per 32
+// weights of a row, the chunk is decoded in registers into 32 signed int8 values, then multiplied by
+// each activation row: int8 activations by VPMADDUBSW(|v|, sign(x, v)) + VPMADDWD, int16 by VPMADDWD
+// against v widened. Each super-block's 8 chunks' half sums are reduced into 8 lanes at once and added
+// with one FMA per half (d * s * dx), Q2_K's minimums with one more. Prefill decodes each chunk once for
+// kMR activation rows. A (row, activation row) result is the same whatever the tile shape, so decode
+// and prefill give the same bits.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,46 +16,14 @@ namespace corelm {
 namespace quant {
 namespace {
 
-inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes: low nibbles = elements 0..15, high = 16..31
-  const __m128i b = _mm_loadu_si128((const __m128i*)p);
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
-}
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline __m256i shr(__m256i x, int n) { return _mm256_srl_epi16(x, _mm_cvtsi32_si128(n)); }
 inline __m256i low_bits(__m256i x, int n, int mask) { return _mm256_and_si256(shr(x, n), _mm256_set1_epi8((char)mask)); }
 
-// Byte k = 0xff where bit k of the 32-bit word at p is set, else 0.
-inline __m256i bits_to_bytes(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
-                                                                0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-}
-
 // Chunk c of the block at blk as 32 signed int8 values in element order (decode_chunk's v).
 template <WeightType T>
 inline __m256i decode_values(const uint8_t* blk, int c) {
-  const int h = c / 4, q = c % 4;
-  if constexpr (T == WeightType::Q5_0)  // code - 16: a clear high bit makes the nibble negative
-    return _mm256_or_si256(nibbles16(blk + 6), _mm256_andnot_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8((char)0xf0)));
-  if constexpr (T == WeightType::Q5_1)
-    return _mm256_or_si256(nibbles16(blk + 8), _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10)));
-  if constexpr (T == WeightType::IQ4_NL || T == WeightType::IQ4_XS) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIq4Values));
-    return _mm256_shuffle_epi8(table, nibbles16(T == WeightType::IQ4_NL ? blk + 2 : blk + 8 + 16 * c));
-  }
-  if constexpr (T == WeightType::Q4_K) return low_bits(load32(blk + 16 + 32 * (c / 2)), 4 * (c % 2), 0x0f);
-  if constexpr (T == WeightType::Q5_K)
-    return _mm256_or_si256(low_bits(load32(blk + 48 + 32 * (c / 2)), 4 * (c % 2), 0x0f),
-                           _mm256_slli_epi16(low_bits(load32(blk + 16), c, 1), 4));
-  if constexpr (T == WeightType::Q6_K) {
-    const __m256i lo = low_bits(load32(blk + 64 * h + 32 * (q % 2)), 4 * (q / 2), 0x0f);
-    const __m256i hi = low_bits(load32(blk + 128 + 32 * h), 2 * q, 3);
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-  }
+  const int h = c / 4, q = c % 4;  // chunk c is quarter q of half h of the super-block
   if constexpr (T == WeightType::Q3_K) {
     const __m256i lo = low_bits(load32(blk + 32 + 32 * h), 2 * q, 3), hb = low_bits(load32(blk), c, 1);
     return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
@@ -76,19 +44,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-template <WeightType T>
-constexpr bool small_blocks() {  // one chunk per block: a group of 8 chunks is 8 blocks
-  return T == WeightType::Q5_0 || T == WeightType::Q5_1 || T == WeightType::IQ4_NL;
-}
-template <WeightType T>
-constexpr bool half_scales() {
-  return T == WeightType::Q2_K || T == WeightType::Q3_K || T == WeightType::Q6_K;
-}
-template <WeightType T>
-constexpr bool minimums() {
-  return T == WeightType::Q5_1 || T == WeightType::Q2_K || T == WeightType::Q4_K || T == WeightType::Q5_K;
-}
-
 inline uint32_t u32_at(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -102,31 +57,11 @@ inline __m128i even_odd(__m128i b16) {  // bytes 0,2,..,14 then 1,3,..,15
   return _mm_shuffle_epi8(b16, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
 }
 
-// The scales of a group of 8 chunks (chunk c in lane c; nc < 8 chunks: the rest are 0): ds0/ds1 =
-// d * s[half 0/1] (ds1 only with half scales), dm0/dm1 = dm * mn (with minimums), as decode_scales.
+// The scales of a super-block's 8 chunks (chunk c in lane c), as decode_scales gives them: ds0/ds1 =
+// d * s of each chunk's first/second half, and for Q2_K dm0/dm1 = dmin * mn the same way.
 template <WeightType T>
-inline void group_scales(const uint8_t* blk, int nc, __m256* ds0, __m256* ds1, __m256* dm0, __m256* dm1) {
-  if constexpr (small_blocks<T>()) {
-    constexpr size_t bb = T == WeightType::Q5_0 ? 22 : T == WeightType::Q5_1 ? 24 : 18;
-    alignas(16) uint16_t d[8] = {0}, m[8] = {0};
-    for (int c = 0; c < nc; c++) {
-      std::memcpy(&d[c], blk + c * bb, 2);
-      if (T == WeightType::Q5_1) std::memcpy(&m[c], blk + c * bb + 2, 2);
-    }
-    *ds0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)d));
-    if (T == WeightType::Q5_1)  // dm = -m, mn = 1
-      *dm0 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_load_si128((const __m128i*)m)));
-  } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
-    const uint32_t a = u32_at(blk + 4), b = u32_at(blk + 8), c = u32_at(blk + 12);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
-    const uint32_t m_lo = b & 0x3f3f3f3fu, m_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
-    *ds0 = bytes_times(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0), f16_at(blk), false);
-    *dm0 = bytes_times(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0), f16_at(blk + 2), false);
-  } else if constexpr (T == WeightType::Q6_K) {
-    const __m128i eo = even_odd(_mm_loadu_si128((const __m128i*)(blk + 192)));
-    const float d = f16_at(blk + 208);
-    *ds0 = bytes_times(eo, d, true), *ds1 = bytes_times(_mm_srli_si128(eo, 8), d, true);
-  } else if constexpr (T == WeightType::Q3_K) {
+inline void group_scales(const uint8_t* blk, __m256* ds0, __m256* ds1, __m256* dm0, __m256* dm1) {
+  if constexpr (T == WeightType::Q3_K) {
     const uint32_t a0 = u32_at(blk + 96), a1 = u32_at(blk + 100), t = u32_at(blk + 104), lo = 0x0f0f0f0fu, hi = 0x03030303u;
     const __m128i s = _mm_sub_epi8(
         _mm_setr_epi32((int)((a0 & lo) | ((t & hi) << 4)), (int)((a1 & lo) | (((t >> 2) & hi) << 4)),
@@ -135,16 +70,12 @@ inline void group_scales(const uint8_t* blk, int nc, __m256* ds0, __m256* ds1, _
     const __m128i eo = even_odd(s);
     const float d = f16_at(blk + 108);
     *ds0 = bytes_times(eo, d, true), *ds1 = bytes_times(_mm_srli_si128(eo, 8), d, true);
-  } else if constexpr (T == WeightType::Q2_K) {
+  } else {  // Q2_K
     const __m128i eo = even_odd(_mm_loadu_si128((const __m128i*)blk)), m4 = _mm_set1_epi8(0x0f);
     const __m128i s = _mm_and_si128(eo, m4), mn = _mm_and_si128(_mm_srli_epi16(eo, 4), m4);
     const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
     *ds0 = bytes_times(s, d, false), *ds1 = bytes_times(_mm_srli_si128(s, 8), d, false);
     *dm0 = bytes_times(mn, dmin, false), *dm1 = bytes_times(_mm_srli_si128(mn, 8), dmin, false);
-  } else {  // IQ4_XS
-    alignas(32) int32_t s[8];
-    for (int c = 0; c < 8; c++) s[c] = iq4xs_scale(blk, c);
-    *ds0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)s)), _mm256_set1_ps(f16_at(blk)));
   }
 }
 
@@ -158,16 +89,12 @@ inline void reduce_group(const __m256i P[8], __m256i* h0, __m256i* h1) {
   *h1 = _mm256_permute2x128_si256(u0, u1, 0x31);
 }
 
-inline __m256i lane_mask(int n) {  // the first n of 8 lanes
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 // Rows n0..n0+NR-1 of w against activation rows i0..i0+MR-1: y[i][n] for each. Per group of 8 chunks
 // each (row, activation row) gets its chunks' integer sums in 8 lanes, then one FMA with the 8 chunks'
 // d * s * dx (and, with minimums, one for dm * mn * dx * sum(xq)).
 template <WeightType T, class Q, int NR, int MR>
 void tile(const Act& a, const PackedMatrix& w, int64_t n0, int64_t i0, float* y, int64_t ldy) {
-  constexpr bool kSmall = small_blocks<T>(), kHalves = half_scales<T>(), kMins = minimums<T>();
+  constexpr bool kMins = T == WeightType::Q2_K;  // both types have half scales
   const size_t bb = ggml_type_block_bytes(T), rb = ggml_row_bytes(T, w.cols);
   const int64_t nb = w.cols / 32;
   const uint8_t* rows[NR];
@@ -175,20 +102,14 @@ void tile(const Act& a, const PackedMatrix& w, int64_t n0, int64_t i0, float* y,
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; i++)
     for (int r = 0; r < NR; r++) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t c0 = 0; c0 < nb; c0 += 8) {
-    const int nc = (int)std::min<int64_t>(8, nb - c0);
-    const size_t g_at = kSmall ? c0 * bb : (c0 / 8) * bb;  // the group's first block
+  for (int64_t c0 = 0; c0 < nb; c0 += 8) {  // super-block by super-block
+    const size_t g_at = (c0 / 8) * bb;
     __m256 ds0[NR], ds1[NR], dm0[NR], dm1[NR];
-    for (int r = 0; r < NR; r++) group_scales<T>(rows[r] + g_at, nc, &ds0[r], &ds1[r], &dm0[r], &dm1[r]);
+    for (int r = 0; r < NR; r++) group_scales<T>(rows[r] + g_at, &ds0[r], &ds1[r], &dm0[r], &dm1[r]);
     __m256i P[MR][NR][8];
     for (int c = 0; c < 8; c++) {
-      if (c >= nc) {  // only small blocks have partial groups
-        for (int i = 0; i < MR; i++)
-          for (int r = 0; r < NR; r++) P[i][r][c] = _mm256_setzero_si256();
-        continue;
-      }
       __m256i v[NR];
-      for (int r = 0; r < NR; r++) v[r] = kSmall ? decode_values<T>(rows[r] + g_at + c * bb, 0) : decode_values<T>(rows[r] + g_at, c);
+      for (int r = 0; r < NR; r++) v[r] = decode_values<T>(rows[r] + g_at, c);
       if constexpr (sizeof(Q) == 1) {
         __m256i av[NR];
         for (int r = 0; r < NR; r++) av[r] = _mm256_sign_epi8(v[r], v[r]);
@@ -208,38 +129,30 @@ void tile(const Act& a, const PackedMatrix& w, int64_t n0, int64_t i0, float* y,
           const __m256i xlo = _mm256_loadu_si256((const __m256i*)xq), xhi = _mm256_loadu_si256((const __m256i*)(xq + 16));
           for (int r = 0; r < NR; r++) {
             const __m256i p0 = _mm256_madd_epi16(vlo[r], xlo), p1 = _mm256_madd_epi16(vhi[r], xhi);
-            P[i][r][c] = kHalves ? _mm256_add_epi32(_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p0, p1, 0x31))
-                                 : _mm256_add_epi32(p0, p1);
+            P[i][r][c] = _mm256_add_epi32(_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p0, p1, 0x31));
           }
         }
       }
     }
-    const __m256i live = lane_mask(nc);
     for (int i = 0; i < MR; i++) {
       const int64_t ib = (i0 + i) * nb + c0;
-      const __m256 dx = _mm256_castsi256_ps(_mm256_maskload_epi32((const int*)(a.dx + ib), live));
+      const __m256 dx = _mm256_loadu_ps(a.dx + ib);
       __m256 sx0, sx1;
-      if constexpr (kMins && kHalves) {  // sums per half: sx[2c + h], chunk c in lane c
+      if constexpr (kMins) {  // sums per half: sx[2c + h], chunk c in lane c
         const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         const __m256i A = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(a.sx + 2 * ib)), order);
         const __m256i B = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(a.sx + 2 * ib + 8)), order);
         sx0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(A, B, 0x20));
         sx1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(A, B, 0x31));
-      } else if constexpr (kMins) {
-        sx0 = _mm256_cvtepi32_ps(_mm256_maskload_epi32(a.sx32 + ib, live));
       }
       for (int r = 0; r < NR; r++) {
         __m256i h0, h1;
         reduce_group(P[i][r], &h0, &h1);
-        if constexpr (kHalves) {
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(ds0[r], dx), acc[i][r]);
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), _mm256_mul_ps(ds1[r], dx), acc[i][r]);
-        } else {
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), _mm256_mul_ps(ds0[r], dx), acc[i][r]);
-        }
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(ds0[r], dx), acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), _mm256_mul_ps(ds1[r], dx), acc[i][r]);
         if constexpr (kMins) {
           acc[i][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dm0[r], dx), sx0, acc[i][r]);
-          if constexpr (kHalves) acc[i][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dm1[r], dx), sx1, acc[i][r]);
+          acc[i][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dm1[r], dx), sx1, acc[i][r]);
         }
       }
     }
@@ -278,20 +191,9 @@ void matmul_t(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t 
 template <class Q>
 void matmul_q(const Act& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   switch (w.type) {
-#define CORELM_CASE(T) \
-  case WeightType::T: return matmul_t<WeightType::T, Q>(a, m, w, y, ldy, n0, n1);
-    CORELM_CASE(Q5_0)
-    CORELM_CASE(Q5_1)
-    CORELM_CASE(Q2_K)
-    CORELM_CASE(Q3_K)
-    CORELM_CASE(Q4_K)
-    CORELM_CASE(Q5_K)
-    CORELM_CASE(Q6_K)
-    CORELM_CASE(IQ4_NL)
-    CORELM_CASE(IQ4_XS)
-#undef CORELM_CASE
-    default:
-      return;
+    case WeightType::Q2_K: return matmul_t<WeightType::Q2_K, Q>(a, m, w, y, ldy, n0, n1);
+    case WeightType::Q3_K: return matmul_t<WeightType::Q3_K, Q>(a, m, w, y, ldy, n0, n1);
+    default: return;  // the others are grouped (ggml_grouped.h)
   }
 }
 

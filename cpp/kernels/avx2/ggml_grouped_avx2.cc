@@ -210,16 +210,7 @@ void grouped_ggml_matmul_avx2(const void* qa, int64_t m, const PackedMatrix& w, 
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
   const GroupedAct a = grouped_act(qa, m, w);
-  switch (w.type) {
-    case WeightType::Q4_K: return matmul_t<WeightType::Q4_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_K: return matmul_t<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q6_K: return matmul_t<WeightType::Q6_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::IQ4_XS: return matmul_t<WeightType::IQ4_XS>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_1: return matmul_t<WeightType::Q5_1>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_0: return matmul_t<WeightType::Q5_0>(a, m, w, y, ldy, n0, n1);
-    case WeightType::IQ4_NL: return matmul_t<WeightType::IQ4_NL>(a, m, w, y, ldy, n0, n1);
-    default: return;
-  }
+  with_grouped_type(w.type, [&](auto t) { matmul_t<decltype(t)::value>(a, m, w, y, ldy, n0, n1); });
 }
 
 }  // namespace quant

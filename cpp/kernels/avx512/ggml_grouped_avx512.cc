@@ -297,16 +297,7 @@ void grouped_ggml_matmul_avx512(const void* qa, int64_t m, ActType act, const Pa
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
   const GroupedAct a = grouped_act(qa, m, w, act);
-  switch (w.type) {
-    case WeightType::Q4_K: return matmul_vnni<WeightType::Q4_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_K: return matmul_vnni<WeightType::Q5_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q6_K: return matmul_vnni<WeightType::Q6_K>(a, m, w, y, ldy, n0, n1);
-    case WeightType::IQ4_XS: return matmul_vnni<WeightType::IQ4_XS>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_1: return matmul_vnni<WeightType::Q5_1>(a, m, w, y, ldy, n0, n1);
-    case WeightType::Q5_0: return matmul_vnni<WeightType::Q5_0>(a, m, w, y, ldy, n0, n1);
-    case WeightType::IQ4_NL: return matmul_vnni<WeightType::IQ4_NL>(a, m, w, y, ldy, n0, n1);
-    default: return;
-  }
+  with_grouped_type(w.type, [&](auto t) { matmul_vnni<decltype(t)::value>(a, m, w, y, ldy, n0, n1); });
 }
 
 }  // namespace quant
