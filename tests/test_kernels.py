@@ -130,6 +130,18 @@ def test_silu_mul(isa, n):
 
 
 @pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 3, 16, 31, 6912])
+def test_gelu_tanh_mul(isa, n):
+    # GeGLU as transformers' gelu_pytorch_tanh computes it, in float64
+    g = (RNG.standard_normal(n) * 4).astype(np.float32)
+    g[:3] = [-100.0, 100.0, 0.0][: min(3, n)]
+    u = RNG.standard_normal(n).astype(np.float32)
+    g64 = g.astype(np.float64)
+    ref = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u
+    np.testing.assert_allclose(_core.testing.kernel_gelu_tanh_mul(isa, g, u), ref, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 100, 4097])
 def test_softmax(isa, n):
     x = (RNG.standard_normal(n) * 10).astype(np.float32)
@@ -164,7 +176,8 @@ def test_option_names_are_canonical():
     assert names == {"weight_type": ["fp32", "bf16", "q8", "q4", "q4m"] + ggml, "kv_type": ["fp32", "bf16", "int8"],
                      "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
                      "numa": ["default", "distribute", "isolate"],
-                     "gguf_raw": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml]}
+                     "gguf_raw": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml],
+                     "activation": ["silu", "gelu_tanh"]}
     # agreement with corelm.options: tests/test_options.py
     x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)
     for alias in ("f32", "i8", "FP32"):  # the core takes canonical names only

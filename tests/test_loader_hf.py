@@ -159,7 +159,7 @@ def test_eos_out_of_vocab(tmp_path):
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
      "unsupported architecture GPT2LMHeadModel; corelm supports LlamaForCausalLM, MistralForCausalLM, "
      "Qwen2ForCausalLM"),
-    ({"architectures": None, "model_type": "phi3"}, "unsupported architecture model_type 'phi3'"),
+    ({"architectures": None, "model_type": "gpt_neox"}, "unsupported architecture model_type 'gpt_neox'"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"quantization_config": {"quant_method": "awq"}}, r"pre-quantized .*awq"),

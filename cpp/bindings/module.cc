@@ -49,6 +49,21 @@ ModelConfig config_from_dict(const py::dict& d) {
   c.sliding_window = d.contains("sliding_window") ? d["sliding_window"].cast<int64_t>() : 0;
   c.max_seq_len = get<int64_t>(d, "max_seq_len");
   c.rope_inv_freq = get<std::vector<float>>(d, "rope_inv_freq");
+  // the family's features (model/config.h); absent keys keep the Llama family's defaults
+  auto opt = [&](const char* key, auto& field) {
+    if (d.contains(key) && !d[key].is_none()) field = d[key].cast<std::decay_t<decltype(field)>>();
+  };
+  opt("rope_dim", c.rope_dim);
+  opt("rope_attn_factor", c.rope_attn_factor);
+  opt("rope_inv_freq_local", c.rope_inv_freq_local);
+  opt("sliding_layers", c.sliding_layers);
+  opt("qk_norm", c.qk_norm);
+  opt("post_norms", c.post_norms);
+  opt("embed_scale", c.embed_scale);
+  opt("attn_scale", c.attn_scale);
+  opt("attn_softcap", c.attn_softcap);
+  opt("final_softcap", c.final_softcap);
+  if (d.contains("activation")) c.activation = parse_name(kActivationNames, d["activation"].cast<std::string>(), "activation");
   c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
   c.n_threads = get<int>(d, "n_threads");
   if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
@@ -114,6 +129,7 @@ PYBIND11_MODULE(_core, m) {
     d["schedule"] = names_of(kScheduleNames);
     d["numa"] = names_of(kNumaPolicyNames);
     d["gguf_raw"] = names_of(quant::kGgufRawNames);
+    d["activation"] = names_of(kActivationNames);
     return d;
   }, "The canonical name of every option the core takes by string (its C++ name tables), so the Python "
      "layer can check that its own names agree.");

@@ -118,6 +118,12 @@ void register_testing_kernels(py::module_& m) {
     table(isa).silu_mul(y.mutable_data(), g.data(), u.data(), g.shape(0));
     return y;
   });
+  m.def("kernel_gelu_tanh_mul", [](const std::string& isa, FloatArray g, FloatArray u) {
+    if (g.ndim() != 1 || u.ndim() != 1 || g.shape(0) != u.shape(0)) throw std::invalid_argument("shape mismatch");
+    py::array_t<float> y(g.shape(0));
+    table(isa).gelu_tanh_mul(y.mutable_data(), g.data(), u.data(), g.shape(0));
+    return y;
+  });
   m.def("kernel_softmax", [](const std::string& isa, FloatArray x) {
     if (x.ndim() != 1 || x.shape(0) < 1) throw std::invalid_argument("softmax needs a non-empty 1-D array");
     py::array_t<float> y(x.shape(0));

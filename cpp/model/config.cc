@@ -9,7 +9,17 @@ void ModelConfig::validate() const {
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
           "n_heads must be a positive multiple of n_kv_heads");
   require(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
-  require((int64_t)rope_inv_freq.size() == head_dim / 2, "rope_inv_freq must have head_dim/2 entries");
+  require(rope_dim >= 0 && rope_dim <= head_dim && rope_dim % 2 == 0, "rope_dim must be even and in [0, head_dim]");
+  require((int64_t)rope_inv_freq.size() == rotary_dim() / 2, "rope_inv_freq must have rope_dim/2 entries");
+  require(rope_inv_freq_local.empty() || rope_inv_freq_local.size() == rope_inv_freq.size(),
+          "rope_inv_freq_local must be empty or as long as rope_inv_freq");
+  require(sliding_layers.empty() || (int64_t)sliding_layers.size() == n_layers,
+          "sliding_layers must be empty or have n_layers entries");
+  for (float v : {rope_attn_factor, embed_scale})
+    require(std::isfinite(v) && v > 0, "rope_attn_factor and embed_scale must be finite and > 0");
+  for (float v : {attn_scale, attn_softcap, final_softcap})
+    require(std::isfinite(v) && v >= 0, "attn_scale, attn_softcap and final_softcap must be finite and >= 0");
+  require(activation == Activation::Silu || activation == Activation::GeluTanh, "unknown activation");
   require(max_seq_len > 0 && max_seq_len <= (1 << 24), "max_seq_len must be in [1, 16M]");
   require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
   require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");

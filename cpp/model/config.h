@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/names.h"
 #include "kernels/kernels.h"
 #include "runtime/thread_pool.h"
 #include "runtime/topology.h"
@@ -16,6 +17,13 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
 
+// The MLP's gated activation: SwiGLU (Llama, Qwen, Phi) or GeGLU with tanh-approximated GELU (Gemma).
+enum class Activation { Silu, GeluTanh };
+inline constexpr EnumName<Activation> kActivationNames[] = {{Activation::Silu, "silu"},
+                                                            {Activation::GeluTanh, "gelu_tanh"}};
+
+// The hyper-parameters and the family's features (a family description, python/corelm/loader/families.py,
+// says which a family switches on); the defaults are the Llama family's.
 struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t dim = 0;           // hidden size
@@ -29,7 +37,21 @@ struct ModelConfig {
   bool attention_bias = false;     // q/k/v biases (Qwen2)
   int64_t sliding_window = 0;      // 0: attend to the whole context
   int64_t max_seq_len = 2048;      // KV cache capacity in tokens
-  std::vector<float> rope_inv_freq;  // [head_dim / 2], scaling (e.g. llama3) already applied
+  std::vector<float> rope_inv_freq;  // [rope_dim / 2], scaling (e.g. llama3) already applied
+  int64_t rope_dim = 0;              // dims of each head rotated (partial rotary, Phi-4-mini); 0: head_dim
+  float rope_attn_factor = 1.f;      // cos and sin scaled by it (LongRoPE's attention factor)
+  // Sliding-window layers' own frequencies (Gemma 3: a smaller base); empty: rope_inv_freq
+  std::vector<float> rope_inv_freq_local;
+  // [n_layers] 1: a sliding layer (attends sliding_window tokens when that is > 0, with the local RoPE
+  // table when there is one); empty: every layer is
+  std::vector<uint8_t> sliding_layers;
+  Activation activation = Activation::Silu;
+  bool qk_norm = false;      // RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+  bool post_norms = false;   // RMSNorm of the attention and MLP outputs before the residual add (Gemma 2/3)
+  float embed_scale = 1.f;   // embeddings multiplied by it (Gemma: sqrt(dim))
+  float attn_scale = 0.f;    // query scale; 0: 1 / sqrt(head_dim)
+  float attn_softcap = 0.f;  // scores = cap * tanh(scores / cap) before the softmax (Gemma 2); 0: none
+  float final_softcap = 0.f; // the same on the logits
   WeightType weight_type = WeightType::F32;
   // How quantized matmuls take their input (kernels.h): int8 per block of 32, or int16 (near fp32).
   ActType act_type = ActType::I8;
@@ -42,6 +64,8 @@ struct ModelConfig {
   NumaPolicy numa = NumaPolicy::Default;  // thread plan and memory placement across NUMA nodes
 
   void validate() const;  // throws std::invalid_argument
+  int64_t rotary_dim() const { return rope_dim ? rope_dim : head_dim; }
+  bool sliding_layer(int64_t l) const { return sliding_layers.empty() || sliding_layers[l]; }
 };
 
 }  // namespace corelm

@@ -35,6 +35,7 @@ void Model::ensure_scratch(int64_t n) {
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
   hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
   act_.assign(T * cfg_.ffn_dim, 0.f);
+  proj_.assign(cfg_.post_norms ? T * cfg_.dim : 0, 0.f);
   // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
   qact_ld_ = 0;
   auto fit = [&](const PackedMatrix& w) {
@@ -159,20 +160,21 @@ struct TaskMatmul {
   }
 };
 
-// Attention norm, q/k/v projection, bias and RoPE by whole heads; the commit also writes keys and
-// values to the cache.
+// Attention norm, q/k/v projection, bias, the q/k head norms (when the family has them) and RoPE by
+// whole heads; the commit also writes keys and values to the cache.
 struct QkvTask {
   NormedInput in;
   TaskMatmul mm;
   const float *bias, *rope_cos, *rope_sin;  // bias may be null
+  const float *q_norm, *k_norm;             // [hd] each, or null
   const int64_t *tok_pos, *tok_seq;
   float* qkv;  // [T][qkv_dim]
   KVCache* kv;
   const SeqSlice* seqs;
-  int64_t layer, hd, nh, nkv, block_size;
+  int64_t layer, hd, nh, nkv, block_size, rope_half;  // rope_half: pairs rotated per head
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
-    const int64_t half = hd / 2;
+    const int64_t half = rope_half;
     mm.run(buf, in.rows(buf), in.T, in.d, s - h0 * hd, ld, h0 * hd, h1 * hd);
     for (int64_t t = 0; t < in.T; t++) {
       const float* cs = rope_cos + tok_pos[t] * half;
@@ -181,12 +183,12 @@ struct QkvTask {
         float* v = s + t * ld + (h - h0) * hd;
         if (bias)
           for (int64_t i = 0; i < hd; i++) v[i] += bias[h * hd + i];
-        if (h < nh + nkv) {  // rotate-half RoPE on q and k heads
-          for (int64_t i = 0; i < half; i++) {
-            float a = v[i], b = v[i + half];
-            v[i] = a * cs[i] - b * sn[i];
-            v[i + half] = b * cs[i] + a * sn[i];
-          }
+        if (h >= nh + nkv) continue;  // values: no norm, no rotation
+        if (q_norm) in.k->rmsnorm(v, v, h < nh ? q_norm : k_norm, hd, in.eps);
+        for (int64_t i = 0; i < half; i++) {  // rotate-half RoPE over the first 2 * half dims
+          float a = v[i], b = v[i + half];
+          v[i] = a * cs[i] - b * sn[i];
+          v[i + half] = b * cs[i] + a * sn[i];
         }
       }
     }
@@ -212,6 +214,7 @@ struct GateUpTask {
   float* hb;   // [buffers][T][2 * f]
   float* act;  // [T][f]
   int64_t f, block;
+  Activation activation;
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
     const int64_t T = in.T;
@@ -221,7 +224,8 @@ struct GateUpTask {
       for (int64_t b = b0; b < b1; b++) {
         const int64_t c = std::min(block, f - b * block);
         const float* g = h + t * 2 * f + 2 * b * block;
-        in.k->silu_mul(s + t * ld + (b - b0) * block, g, g + c, c);
+        (activation == Activation::GeluTanh ? in.k->gelu_tanh_mul : in.k->silu_mul)(s + t * ld + (b - b0) * block, g,
+                                                                                     g + c, c);
       }
   }
   void commit(int64_t b0, int64_t b1, const float* s, int64_t ld) const {
@@ -238,6 +242,7 @@ struct MatmulTask {
   float* out;  // [m][n_out]
   int64_t n_out;
   bool accumulate;
+  float softcap = 0.f;  // > 0: stores softcap * tanh(y / softcap) (Gemma 2's logits)
   void prepare(int buf) const { mm.prepare(buf, in, m, ld_in); }
   void compute(int buf, int64_t n0, int64_t n1, float* s, int64_t ld) const {
     mm.run(buf, in, m, ld_in, s - n0, ld, n0, n1);
@@ -248,6 +253,8 @@ struct MatmulTask {
       const float* r = s + t * ld;
       if (accumulate)
         for (int64_t i = 0; i < n1 - n0; i++) y[i] += r[i];
+      else if (softcap > 0)
+        for (int64_t i = 0; i < n1 - n0; i++) y[i] = softcap * std::tanh(r[i] / softcap);
       else
         std::memcpy(y, r, (n1 - n0) * sizeof(float));
     }
@@ -266,7 +273,11 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
   const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
   float* x = x_.data();
-  for (int64_t t = 0; t < T; t++) k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
+  for (int64_t t = 0; t < T; t++) {
+    k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
+    if (cfg_.embed_scale != 1.f)
+      for (int64_t i = 0; i < d; i++) x[t * d + i] *= cfg_.embed_scale;
+  }
 
   auto normed = [&](const std::vector<float>& w) {
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
@@ -275,22 +286,35 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     const bool quantized = act_bytes(k, w, 1, cfg_.act_type) != 0;
     return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
   };
-  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w) {
-    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, x, d, true}, chunking(w, d, k.row_grain, T, 1));
+  // x += in @ W^T; with post-norms x += rmsnorm(in @ W^T) * post_norm, which needs whole rows first
+  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w, const std::vector<float>& post_norm) {
+    const bool post = !post_norm.empty();
+    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, post ? proj_.data() : x, d, !post},
+                          chunking(w, d, k.row_grain, T, 1));
+    if (!post) return;
+    for (int64_t t = 0; t < T; t++) {
+      float* p = proj_.data() + t * d;
+      k.rmsnorm(p, p, post_norm.data(), d, cfg_.norm_eps);
+      for (int64_t i = 0; i < d; i++) x[t * d + i] += p[i];
+    }
   };
 
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
-    const QkvTask qkv{normed(L.attn_norm), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(), rope_cos_.data(),
-                      rope_sin_.data(), tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh,
-                      nkv, kv_.block_size()};
+    const bool local_rope = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
+    const QkvTask qkv{normed(L.attn_norm), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(),
+                      (local_rope ? rope_cos_local_ : rope_cos_).data(), (local_rope ? rope_sin_local_ : rope_sin_).data(),
+                      L.q_norm.empty() ? nullptr : L.q_norm.data(), L.k_norm.empty() ? nullptr : L.k_norm.data(),
+                      tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh, nkv, kv_.block_size(),
+                      cfg_.rotary_dim() / 2};
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     attention(l, seqs, T);
-    matmul_residual(att_.data(), nh * hd, L.wo);
+    matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm);
     const int64_t blocks = (f + GB - 1) / GB;
-    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB},
+    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB,
+                                     cfg_.activation},
                           chunking(L.w_gate_up, blocks, 1, T, GB));
-    matmul_residual(act_.data(), f, L.w_down);
+    matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm);
   }
 
   if (!logits) return;
@@ -301,7 +325,8 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
-  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false},
+  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false,
+                                   cfg_.final_softcap},
                         chunking(lm_head_, cfg_.vocab_size, k.row_grain, rows, 1));
 }
 
@@ -311,7 +336,8 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
 void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
   const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, group = nh / nkv;
   const int64_t qkv_dim = (nh + 2 * nkv) * hd;
-  const float scale = 1.f / std::sqrt((float)hd);
+  const float scale = cfg_.attn_scale > 0 ? cfg_.attn_scale : 1.f / std::sqrt((float)hd);
+  const int64_t window = cfg_.sliding_layer(l) ? cfg_.sliding_window : 0;
   // Fewer (token, kv head) pairs than threads (decode of a few sequences): split each pair's query
   // heads into just enough parts for every thread to get one task. More parts would have two threads
   // read the same keys and values: with 2 threads and 2 kv heads, 2 parts instead of 1 made a q4 decode
@@ -325,8 +351,9 @@ void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
     const int64_t h0 = kvh * group + part * per, G = std::min(per, group - part * per);
     if (G <= 0) return;
     const int64_t p = tok_pos_[t];
-    const int64_t start = cfg_.sliding_window > 0 ? std::max<int64_t>(0, p - cfg_.sliding_window + 1) : 0;
-    kv_.attend(kt_, l, kvh, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale, s,
+    const int64_t start = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    kv_.attend(kt_, l, kvh, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale,
+               cfg_.attn_softcap, s,
                att_.data() + t * nh * hd + h0 * hd);
   };
   const size_t scores_per_thread = (size_t)group * cfg_.max_seq_len;

@@ -102,7 +102,8 @@ void KVCache::store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head,
 // Block by block over [start, end]: scores for all G heads at once, softmax per head, then the
 // weighted sum of values for all G heads at once.
 void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, const int32_t* blocks, int64_t start,
-                     int64_t end, const float* q, int64_t G, float scale, float* scores, float* out) const {
+                     int64_t end, const float* q, int64_t G, float scale, float softcap, float* scores,
+                     float* out) const {
   const int64_t n = end - start + 1, hd = head_dim_, bs = block_size_;
   const char* kb = static_cast<const char*>(k_.get());
   const char* vb = static_cast<const char*>(v_.get());
@@ -157,6 +158,8 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
         }
       }
   });
+  if (softcap > 0)  // Gemma 2: scores squashed into (-cap, cap)
+    for (int64_t i = 0; i < G * n; i++) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t g = 0; g < G; g++) kt.softmax(scores + g * n, n);
   std::memset(out, 0, G * hd * sizeof(float));
   pieces([&](size_t row, int64_t off, int64_t cnt, int64_t) {

@@ -53,9 +53,10 @@ class KVCache {
 
   // For G query heads that share kv_head (q and out are [G][head_dim]):
   // out[g] = softmax(scale * q[g] . K[j]) . V[j] over positions j in [start, end] of a sequence whose
-  // positions live in `blocks` (block table). `scores` needs G * (end - start + 1) floats.
+  // positions live in `blocks` (block table); softcap > 0 first maps each score s to
+  // softcap * tanh(s / softcap). `scores` needs G * (end - start + 1) floats.
   void attend(const KernelTable& kt, int64_t layer, int64_t kv_head, const int32_t* blocks, int64_t start,
-              int64_t end, const float* q, int64_t G, float scale, float* scores, float* out) const;
+              int64_t end, const float* q, int64_t G, float scale, float softcap, float* scores, float* out) const;
 
  private:
   size_t index(int64_t layer, int64_t block, int64_t kv_head, int64_t slot) const {

@@ -36,15 +36,21 @@ Model::Model(const ModelConfig& cfg)
       if (b0 < b1) body(b0, b1);
     });
   };
-  const int64_t half = cfg_.head_dim / 2;
-  rope_cos_.resize(cfg_.max_seq_len * half);
-  rope_sin_.resize(cfg_.max_seq_len * half);
-  for (int64_t p = 0; p < cfg_.max_seq_len; p++)
-    for (int64_t i = 0; i < half; i++) {
-      float angle = (float)p * cfg_.rope_inv_freq[i];  // one fp32 rounding, as transformers computes it
-      rope_cos_[p * half + i] = (float)std::cos((double)angle);
-      rope_sin_[p * half + i] = (float)std::sin((double)angle);
-    }
+  // cos/sin of every position and rotated pair, one fp32 rounding of the angle as transformers computes
+  // it; the sliding-window layers' own table where their frequencies differ (Gemma 3)
+  auto rope_table = [&](const std::vector<float>& inv_freq, std::vector<float>& cos, std::vector<float>& sin) {
+    const int64_t half = cfg_.rotary_dim() / 2;
+    cos.resize(cfg_.max_seq_len * half);
+    sin.resize(cfg_.max_seq_len * half);
+    for (int64_t p = 0; p < cfg_.max_seq_len; p++)
+      for (int64_t i = 0; i < half; i++) {
+        const float angle = (float)p * inv_freq[i];
+        cos[p * half + i] = (float)std::cos((double)angle) * cfg_.rope_attn_factor;
+        sin[p * half + i] = (float)std::sin((double)angle) * cfg_.rope_attn_factor;
+      }
+  };
+  rope_table(cfg_.rope_inv_freq, rope_cos_, rope_sin_);
+  if (!cfg_.rope_inv_freq_local.empty()) rope_table(cfg_.rope_inv_freq_local, rope_cos_local_, rope_sin_local_);
   place_kv_cache();
   split_kv_heads();
 }

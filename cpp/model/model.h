@@ -1,6 +1,7 @@
-// The decoder-only transformer of the Llama family (Llama, Mistral, Qwen2): weights by layer, the KV
-// cache and the forward pass. The model knows layers, not instruction sets: every matrix is an opaque
-// PackedMatrix and all math goes through the kernel table.
+// The decoder-only transformer (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3; ModelConfig says which of
+// the families' features are on): weights by layer, the KV cache and the forward pass. The model knows
+// layers, not instruction sets: every matrix is an opaque PackedMatrix and all math goes through the
+// kernel table.
 //   model.cc      construction            weights.cc    weight names, fusion, packing
 //   placement.cc  NUMA placement          forward.cc    the forward pass
 //   config.cc     ModelConfig::validate
@@ -143,7 +144,8 @@ class Model {
   std::map<std::string, std::pair<WeightType, std::vector<uint8_t>>> pending_raw_;  // the same, raw blocks
   void raw_partners_to_f32(const WeightName& w);
 
-  std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][head_dim / 2]
+  std::vector<float> rope_cos_, rope_sin_;  // [max_seq_len][rotary_dim / 2]
+  std::vector<float> rope_cos_local_, rope_sin_local_;  // the sliding layers' own, when they differ
   KVCache kv_;
   // The kv heads each node's threads attend over first (the pool's nodes, split as place_kv_cache
   // places them); empty where the pool does not split by node.
@@ -157,6 +159,7 @@ class Model {
   std::vector<float> att_;      // [T][n_heads * head_dim]
   std::vector<float> hb_;       // [n_threads][T][2 * ffn_dim] each thread's gate/up rows (interleaved)
   std::vector<float> act_;      // [T][ffn_dim]
+  std::vector<float> proj_;     // [T][dim] attention or MLP output before its post-norm (post_norms)
   std::shared_ptr<void> qact_;  // [n_threads][qact_ld_] each thread's quantized matmul input (quantized weights)
   size_t qact_ld_ = 0;
   std::vector<float> scores_;   // [n_threads][query heads per kv head][max_seq_len]

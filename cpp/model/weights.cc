@@ -92,6 +92,14 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
   if (part == "attn_norm" || part == "ffn_norm") {
     check_shape(name, shape, {d});
     (part == "attn_norm" ? L.attn_norm : L.ffn_norm) = vec(d);
+  } else if (part == "post_attn_norm" || part == "post_ffn_norm") {
+    require(cfg_.post_norms, "weight " + name + " given for a model without post-norms");
+    check_shape(name, shape, {d});
+    (part == "post_attn_norm" ? L.post_attn_norm : L.post_ffn_norm) = vec(d);
+  } else if (part == "q_norm" || part == "k_norm") {
+    require(cfg_.qk_norm, "weight " + name + " given for a model without q/k norms");
+    check_shape(name, shape, {hd});
+    (part == "q_norm" ? L.q_norm : L.k_norm) = vec(hd);
   } else if (part == "wq" || part == "wk" || part == "wv") {
     check_shape(name, shape, {part == "wq" ? q_rows : kv_rows, d});
     pending_[key] = vec(shape[0] * d);
@@ -240,6 +248,9 @@ void Model::finalize() {
     if (!L.w_gate_up.storage) missing(p + "w_gate/w_up");
     if (!L.w_down.storage) missing(p + "w_down");
     if (cfg_.attention_bias && L.bqkv.empty()) missing(p + "bq/bk/bv");
+    if (cfg_.qk_norm && (L.q_norm.empty() || L.k_norm.empty())) missing(p + "q_norm/k_norm");
+    if (cfg_.post_norms && (L.post_attn_norm.empty() || L.post_ffn_norm.empty()))
+      missing(p + "post_attn_norm/post_ffn_norm");
   }
   pending_.clear();
   pending_raw_.clear();

@@ -12,6 +12,8 @@ namespace corelm {
 
 struct LayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // [dim]
+  std::vector<float> q_norm, k_norm;       // [head_dim] with qk_norm, else empty
+  std::vector<float> post_attn_norm, post_ffn_norm;  // [dim] with post_norms, else empty
   PackedMatrix wqkv;                       // [(n_heads + 2*n_kv_heads) * head_dim, dim]: q, k, v rows fused
   std::vector<float> bqkv;                 // [(n_heads + 2*n_kv_heads) * head_dim] or empty
   PackedMatrix wo;                         // [dim, n_heads * head_dim]

@@ -387,6 +387,23 @@ void silu_mul(float* out, const float* gate, const float* up, int64_t n) {
   }
 }
 
+// x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): gelu_tanh(g) * u
+inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
+  const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g);
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.f * 0.7978845608028654f), inner));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
+void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, gelu_tanh_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(out + i, m, gelu_tanh_mul8(_mm256_maskload_ps(gate + i, m), _mm256_maskload_ps(up + i, m)));
+  }
+}
+
 void softmax(float* x, int64_t n) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 mx = ninf;
@@ -548,7 +565,7 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
 }  // namespace
 
 // row_grain 32: the quantized layout's super-group
-const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, kv_scores, kv_accum, softmax,
+const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores, kv_accum, softmax,
                                   row_to_f32, quant::avx2_pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};
 

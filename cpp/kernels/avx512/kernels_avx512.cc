@@ -332,6 +332,17 @@ void silu_mul(float* out, const float* gate, const float* up, int64_t n) {
   }
 }
 
+void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), c2 = _mm512_set1_ps(-2.f * 0.7978845608028654f);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+    __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g);
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(c2, inner))));  // x * sigmoid(2u)
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
 void softmax(float* x, int64_t n) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 16) {
@@ -374,11 +385,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
+const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
-const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, kv_scores,
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
                                         kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant};

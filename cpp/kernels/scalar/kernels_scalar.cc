@@ -56,6 +56,14 @@ void silu_mul(float* out, const float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
+void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n; i++) {
+    const float x = gate[i];
+    out[i] = 0.5f * x * (1.f + std::tanh(c * (x + 0.044715f * x * x * x))) * up[i];
+  }
+}
+
 // One cached element as fp32 (int8: the raw level; the caller applies the row's scale).
 inline float kv_at(KVType t, const void* p, int64_t i) {
   switch (t) {
@@ -98,7 +106,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, kv_scores,
+const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
                                     kv_accum, softmax, row_to_f32, quant::scalar_pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};

@@ -78,18 +78,26 @@ def resolve_dtype(dtype: str) -> str:
     return WEIGHT_FORMATS[dtype].core
 
 
-def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim / 2] in float32, computed as transformers does, with its
-    "linear" and "llama3" scalings applied."""
-    dim = spec.head_dim
+def rope_inv_freq(spec: ModelSpec, max_seq_len: Optional[int] = None, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [rotated dims / 2] in float32, computed as transformers does, with its
+    "linear", "llama3" and "longrope" scalings applied. local: the sliding layers' own (Gemma 3: their
+    own base, no scaling). LongRoPE takes its long factors when the context the engine holds
+    (max_seq_len) exceeds the pre-training one, as llama.cpp does."""
+    dim = spec.rope_dim or spec.head_dim
+    theta = spec.rope_local_theta if local else spec.rope_theta
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / np.power(np.float32(spec.rope_theta), exponents)).astype(np.float32)
+    base = np.power(np.float32(theta), exponents).astype(np.float32)
+    inv_freq = (np.float32(1.0) / base).astype(np.float32)
     scaling = spec.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
+    if local or kind in (None, "default"):
         return inv_freq
     if kind == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "longrope":
+        long = max_seq_len is not None and max_seq_len > scaling["original_max_position_embeddings"]
+        ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
+        return (np.float32(1.0) / (ext * base)).astype(np.float32)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -101,7 +109,21 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
         smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ModelLoadError(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    raise ModelLoadError(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, llama3, "
+                         f"longrope)")
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or transformers' default
+    from the context extension), 1 otherwise."""
+    s = spec.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    orig = s["original_max_position_embeddings"]
+    factor = s.get("factor") or spec.max_position_embeddings / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
@@ -112,8 +134,18 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 head_dim=spec.head_dim, norm_eps=float(spec.rms_norm_eps),
                 tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
                 sliding_window=int(window), max_seq_len=int(max_seq_len),
-                rope_inv_freq=rope_inv_freq(spec).tolist(), weight_type=dtype, n_threads=int(threads),
-                pin_threads=bool(pin_threads), numa=numa, schedule=schedule)
+                rope_inv_freq=rope_inv_freq(spec, max_seq_len).tolist(), weight_type=dtype, n_threads=int(threads),
+                pin_threads=bool(pin_threads), numa=numa, schedule=schedule,
+                # the family's features (loader/families.py)
+                rope_dim=int(spec.rope_dim or 0), rope_attn_factor=rope_attention_factor(spec),
+                rope_inv_freq_local=rope_inv_freq(spec, max_seq_len, local=True).tolist()
+                if spec.rope_local_theta else [],
+                sliding_layers=[int(b) for b in spec.sliding_layers] if spec.sliding_layers else [],
+                activation=spec.activation, qk_norm=bool(spec.qk_norm), post_norms=bool(spec.post_norms),
+                embed_scale=float(spec.embed_scale),
+                attn_scale=float(np.float32(spec.query_pre_attn_scalar ** -0.5)) if spec.query_pre_attn_scalar else 0.0,
+                attn_softcap=float(spec.attn_logit_softcap or 0.0),
+                final_softcap=float(spec.final_logit_softcap or 0.0))
 
 
 # activations="auto" is the exact path: int16 (about 15 bits) keeps every weight format's own function

@@ -15,12 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsCollection, open_safetensors_folder
-from .spec import SUPPORTED_ARCHS, LoadedModel, ModelLoadError, ModelSpec, check_finite, weight_shapes
+from .families import HF_CLASSES, SUPPORTED_ARCHS, Family, family
+from .spec import LoadedModel, ModelLoadError, ModelSpec, check_finite, weight_shapes
 
-# HF class name -> corelm arch name.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-# transformers' per-class default for max_position_embeddings.
-_DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt")
 MAX_JSON_BYTES = 64 * 1024 * 1024
 
@@ -29,14 +26,9 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 _CAPS = {"vocab_size": 1 << 23, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 4096,
          "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 4096}
 
-# HF tensor name -> internal name. Per-layer names carry the layer index in group 1.
+# HF tensor name -> internal name (layer tensors: the family's hf_layer, loader/families.py).
 _HF_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings", "model.norm.weight": "norm",
               "lm_head.weight": "lm_head"}
-_HF_LAYER = {"self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
-             "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
-             "self_attn.v_proj.bias": "bv", "input_layernorm.weight": "attn_norm",
-             "post_attention_layernorm.weight": "ffn_norm", "mlp.gate_proj.weight": "w_gate",
-             "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some checkpoints carry that the engine recomputes.
 _HF_IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -76,6 +68,7 @@ def validate_spec(spec: ModelSpec, source: str) -> ModelSpec:
                              f"fits in float32 (typically 10000 to 1000000)")
     spec.rope_scaling = validate_rope_scaling(spec.rope_scaling, spec, source)
     spec.rms_norm_eps, spec.rope_theta = float(spec.rms_norm_eps), float(spec.rope_theta)
+    _validate_features(spec, source)
     for tid in ([spec.bos_token_id] if spec.bos_token_id is not None else []) + list(spec.eos_token_ids):
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < spec.vocab_size:
             raise ModelLoadError(f"{source}: special token id {tid!r} is outside the vocabulary "
@@ -84,7 +77,31 @@ def validate_spec(spec: ModelSpec, source: str) -> ModelSpec:
 
 
 _MAX_RMS_NORM_EPS = 0.1
-ROPE_SCALING_TYPES = ("linear", "llama3")       # what engine.model_builder.rope_inv_freq computes
+ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")  # what engine.model_builder.rope_inv_freq computes
+
+
+def _validate_features(spec: ModelSpec, source: str) -> None:
+    """The family-feature fields of a spec (whichever loader filled them), named when wrong."""
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ModelLoadError(f"{source}: activation {spec.activation!r} must be 'silu' or 'gelu_tanh'")
+    for name in ("embed_scale", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                 "rope_local_theta"):
+        v = getattr(spec, name)
+        if v is None and name != "embed_scale":
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 or \
+                not np.isfinite(np.float32(v)) or not np.float32(v) > 0:
+            raise ModelLoadError(f"{source}: {name} = {_short(v)} must be a positive finite number")
+        setattr(spec, name, float(v))
+    if spec.rope_dim is not None and (not _pos_int(spec.rope_dim) or spec.rope_dim % 2 or
+                                      spec.rope_dim > spec.head_dim):
+        raise ModelLoadError(f"{source}: rope_dim = {_short(spec.rope_dim)} must be an even number of dims up "
+                             f"to head_dim {spec.head_dim}")
+    if spec.sliding_layers is not None:
+        if not isinstance(spec.sliding_layers, list) or len(spec.sliding_layers) != spec.num_layers or \
+                not all(isinstance(b, bool) for b in spec.sliding_layers):
+            raise ModelLoadError(f"{source}: the sliding-window layer pattern must give true/false for each of "
+                                 f"the {spec.num_layers} layers, not {_short(spec.sliding_layers)}")
 
 
 def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optional[Dict[str, Any]]:
@@ -114,6 +131,8 @@ def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optiona
                                  f"({what})")
         return float(v)
 
+    if kind == "longrope":
+        return _validate_longrope(s, spec, source)
     number("factor", "the context length multiplier, e.g. 8.0")
     if kind == "llama3":
         low = number("low_freq_factor", "e.g. 1.0")
@@ -125,6 +144,26 @@ def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optiona
         if not _pos_int(orig) or orig > 1 << 31:
             raise ModelLoadError(f"{source}: rope_scaling of type llama3 needs original_max_position_embeddings, "
                                  f"a positive integer (the pre-training context, e.g. 8192), not {_short(orig)}")
+    return s
+
+
+def _validate_longrope(s: Dict[str, Any], spec: ModelSpec, source: str) -> Dict[str, Any]:
+    """LongRoPE (Phi-3): per-frequency divisors for contexts up to and beyond the pre-training one."""
+    n = (spec.rope_dim or spec.head_dim) // 2
+    for key in ("short_factor", "long_factor"):
+        v = s.get(key)
+        if not isinstance(v, list) or len(v) != n or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v):
+            raise ModelLoadError(f"{source}: rope_scaling.{key} must list {n} positive numbers (one per rotated "
+                                 f"pair), not {_short(v)}")
+    orig = s.get("original_max_position_embeddings")
+    if not _pos_int(orig) or orig > 1 << 31:
+        raise ModelLoadError(f"{source}: rope_scaling of type longrope needs original_max_position_embeddings, a "
+                             f"positive integer (the pre-training context), not {_short(orig)}")
+    for key in ("factor", "attention_factor"):
+        v = s.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+            raise ModelLoadError(f"{source}: rope_scaling.{key} = {_short(v)} must be a positive number")
     return s
 
 
@@ -202,30 +241,48 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
     if not isinstance(config, dict):
         raise ModelLoadError(f"{source}: config.json is not a JSON object")
     arch = _hf_arch(config, source)
-    _check_unsupported_features(config, arch, source)
+    fam = family(arch)
+    _check_unsupported_features(config, fam, source)
 
     def req(key):
         if key not in config:
             raise ModelLoadError(f"{source}: config.json has no {key!r}")
         return config[key]
 
+    def opt(key, default=None):  # the config's value, else transformers' default for the family
+        v = config.get(key)
+        return v if v is not None else fam.hf_defaults.get(key, default)
+
     hidden, heads = req("hidden_size"), req("num_attention_heads")
-    head_dim = config.get("head_dim") or (hidden // heads if _pos_int(hidden) and _pos_int(heads) else None)
+    head_dim = opt("head_dim") or (hidden // heads if _pos_int(hidden) and _pos_int(heads) else None)
+    if fam.attention_bias == "config":
+        bias = bool(config.get("attention_bias", False))
+    else:
+        bias = fam.attention_bias == "always"
+    layers = req("num_hidden_layers")
     spec = ModelSpec(
         arch=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
-        intermediate_size=req("intermediate_size"), num_layers=req("num_hidden_layers"),
+        intermediate_size=req("intermediate_size"), num_layers=layers,
         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config),
-        rope_scaling=_rope_scaling(config, source),
-        max_position_embeddings=config.get("max_position_embeddings") or _DEFAULT_MAX_POS[arch],
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama has them only when attention_bias is set; Mistral never.
-        attention_bias=arch == "qwen2" or (arch == "llama" and bool(config.get("attention_bias", False))),
-        sliding_window=_sliding_window(config, arch, source),
+        rms_norm_eps=opt("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config, fam),
+        rope_scaling=_rope_scaling(config, fam, source),
+        max_position_embeddings=config.get("max_position_embeddings") or fam.default_max_pos,
+        tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
+        attention_bias=bias,
+        sliding_window=_sliding_window(config, fam, source),
         bos_token_id=_first_set("bos_token_id", generation_config, config),
         eos_token_ids=_eos_list(_first_set("eos_token_id", generation_config, config), source),
+        activation=fam.activation, qk_norm=fam.qk_norm, post_norms=fam.post_norms,
+        embed_scale=float(np.float32(math.sqrt(hidden))) if fam.embed_scale and _pos_int(hidden) else 1.0,
+        query_pre_attn_scalar=opt("query_pre_attn_scalar") if fam.query_pre_attn_scalar else None,
+        attn_logit_softcap=opt("attn_logit_softcapping") if fam.softcaps else None,
+        final_logit_softcap=opt("final_logit_softcapping") if fam.softcaps else None,
+        sliding_layers=_sliding_layers(config, fam, layers, source),
+        rope_local_theta=_rope_local_theta(config, fam),
+        rope_dim=_rope_dim(config, head_dim, source),
     )
-    if "head_dim" not in config and _pos_int(hidden) and _pos_int(heads) and hidden % heads:
+    if "head_dim" not in config and "head_dim" not in fam.hf_defaults and _pos_int(hidden) and _pos_int(heads) \
+            and hidden % heads:
         raise ModelLoadError(f"{source}: hidden_size {hidden} is not divisible by {heads} heads")
     return validate_spec(spec, source)
 
@@ -238,24 +295,35 @@ def _hf_arch(config: Dict[str, Any], source: str) -> str:
     archs = config.get("architectures")
     if isinstance(archs, list) and archs:
         for a in archs:
-            if isinstance(a, str) and a in HF_ARCHITECTURES:
-                return HF_ARCHITECTURES[a]
+            if isinstance(a, str) and a in HF_CLASSES:
+                return HF_CLASSES[a]
         found = ", ".join(map(str, archs))
     elif config.get("model_type") in SUPPORTED_ARCHS:
         return config["model_type"]
     else:
         found = f"model_type {config.get('model_type')!r}"
     raise ModelLoadError(f"{source}: unsupported architecture {found}; corelm supports "
-                         f"{', '.join(HF_ARCHITECTURES)}")
+                         f"{', '.join(HF_CLASSES)}")
 
 
-def _check_unsupported_features(config: Dict[str, Any], arch: str, source: str) -> None:
+# transformers' names of the tanh-approximated GELU
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+
+
+def _check_unsupported_features(config: Dict[str, Any], fam: Family, source: str) -> None:
     # Refuse what the engine would silently compute wrong.
-    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ModelLoadError(f"{source}: activation {act!r} is not supported (corelm implements SwiGLU with silu)")
+    act = config.get("hidden_activation") or config.get("hidden_act") or fam.hf_defaults.get("hidden_activation", "silu")
+    if (act != "silu") if fam.activation == "silu" else (act not in _GELU_TANH):
+        want = "silu (SwiGLU)" if fam.activation == "silu" else "gelu_pytorch_tanh (GeGLU)"
+        raise ModelLoadError(f"{source}: activation {act!r} is not supported for {fam.arch} (corelm implements "
+                             f"{want})")
     if config.get("mlp_bias"):
         raise ModelLoadError(f"{source}: MLP biases (mlp_bias: true) are not supported")
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: bidirectional attention (use_bidirectional_attention) is for embedding "
+                             f"models, which corelm does not run")
+    if fam.attention_bias == "never" and config.get("attention_bias"):
+        raise ModelLoadError(f"{source}: attention biases are not supported for {fam.arch}")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?") if isinstance(
             config["quantization_config"], dict) else "?"
@@ -263,45 +331,92 @@ def _check_unsupported_features(config: Dict[str, Any], arch: str, source: str) 
                              f"use the fp16/bf16/fp32 release or a GGUF file")
 
 
-def _rope_params(config: Dict[str, Any]) -> Dict[str, Any]:
+def _rope_params(config: Dict[str, Any], layer_type: str = "full_attention") -> Dict[str, Any]:
     p = config.get("rope_parameters")       # transformers >= 5 keeps theta and scaling here
-    return p if isinstance(p, dict) else {}
+    if isinstance(p, dict) and isinstance(p.get(layer_type), dict):
+        return p[layer_type]                # per layer type (Gemma 3)
+    return p if isinstance(p, dict) and "full_attention" not in p else {}
 
 
-def _rope_theta(config: Dict[str, Any]):
+def _rope_theta(config: Dict[str, Any], fam: Family):
     for v in (config.get("rope_theta"), _rope_params(config).get("rope_theta")):
         if v is not None:
             return v
-    return 10000.0
+    return fam.hf_defaults.get("rope_theta", 10000.0)
 
 
-def _rope_scaling(config: Dict[str, Any], source: str) -> Optional[Dict[str, Any]]:
+def _rope_local_theta(config: Dict[str, Any], fam: Family) -> Optional[float]:
+    if fam.local_rope_theta is None:
+        return None
+    for v in (config.get("rope_local_base_freq"), _rope_params(config, "sliding_attention").get("rope_theta")):
+        if v is not None:
+            return v
+    return fam.local_rope_theta
+
+
+def _rope_dim(config: Dict[str, Any], head_dim, source: str) -> Optional[int]:
+    """Partial rotary (Phi-4-mini rotates 3/4 of each head): the rotated dims, None for all."""
+    factor = config.get("partial_rotary_factor", _rope_params(config).get("partial_rotary_factor", 1.0))
+    if factor in (None, 1, 1.0) or not _pos_int(head_dim):
+        return None
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise ModelLoadError(f"{source}: partial_rotary_factor = {_short(factor)} must be in (0, 1]")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {factor} leaves {dim} rotated dims of {head_dim}; "
+                             f"RoPE needs an even number")
+    return dim
+
+
+def _rope_scaling(config: Dict[str, Any], fam: Family, source: str) -> Optional[Dict[str, Any]]:
     s = config.get("rope_scaling")
     if s is None:
         s = _rope_params(config)
     if not isinstance(s, dict):
         raise ModelLoadError(f"{source}: rope_scaling must be an object or null, not {s!r}")
-    s = {k: v for k, v in s.items() if k != "rope_theta"}
+    s = {k: v for k, v in s.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if "rope_type" not in s and "type" in s:    # transformers < 4.45 called it "type"
         s["rope_type"] = s.pop("type")
     if s.get("rope_type", "default") == "default":
         return None
+    if s.get("rope_type") == "longrope":       # Phi-3 keeps the pre-training context at the top level
+        for key in ("original_max_position_embeddings", "max_position_embeddings"):
+            if key not in s and config.get(key) is not None:
+                s[key] = config[key]
     return s
 
 
-def _sliding_window(config: Dict[str, Any], arch: str, source: str) -> Optional[int]:
-    window = config.get("sliding_window")
-    if arch == "mistral":
+def _sliding_window(config: Dict[str, Any], fam: Family, source: str) -> Optional[int]:
+    window = config.get("sliding_window", fam.hf_defaults.get("sliding_window"))
+    if fam.sliding in ("all", "pattern"):
         return window
-    if arch == "qwen2" and config.get("use_sliding_window") and window:
+    if fam.sliding == "qwen2" and config.get("use_sliding_window") and window:
         # Qwen2 slides only in layers >= max_window_layers; all-or-nothing is what the engine can do.
         layers, window_layers = config.get("num_hidden_layers", 0), config.get("max_window_layers", 0)
         if not _pos_int(window_layers) and window_layers != 0:
             raise ModelLoadError(f"{source}: max_window_layers = {_short(window_layers)} is not an integer")
         if _pos_int(layers) and window_layers < layers:
-            raise ModelLoadError(f"{source}: Qwen2 sliding-window attention on some layers only "
+            raise ModelLoadError(f"{source}: {fam.arch} sliding-window attention on some layers only "
                                  f"(use_sliding_window with max_window_layers) is not supported yet")
     return None
+
+
+def _sliding_layers(config: Dict[str, Any], fam: Family, layers, source: str) -> Optional[List[bool]]:
+    """Which layers slide, for families whose layers alternate (Gemma): config.json's layer_types, else
+    transformers' default pattern (every swa_pattern-th layer attends globally)."""
+    if fam.sliding != "pattern" or not _pos_int(layers):
+        return None
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or \
+                not all(t in ("sliding_attention", "full_attention") for t in types):
+            raise ModelLoadError(f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for "
+                                 f"each of the {layers} layers, not {_short(types)}")
+        return [t == "sliding_attention" for t in types]
+    pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", fam.swa_pattern))
+    if not _pos_int(pattern):
+        raise ModelLoadError(f"{source}: sliding_window_pattern = {_short(pattern)} is not a positive integer")
+    return [bool((i + 1) % pattern) for i in range(layers)]
 
 
 def _first_set(key: str, *dicts: Dict[str, Any]):
@@ -334,10 +449,10 @@ def load_hf_folder(folder: str) -> LoadedModel:
     generation_config = _optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json")
     spec = spec_from_hf_config(config, generation_config, folder)
     names = _map_hf_names(spec, tensors, folder)
-    check_weight_shapes(spec, {n: tensors.info(hf).shape for n, hf in names.items()}, folder)
+    check_weight_shapes(spec, {n: _source_shape(tensors, src) for n, src in names.items()}, folder)
     return LoadedModel(
-        spec=spec, get_weight=_hf_getter(tensors, names, folder),
-        release_weight=lambda n: tensors.release(names.get(n, "")),
+        spec=spec, get_weight=_hf_getter(spec, tensors, names, folder),
+        release_weight=lambda n: tensors.release(names.get(n, ("",))[0]),
         tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=_hf_chat_template(folder), generation_config=generation_config, source=folder,
         source_format="hf", description=_hf_description(tensors, names))
@@ -369,18 +484,35 @@ def _optional_json(path: str, what: str) -> Dict[str, Any]:
     return doc
 
 
-def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) -> Dict[str, str]:
-    """internal name -> HF tensor name, for every tensor the file holds that the engine uses."""
+# Where an internal weight lives in the checkpoint: a tensor, or rows [r0, r1) of a fused one (Phi-3).
+HFSource = Tuple[str, int, int]
+
+
+def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) -> Dict[str, HFSource]:
+    """internal name -> (HF tensor name, first row, end row; -1 for all rows), for every tensor the file
+    holds that the engine uses."""
+    fam = family(spec.arch)
     names, unknown = {}, []
     for hf in tensors:
-        internal = _internal_name(hf)
+        m = _HF_LAYER_RE.fullmatch(hf)
+        if m and m.group(2) in fam.hf_fused:
+            layer = int(m.group(1))
+            r0 = 0
+            for part in fam.hf_fused[m.group(2)]:
+                rows = weight_shapes_rows(spec, part)
+                names[f"layers.{layer}.{part}"] = (hf, r0, r0 + rows)
+                r0 += rows
+            continue
+        internal = _HF_GLOBAL.get(hf)
+        if internal is None and m and m.group(2) in fam.hf_layer:
+            internal = f"layers.{int(m.group(1))}.{fam.hf_layer[m.group(2)]}"
         if internal == "lm_head" and spec.tie_word_embeddings:
             continue            # tied: the engine reuses tok_embeddings; a stored copy is redundant
         if internal is None:
             if not _HF_IGNORED_RE.fullmatch(hf):
                 unknown.append(hf)
             continue
-        names[internal] = hf
+        names[internal] = (hf, 0, -1)
     if unknown:
         raise ModelLoadError(f"{folder}: unknown tensors for a {spec.arch} model: {_few(unknown)}")
     if "lm_head" not in names and not spec.tie_word_embeddings:
@@ -388,20 +520,37 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) 
     return names
 
 
-def _internal_name(hf: str) -> Optional[str]:
-    if hf in _HF_GLOBAL:
-        return _HF_GLOBAL[hf]
-    m = _HF_LAYER_RE.fullmatch(hf)
-    if m and m.group(2) in _HF_LAYER:
-        return f"layers.{int(m.group(1))}.{_HF_LAYER[m.group(2)]}"
-    return None
+def weight_shapes_rows(spec: ModelSpec, part: str) -> int:
+    """The rows of a layer matrix that fused checkpoints stack (wq, wk, wv, w_gate, w_up)."""
+    return {"wq": spec.num_heads * spec.head_dim, "wk": spec.num_kv_heads * spec.head_dim,
+            "wv": spec.num_kv_heads * spec.head_dim, "w_gate": spec.intermediate_size,
+            "w_up": spec.intermediate_size}[part]
 
 
-def _hf_getter(tensors: SafetensorsCollection, names: Dict[str, str], folder: str) -> Callable[[str], np.ndarray]:
+def _source_shape(tensors: SafetensorsCollection, src: HFSource) -> Tuple[int, ...]:
+    shape = tuple(tensors.info(src[0]).shape)
+    if src[2] < 0:
+        return shape
+    if len(shape) != 2 or src[2] > shape[0]:
+        return (-1,) + shape[1:]     # too few rows for its parts: check_weight_shapes names it
+    return (src[2] - src[1],) + shape[1:]
+
+
+def _hf_getter(spec: ModelSpec, tensors: SafetensorsCollection, names: Dict[str, HFSource],
+               folder: str) -> Callable[[str], np.ndarray]:
+    plus_one = family(spec.arch).norm_plus_one
+
     def get_weight(name: str) -> np.ndarray:
         if name not in names:
             raise ModelLoadError(f"no weight named {name!r}")
-        return check_finite(np.ascontiguousarray(tensors.get(names[name]), dtype=np.float32), folder, names[name])
+        hf, r0, r1 = names[name]
+        w = tensors.get(hf)
+        if r1 >= 0:
+            w = w[r0:r1]
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if plus_one and name.endswith("norm"):
+            w = w + np.float32(1)   # Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers
+        return check_finite(w, folder, hf)
     return get_weight
 
 
@@ -422,6 +571,6 @@ def _hf_chat_template(folder: str) -> Optional[str]:
 
 
 def _hf_description(tensors: SafetensorsCollection, names: Dict[str, str]) -> str:
-    dtypes = sorted({tensors.info(hf).dtype for hf in names.values()})
+    dtypes = sorted({tensors.info(src[0]).dtype for src in names.values()})
     conv = "" if dtypes == ["F32"] else ", converted to fp32 at load"
     return f"HF safetensors {'/'.join(dtypes)}{conv}"

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+from .families import SUPPORTED_ARCHS  # noqa: F401  (re-exported)
 
 
 class ModelLoadError(ValueError):
@@ -15,7 +15,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class ModelSpec:
-    arch: str                       # "llama" | "mistral" | "qwen2"
+    arch: str                       # a family of loader/families.py: "llama", "qwen3", "gemma3", ...
     vocab_size: int
     hidden_size: int                # dim
     intermediate_size: int          # ffn
@@ -32,12 +32,27 @@ class ModelSpec:
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: List[int] = field(default_factory=list)
+    # The family's features (loader/families.py); the defaults are the Llama family's.
+    activation: str = "silu"        # MLP gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False           # layers.i.q_norm / k_norm [head_dim] on each head before RoPE
+    post_norms: bool = False        # layers.i.post_attn_norm / post_ffn_norm on the outputs
+    embed_scale: float = 1.0        # embeddings multiplied by it
+    query_pre_attn_scalar: Optional[float] = None  # query scale is its ** -0.5 (None: head_dim ** -0.5)
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+    sliding_layers: Optional[List[bool]] = None    # which layers use sliding_window (None: all of them)
+    rope_local_theta: Optional[float] = None       # the sliding layers' RoPE base (None: rope_theta)
+    rope_dim: Optional[int] = None  # dims of each head RoPE rotates (None: head_dim)
 
 
 def layer_weight_names(spec: ModelSpec, i: int) -> List[str]:
     names = [f"layers.{i}.{n}" for n in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")]
     if spec.attention_bias:
         names += [f"layers.{i}.{n}" for n in ("bq", "bk", "bv")]
+    if spec.qk_norm:
+        names += [f"layers.{i}.{n}" for n in ("q_norm", "k_norm")]
+    if spec.post_norms:
+        names += [f"layers.{i}.{n}" for n in ("post_attn_norm", "post_ffn_norm")]
     return names
 
 
@@ -55,6 +70,10 @@ def weight_shapes(spec: ModelSpec) -> Dict[str, tuple]:
                        p + "w_down": (d, f)})
         if spec.attention_bias:
             shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
+        if spec.qk_norm:
+            shapes.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+        if spec.post_norms:
+            shapes.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
     return shapes
 
 
