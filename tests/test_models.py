@@ -43,6 +43,10 @@ SOURCES = {
     "tiny-mistral-hf": ("tiny-mistral", lambda: os.path.join(MODELS, "tiny-mistral")),
     "tiny-qwen2-hf": ("tiny-qwen2", lambda: os.path.join(MODELS, "tiny-qwen2")),
     "tiny-llama3-hf": ("tiny-llama3", lambda: os.path.join(MODELS, "tiny-llama3")),
+    "tiny-qwen3-hf": ("tiny-qwen3", lambda: os.path.join(MODELS, "tiny-qwen3")),
+    "tiny-gemma2-hf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2")),
+    "tiny-gemma3-hf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3")),
+    "tiny-phi3-hf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3")),
     "smollm2-gguf": ("smollm2", lambda: DEFAULT_GGUF),
     "smollm2-hf": ("smollm2", smollm2_hf_folder),
 }
@@ -113,7 +117,8 @@ def test_default_settings_match_transformers(source):
         assert nmse(logits, case["last"]) < 1e-4
 
 
-@pytest.mark.parametrize("source", ["tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf"])
+@pytest.mark.parametrize("source", ["tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf", "tiny-qwen3-hf",
+                                    "tiny-gemma2-hf", "tiny-gemma3-hf", "tiny-phi3-hf"])
 def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
     """Random-weight tiny models have near-ties (top-2 logit gaps of 0.02) where bf16 rounding may
     legitimately pick the runner-up; before the first gap under 0.2, tokens must be identical."""
@@ -128,13 +133,16 @@ def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
         assert n >= first_tie, f"diverged at {n}, before the first near-tie at {first_tie}"
         llm.reset()
         logits = core_forward(llm.engine.core, np.asarray(case["prompt_ids"], np.int32), 0, False)
-        assert nmse(logits, case["last"]) < 1e-3
+        # tiny-gemma3: 4 norms per layer (q/k heads included) amplify bf16 rounding (1.4e-3 measured)
+        assert nmse(logits, case["last"]) < (3e-3 if source == "tiny-gemma3-hf" else 1e-3)
 
 
-def test_prefill_in_pieces_equals_whole_prompt():
-    """Chunked prefill, prefix reuse and one-token decode must agree with a single forward."""
-    llm = get_llm("tiny-qwen2-hf", "fp32")
-    prompt = fixture("tiny-qwen2")["cases"][2]["prompt_ids"]
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gemma2", "tiny-gemma3"])
+def test_prefill_in_pieces_equals_whole_prompt(name):
+    """Chunked prefill, prefix reuse and one-token decode must agree with a single forward (Gemma's
+    sliding windows of 8 tokens included)."""
+    llm = get_llm(name + "-hf", "fp32")
+    prompt = fixture(name)["cases"][2]["prompt_ids"]
     whole = core_forward(llm.engine.core, np.asarray(prompt, np.int32), 0, True)
     pos = 0
     for piece in (prompt[:1], prompt[1:9], prompt[9:]):
@@ -167,6 +175,6 @@ def test_other_kernel_tables_generate_the_same(isa):
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"
         "assert out[0].outputs[0].token_ids == c['generated_ids'], 'mismatch'\n"
     )
-    for name in ("tiny-qwen2", "stories260K"):
+    for name in ("tiny-qwen2", "stories260K", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"):
         r = run_with_isa(isa, code, os.path.join(FIXTURES, f"{name}.json"), os.path.join(MODELS, name), isa)
         assert r.returncode == 0, r.stderr[-2000:]

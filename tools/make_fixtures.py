@@ -16,7 +16,8 @@ transformers, i.e. the dequantized GGUF weights in float32; "gguf" names the equ
   stories260K   tests/data/models/stories260K             (+ stories260K.gguf)
   smollm2       cache:SmolLM2-135M-Instruct               (+ models/SmolLM2-135M-Instruct.Q4_1.gguf)
   qwen2.5-coder cache:Qwen2.5-Coder-0.5B-Instruct          (2 cases only, to keep the 151936-wide logits small)
-  tiny-mistral, tiny-qwen2, tiny-llama3   tests/data/models/tiny-*   (random weights, tools/make_tiny_models.py)
+  tiny-mistral, tiny-qwen2, tiny-llama3, tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-phi3
+                tests/data/models/tiny-*   (random weights, tools/make_tiny_models.py)
 Models whose folder is missing are skipped with a message.
 
 Per model, <name>.json:
@@ -143,6 +144,10 @@ def model_table(cache):
         ("tiny-mistral", os.path.join(m, "tiny-mistral"), "tests/data/models/tiny-mistral", None),
         ("tiny-qwen2", os.path.join(m, "tiny-qwen2"), "tests/data/models/tiny-qwen2", None),
         ("tiny-llama3", os.path.join(m, "tiny-llama3"), "tests/data/models/tiny-llama3", None),
+        ("tiny-qwen3", os.path.join(m, "tiny-qwen3"), "tests/data/models/tiny-qwen3", None),
+        ("tiny-gemma2", os.path.join(m, "tiny-gemma2"), "tests/data/models/tiny-gemma2", None),
+        ("tiny-gemma3", os.path.join(m, "tiny-gemma3"), "tests/data/models/tiny-gemma3", None),
+        ("tiny-phi3", os.path.join(m, "tiny-phi3"), "tests/data/models/tiny-phi3", None),
     ]
 
 
@@ -211,7 +216,8 @@ def make_model_fixture(name, folder, model_dir, gguf):
 
     cases = []
     if name.startswith("tiny-"):
-        rng = np.random.RandomState({"tiny-mistral": 11, "tiny-qwen2": 12, "tiny-llama3": 13}[name])
+        rng = np.random.RandomState({"tiny-mistral": 11, "tiny-qwen2": 12, "tiny-llama3": 13, "tiny-qwen3": 14, "tiny-gemma2": 15,
+                                    "tiny-gemma3": 16, "tiny-phi3": 17}[name])
         prompts = [(None, None, rng.randint(3, 512, size=n).tolist()) for n in (1, 7, 40)]
     else:
         prompts = []

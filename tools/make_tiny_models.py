@@ -35,8 +35,9 @@ import os
 import shutil
 
 import torch
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(REPO, "tests", "data", "models", "stories260K")
@@ -67,10 +68,49 @@ MODELS = {
         legacy=dict(rope_theta=500000.0,
                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "tiny-qwen3": dict(
+        seed=1004, cls=Qwen3ForCausalLM, cfg_cls=Qwen3Config,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, intermediate_size=160,
+                 max_position_embeddings=4096, use_sliding_window=False, sliding_window=None, max_window_layers=2,
+                 tie_word_embeddings=False, attention_bias=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0, rope_scaling=None)),
+    "tiny-gemma2": dict(
+        seed=1005, cls=Gemma2ForCausalLM, cfg_cls=Gemma2Config, norm_mean=1.0, emb_std=0.1,
+        cfg=dict(COMMON, hidden_act=None, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=8192,
+                 sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=20.0,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        legacy=dict(rope_theta=10000.0, rope_scaling=None)),
+    "tiny-gemma3": dict(
+        seed=1006, cls=Gemma3ForCausalLM, cfg_cls=Gemma3TextConfig, norm_mean=1.0, emb_std=0.1,
+        cfg=dict(COMMON, hidden_act=None, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4,
+                 num_key_value_heads=1, head_dim=32, intermediate_size=128, max_position_embeddings=32768,
+                 sliding_window=8, query_pre_attn_scalar=16, final_logit_softcapping=None,
+                 attn_logit_softcapping=None, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
+        legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=3,
+                    rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "tiny-phi3": dict(
+        seed=1007, cls=Phi3ForCausalLM, cfg_cls=Phi3Config,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=128,
+                 max_position_embeddings=128, original_max_position_embeddings=128, sliding_window=None,
+                 tie_word_embeddings=False, pad_token_id=0,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "attention_factor": 1.19, "original_max_position_embeddings": 128,
+                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
+        legacy=dict(rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=128,
+                    rope_scaling={"type": "longrope", "attention_factor": 1.19,
+                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
 }
 
 
-def init_weights(model: torch.nn.Module, tied: bool, seed: int) -> None:
+def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float = 1.0, emb_std=None) -> None:
     g = torch.Generator().manual_seed(seed)
 
     def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
@@ -79,11 +119,11 @@ def init_weights(model: torch.nn.Module, tied: bool, seed: int) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):  # named_parameters() lists a tied tensor once
             if name.endswith("embed_tokens.weight"):
-                normal(p, 0.2 if tied else 1.0)
+                normal(p, emb_std or (0.2 if tied else 1.0))
             elif name == "lm_head.weight":
                 normal(p, 0.3)
             elif "norm" in name:
-                normal(p, 0.1, mean=1.0)
+                normal(p, 0.1, mean=norm_mean)
             elif name.endswith(".bias"):
                 normal(p, 0.2)
             elif name.endswith(".weight") and p.dim() == 2:
@@ -97,6 +137,7 @@ def add_legacy_keys(path: str, cfg: dict, legacy: dict) -> dict:
     c = json.load(open(path))
     c.update(legacy)
     c["head_dim"] = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    c.pop("rope_parameters", None) if "rope_local_base_freq" in legacy else None  # Gemma 3's hub layout
     for k in ("num_key_value_heads", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
               "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "hidden_size"):
         c[k] = cfg[k]
@@ -113,9 +154,10 @@ def build(name: str, spec: dict, out_root: str) -> None:
     out = os.path.join(out_root, name)
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(spec["seed"])
-    cfg = spec["cfg_cls"](**spec["cfg"])
+    cfg = spec["cfg_cls"](**{k: v for k, v in spec["cfg"].items() if v is not None or k != "hidden_act"})
     model = spec["cls"](cfg).to(torch.float32).eval()
-    init_weights(model, spec["cfg"]["tie_word_embeddings"], spec["seed"])
+    init_weights(model, spec["cfg"]["tie_word_embeddings"], spec["seed"], spec.get("norm_mean", 1.0),
+                 spec.get("emb_std"))
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
