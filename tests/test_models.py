@@ -47,6 +47,11 @@ SOURCES = {
     "tiny-gemma2-hf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2")),
     "tiny-gemma3-hf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3")),
     "tiny-phi3-hf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3")),
+    # the same models as llama.cpp's converter writes them (tools/make_family_gguf.py)
+    "tiny-qwen3-gguf": ("tiny-qwen3", lambda: os.path.join(MODELS, "tiny-qwen3", "tiny-qwen3.f32.gguf")),
+    "tiny-gemma2-gguf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2", "tiny-gemma2.f32.gguf")),
+    "tiny-gemma3-gguf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3", "tiny-gemma3.f32.gguf")),
+    "tiny-phi3-gguf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3", "tiny-phi3.f32.gguf")),
     "smollm2-gguf": ("smollm2", lambda: DEFAULT_GGUF),
     "smollm2-hf": ("smollm2", smollm2_hf_folder),
 }
@@ -57,7 +62,10 @@ _llms = {}
 def get_llm(source, dtype):
     key = (source, dtype)
     if key not in _llms:
-        _llms[key] = corelm.LLM(SOURCES[source][1](), dtype=dtype, threads=2)
+        # LongRoPE takes its short factors for contexts up to the pre-training one (128 for tiny-phi3), as
+        # transformers does for the fixtures' 88 tokens
+        extra = dict(max_seq_len=128) if source.startswith("tiny-phi3") else {}
+        _llms[key] = corelm.LLM(SOURCES[source][1](), dtype=dtype, threads=2, **extra)
     return _llms[key]
 
 
@@ -169,7 +177,7 @@ def test_other_kernel_tables_generate_the_same(isa):
     code = (
         "import json, numpy as np, corelm, sys\n"
         "fx = json.load(open(sys.argv[1]))\n"
-        "llm = corelm.LLM(sys.argv[2], dtype='fp32', threads=2)\n"
+        "llm = corelm.LLM(sys.argv[2], dtype='fp32', threads=2, max_seq_len=128)\n"
         "assert llm.engine.core.kernel_table == sys.argv[3], llm.engine.core.kernel_table\n"
         "c = fx['cases'][1]\n"
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"

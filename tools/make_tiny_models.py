@@ -19,6 +19,15 @@ tokenizer (tokenizer.json / tokenizer_config.json, vocab 512: BOS 1, EOS 2, UNK 
                 llama3 RoPE scaling (factor 8, low 1, high 4, original_max_position_embeddings 64),
                 max_position_embeddings 1024.
 
+  tiny-qwen3    Qwen3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 32, FFN 160, q/k head norms.
+  tiny-gemma2   Gemma2ForCausalLM: hidden 64, 4 layers alternating sliding (window 8) and global, 4 heads / 2 KV,
+                head_dim 16, FFN 128, GeGLU, post-norms, attention soft-cap 5, final soft-cap 20, tied.
+  tiny-gemma3   Gemma3ForCausalLM: hidden 64, 6 layers (5 sliding with window 8 and RoPE base 1e4, the 6th
+                global with base 1e6 and linear scaling 4), 4 heads / 1 KV, head_dim 32, q/k head norms, tied.
+  tiny-phi3     Phi3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV, FFN 128, fused qkv and gate/up,
+                partial rotary 0.75, LongRoPE (original context 128 of 512).
+Gemma's norms are drawn as 1 + N(0, 0.1) like the others: its RMSNorm scales by (1 + w), so about 2.
+
 Weights are drawn much larger than transformers' init (std 0.02) so the logits are peaked and greedy decoding
 is non-trivial: linear weights N(0, 0.15), embeddings N(0, 1) (N(0, 0.2) when tied, as it is also the LM
 head), lm_head N(0, 0.3), biases N(0, 0.2), RMSNorm weights 1 + N(0, 0.1).
@@ -79,32 +88,31 @@ MODELS = {
         seed=1005, cls=Gemma2ForCausalLM, cfg_cls=Gemma2Config, norm_mean=1.0, emb_std=0.1,
         cfg=dict(COMMON, hidden_act=None, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=8192,
-                 sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=20.0,
+                 sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=20.0,
                  tie_word_embeddings=True, rms_norm_eps=1e-6,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         legacy=dict(rope_theta=10000.0, rope_scaling=None)),
     "tiny-gemma3": dict(
         seed=1006, cls=Gemma3ForCausalLM, cfg_cls=Gemma3TextConfig, norm_mean=1.0, emb_std=0.1,
-        cfg=dict(COMMON, hidden_act=None, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4,
+        cfg=dict(COMMON, hidden_act=None, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=6,
                  num_key_value_heads=1, head_dim=32, intermediate_size=128, max_position_embeddings=32768,
-                 sliding_window=8, query_pre_attn_scalar=16, final_logit_softcapping=None,
+                 sliding_window=8, query_pre_attn_scalar=32, final_logit_softcapping=None,
                  attn_logit_softcapping=None, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                 layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
-        legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=3,
+        legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
                     rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "tiny-phi3": dict(
         seed=1007, cls=Phi3ForCausalLM, cfg_cls=Phi3Config,
         cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=128,
-                 max_position_embeddings=128, original_max_position_embeddings=128, sliding_window=None,
+                 max_position_embeddings=512, original_max_position_embeddings=128, sliding_window=None,
                  tie_word_embeddings=False, pad_token_id=0,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                                  "attention_factor": 1.19, "original_max_position_embeddings": 128,
+                                  "original_max_position_embeddings": 128,
                                   "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
         legacy=dict(rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=128,
-                    rope_scaling={"type": "longrope", "attention_factor": 1.19,
+                    rope_scaling={"type": "longrope",
                                   "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
 }

@@ -15,6 +15,7 @@ A string is u64 byte length + UTF-8 bytes; an array is u32 element type + u64 co
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
+from .families import GGUF_ARCHS, family
 from .spec import ModelLoadError, bf16_to_f32, check_finite, check_finite_blocks, release_mapped_range
 
 GGUF_MAGIC = b"GGUF"
@@ -449,12 +451,9 @@ def _pad(n: int, alignment: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # From a GGUF file to a LoadedModel.
 
-GGUF_ARCHS = ("llama", "qwen2")      # llama.cpp stores Mistral models as "llama"
 _GGUF_GLOBAL = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_GGUF_LAYER = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
-               "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
-               "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
-               "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+# LongRoPE's per-frequency divisors (Phi-3 128k): read into the spec, not weights
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _REQUIRED = object()
 
 
@@ -466,8 +465,8 @@ def load_gguf_model(path: str):
     g = read_gguf(path)
     spec = spec_from_gguf(g)
     names = _map_gguf_names(spec, g)
-    check_weight_shapes(spec, {n: g.tensors[t].shape for n, t in names.items()}, g.path)
-    for t in names.values():      # fail now, not halfway through handing weights to the engine
+    check_weight_shapes(spec, {n: _source_shape(g, src) for n, src in names.items()}, g.path)
+    for t, _, _ in names.values():      # fail now, not halfway through handing weights to the engine
         if g.tensors[t].type_name not in SUPPORTED_GGML_TYPES:
             raise ModelLoadError(f"{g.path}: tensor {t} uses GGUF type {g.tensors[t].type_name}, which corelm "
                                  f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
@@ -476,7 +475,7 @@ def load_gguf_model(path: str):
         gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
     template = g.metadata.get("tokenizer.chat_template")
     return LoadedModel(
-        spec=spec, get_weight=_gguf_getter(g, spec, names), release_weight=lambda n: g.release(names.get(n, "")),
+        spec=spec, get_weight=_gguf_getter(g, spec, names), release_weight=lambda n: g.release(names.get(n, ("",))[0]),
         get_raw_weight=_gguf_raw_getter(g, spec, names),
         tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
@@ -506,10 +505,12 @@ def spec_from_gguf(g: GGUFFile):
     from .hf import validate_spec
     from .spec import ModelSpec
 
-    arch = g.metadata.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {_short(arch)}; corelm supports "
+    gguf_arch = g.metadata.get("general.architecture")
+    if gguf_arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {_short(gguf_arch)}; corelm supports "
                              f"{', '.join(GGUF_ARCHS)} (Mistral models are stored as llama)")
+    arch = gguf_arch
+    fam = family(GGUF_ARCHS[arch])
     if "rope_freqs.weight" in g.tensors:
         raise ModelLoadError(f"{g.path}: has a rope_freqs tensor (Llama 3.1-style RoPE frequency scaling), which "
                              f"corelm does not support from GGUF yet; load the model's HF folder instead")
@@ -521,24 +522,73 @@ def spec_from_gguf(g: GGUFFile):
     head_dim = _meta(g, f"{arch}.attention.key_length", "int", dim // heads if heads else 0)
     if _meta(g, f"{arch}.attention.value_length", "int", head_dim) != head_dim:
         raise ModelLoadError(f"{g.path}: key and value head sizes differ, which corelm does not support")
-    if _meta(g, f"{arch}.rope.dimension_count", "int", head_dim) != head_dim:
-        raise ModelLoadError(f"{g.path}: partial rotary embeddings (rope.dimension_count != head size) "
-                             f"are not supported")
+    rope_dim = _meta(g, f"{arch}.rope.dimension_count", "int", head_dim)
+    layers = _meta(g, f"{arch}.block_count", "int")
     spec = ModelSpec(
-        arch=arch, vocab_size=vocab, hidden_size=dim,
+        arch=fam.arch, vocab_size=vocab, hidden_size=dim,
         intermediate_size=_meta(g, f"{arch}.feed_forward_length", "int"),
-        num_layers=_meta(g, f"{arch}.block_count", "int"), num_heads=heads,
+        num_layers=layers, num_heads=heads,
         num_kv_heads=_meta(g, f"{arch}.attention.head_count_kv", "int", heads), head_dim=head_dim,
         rms_norm_eps=_meta(g, f"{arch}.attention.layer_norm_rms_epsilon", "float", 1e-5),
         rope_theta=_meta(g, f"{arch}.rope.freq_base", "float", 10000.0),
         rope_scaling=_gguf_rope_scaling(g, arch),
         max_position_embeddings=_meta(g, f"{arch}.context_length", "int", 2048),
         tie_word_embeddings="output.weight" not in g.tensors,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+        attention_bias=fam.attention_bias == "always" or "blk.0.attn_q.bias" in g.tensors,
         bos_token_id=_meta(g, "tokenizer.ggml.bos_token_id", "int", None),
         eos_token_ids=_gguf_eos(g, vocab),
+        activation=fam.activation, qk_norm=fam.qk_norm, post_norms=fam.post_norms,
+        embed_scale=float(np.float32(math.sqrt(dim))) if fam.embed_scale and dim else 1.0,
+        rope_dim=rope_dim if rope_dim != head_dim else None,
     )
+    if fam.sliding != "none":
+        window = _meta(g, f"{arch}.attention.sliding_window", "int", fam.hf_defaults.get("sliding_window"))
+        spec.sliding_window = window or None
+        if fam.sliding == "pattern" and window:
+            spec.sliding_layers = _gguf_sliding_layers(g, arch, fam, layers)
+    if fam.local_rope_theta is not None:
+        spec.rope_local_theta = _meta(g, f"{arch}.rope.freq_base_swa", "float", fam.local_rope_theta)
+    if fam.softcaps:
+        spec.attn_logit_softcap = _meta(g, f"{arch}.attn_logit_softcapping", "float", None)
+        spec.final_logit_softcap = _meta(g, f"{arch}.final_logit_softcapping", "float", None)
+    if fam.query_pre_attn_scalar:
+        # GGUF does not store it: llama.cpp scales by 1/sqrt(head_dim), except for the 27B models (46
+        # layers of Gemma 2, 62 of Gemma 3), whose query_pre_attn_scalar is hidden / heads
+        big = layers == {"gemma2": 46, "gemma3": 62}.get(fam.arch)
+        spec.query_pre_attn_scalar = float(dim // heads if big and heads else head_dim)
+    if any(t in g.tensors for t in _ROPE_FACTORS):
+        spec.rope_scaling = _gguf_longrope(g, arch)
     return validate_spec(spec, g.path)
+
+
+def _gguf_sliding_layers(g: GGUFFile, arch: str, fam, layers: int) -> List[bool]:
+    """Which layers slide: the file's sliding_window_pattern (a period n: every n-th layer is global; or
+    one flag per layer), else the family's period, as llama.cpp reads it."""
+    pattern = g.metadata.get(f"{arch}.attention.sliding_window_pattern", fam.swa_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(b, (bool, int)) for b in pattern):
+            raise ModelLoadError(f"{g.path}: {arch}.attention.sliding_window_pattern lists {len(pattern)} flags "
+                                 f"for {layers} layers")
+        return [bool(b) for b in pattern]
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise ModelLoadError(f"{g.path}: {arch}.attention.sliding_window_pattern = {_short(pattern)} is not a "
+                             f"positive integer")
+    return [bool((i + 1) % pattern) for i in range(layers)]
+
+
+def _gguf_longrope(g: GGUFFile, arch: str) -> Dict[str, Any]:
+    """Phi-3's LongRoPE from the file: its factor tensors and original context."""
+    s: Dict[str, Any] = {"rope_type": "longrope"}
+    for t, key in zip(_ROPE_FACTORS, ("long_factor", "short_factor")):
+        if t not in g.tensors:
+            raise ModelLoadError(f"{g.path}: has {_ROPE_FACTORS[0] if t != _ROPE_FACTORS[0] else _ROPE_FACTORS[1]} "
+                                 f"but no {t}")
+        s[key] = [float(x) for x in np.asarray(g.dequantize(t), np.float64).reshape(-1)]
+    s["original_max_position_embeddings"] = _meta(g, f"{arch}.rope.scaling.original_context_length", "int")
+    factor = _meta(g, f"{arch}.rope.scaling.attn_factor", "float", None)
+    if factor is not None:
+        s["attention_factor"] = factor
+    return s
 
 
 def _gguf_rope_scaling(g: GGUFFile, arch: str) -> Optional[Dict[str, Any]]:
@@ -567,23 +617,43 @@ def _gguf_eos(g: GGUFFile, vocab: int) -> List[int]:
     return ids
 
 
-def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, str]:
-    """internal name -> GGUF tensor name; any tensor the engine would not use is an error."""
+def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
+    """internal name -> (GGUF tensor, first row, end row; -1: all rows: fused tensors give each part its
+    rows); any tensor the engine would not use is an error."""
+    from .hf import weight_shapes_rows
+    fam = family(spec.arch)
     names, unknown = {}, []
     for t in g.tensors:
         internal = _GGUF_GLOBAL.get(t)
         if internal is None and t.startswith("blk."):
             idx, _, rest = t[4:].partition(".")
-            if idx.isdigit() and rest in _GGUF_LAYER:
-                internal = f"layers.{int(idx)}.{_GGUF_LAYER[rest]}"
+            if idx.isdigit() and rest in fam.gguf_fused:
+                r0 = 0
+                for part in fam.gguf_fused[rest]:
+                    rows = weight_shapes_rows(spec, part)
+                    names[f"layers.{int(idx)}.{part}"] = (t, r0, r0 + rows)
+                    r0 += rows
+                continue
+            if idx.isdigit() and rest in fam.gguf_layer:
+                internal = f"layers.{int(idx)}.{fam.gguf_layer[rest]}"
         if internal is None:
-            unknown.append(t)
+            if t not in _ROPE_FACTORS:
+                unknown.append(t)
         else:
-            names[internal] = t
+            names[internal] = (t, 0, -1)
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ModelLoadError(f"{g.path}: unknown tensors for a {spec.arch} model: {', '.join(unknown[:5])}{more}")
     return names
+
+
+def _source_shape(g: GGUFFile, src: Tuple[str, int, int]) -> Tuple[int, ...]:
+    shape = tuple(g.tensors[src[0]].shape)
+    if src[2] < 0:
+        return shape
+    if len(shape) != 2 or src[2] > shape[0]:
+        return (-1,) + shape[1:]     # too few rows for its parts: check_weight_shapes names it
+    return (src[2] - src[1],) + shape[1:]
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -594,18 +664,22 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
-    # Only the llama arch is permuted; qwen2 uses NEOX (rotate-half) RoPE in llama.cpp already.
+def _gguf_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
+    # Only the llama arch is permuted; the others use NEOX (rotate-half) RoPE in llama.cpp already.
     heads = {"wq": spec.num_heads, "bq": spec.num_heads, "wk": spec.num_kv_heads, "bk": spec.num_kv_heads}
+    permuted = family(spec.arch).gguf_permuted_qk
 
     def get_weight(name: str) -> np.ndarray:
         if name not in names:
             raise ModelLoadError(f"no weight named {name!r}")
-        w = g.dequantize(names[name])
+        t, r0, r1 = names[name]
+        w = g.dequantize(t)
+        if r1 >= 0:
+            w = w[r0:r1]
         kind = name.rsplit(".", 1)[-1]
-        if spec.arch == "llama" and kind in heads:
+        if permuted and kind in heads:
             w = unpermute_rope_rows(w, heads[kind])
-        return check_finite(np.ascontiguousarray(w, dtype=np.float32), g.path, names[name])
+        return check_finite(np.ascontiguousarray(w, dtype=np.float32), g.path, t)
     return get_weight
 
 
@@ -613,21 +687,26 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, str]):
 RAW_GGML_TYPES = tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
-def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, str]):
+def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
     """(type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise. Llama q/k
-    rows are un-permuted as whole rows of blocks (the permutation only moves rows)."""
+    rows are un-permuted as whole rows of blocks (the permutation only moves rows); a fused tensor's
+    part is its rows."""
     heads = {"wq": spec.num_heads, "wk": spec.num_kv_heads}
+    permuted = family(spec.arch).gguf_permuted_qk
 
     def get_raw_weight(name: str):
-        info = g.tensors.get(names.get(name, ""))
+        t, r0, r1 = names.get(name, ("", 0, -1))
+        info = g.tensors.get(t)
         if info is None or info.type_name not in RAW_GGML_TYPES or len(info.shape) != 2:
             return None
         rows, cols = info.shape
-        raw = g.raw(names[name])
-        check_finite_blocks(info.type_name, raw, g.path, names[name])
+        raw = g.raw(t)
+        check_finite_blocks(info.type_name, raw, g.path, t)
         raw = raw.reshape(rows, -1)
+        if r1 >= 0:
+            raw, rows = raw[r0:r1], r1 - r0
         kind = name.rsplit(".", 1)[-1]
-        if spec.arch == "llama" and kind in heads:
+        if permuted and kind in heads:
             raw = unpermute_rope_rows(raw, heads[kind])
         return info.type_name, np.ascontiguousarray(raw), (rows, cols)
     return get_raw_weight
@@ -638,7 +717,7 @@ def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:
     # embedding), then list the other types present. How the engine stores them depends on its dtype
     # (quantized blocks are kept under "auto"), so the file's description does not say.
     rank: Dict[str, Tuple[int, int]] = {}
-    for t in names.values():
+    for t, _, _ in names.values():
         info = g.tensors[t]
         n_mat, n_bytes = rank.get(info.type_name, (0, 0))
         rank[info.type_name] = (n_mat + (len(info.shape) >= 2), n_bytes + info.nbytes)
