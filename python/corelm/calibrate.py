@@ -29,10 +29,11 @@ def _rmsnorm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [heads, T, head_dim], rotate-half RoPE (as transformers' Llama/Qwen2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    """x [heads, T, head_dim], rotate-half RoPE (as transformers' Llama/Qwen2) over the first
+    2 * cos.shape[-1] dims (all of them unless the rotation is partial)."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
 
 
 def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: Callable[[str, np.ndarray], None],
@@ -41,13 +42,16 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
     weights at a time; record(matrix name, its input [T, cols]) is called for every layer matrix (once for
     q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"). Returns the final
     hidden states (before the last norm) of each chunk."""
-    from .engine.model_builder import rope_inv_freq
+    from .engine.model_builder import rope_attention_factor, rope_inv_freq
     spec = loaded.spec
     get = loaded.get_weight
     nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.rms_norm_eps)
-    inv_freq = rope_inv_freq(spec)
+    longest = max((len(c) for c in chunks), default=1)
+    inv_freq = {False: rope_inv_freq(spec, longest), True: rope_inv_freq(spec, longest, local=bool(spec.rope_local_theta))}
+    rope_factor = np.float32(rope_attention_factor(spec))
+    scale = np.float32(spec.query_pre_attn_scalar ** -0.5 if spec.query_pre_attn_scalar else 1 / np.sqrt(hd))
     emb = get("tok_embeddings")
-    hidden = [emb[np.asarray(c, np.int64)].astype(np.float32) for c in chunks]
+    hidden = [emb[np.asarray(c, np.int64)].astype(np.float32) * np.float32(spec.embed_scale) for c in chunks]
     del emb
     loaded.release_weight("tok_embeddings")
     layers = range(spec.num_layers)
@@ -59,33 +63,50 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
         w = {k: get(p + k) for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
         if spec.attention_bias:
             w.update({k: get(p + k) for k in ("bq", "bk", "bv")})
+        if spec.qk_norm:
+            w.update({k: get(p + k) for k in ("q_norm", "k_norm")})
+        if spec.post_norms:
+            w.update({k: get(p + k) for k in ("post_attn_norm", "post_ffn_norm")})
+        sliding = spec.sliding_layers is None or spec.sliding_layers[i]
+        window = spec.sliding_window if sliding else None
         for c, x in enumerate(hidden):
             T = len(x)
-            angle = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]
-            cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+            angle = np.arange(T, dtype=np.float32)[:, None] * inv_freq[sliding][None, :]
+            cos, sin = np.cos(angle).astype(np.float32) * rope_factor, np.sin(angle).astype(np.float32) * rope_factor
             h = _rmsnorm(x, w["attn_norm"], eps)
             record(p + "wq", h)
             q, k, v = h @ w["wq"].T, h @ w["wk"].T, h @ w["wv"].T
             if spec.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q = _rope(q.reshape(T, nh, hd).transpose(1, 0, 2), cos, sin)
-            k = _rope(k.reshape(T, nkv, hd).transpose(1, 0, 2), cos, sin)
+            q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
+            if spec.qk_norm:
+                q, k = _rmsnorm(q, w["q_norm"], eps), _rmsnorm(k, w["k_norm"], eps)
+            q = _rope(q.transpose(1, 0, 2), cos, sin)
+            k = _rope(k.transpose(1, 0, 2), cos, sin)
             v = v.reshape(T, nkv, hd).transpose(1, 0, 2)
             k, v = np.repeat(k, nh // nkv, 0), np.repeat(v, nh // nkv, 0)
-            s = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(hd))
-            if spec.sliding_window and spec.sliding_window < T:
-                s = s + np.tril(np.full((T, T), -np.inf, np.float32), -spec.sliding_window)
+            s = q @ k.transpose(0, 2, 1) * scale
+            if spec.attn_logit_softcap:
+                cap = np.float32(spec.attn_logit_softcap)
+                s = np.tanh(s / cap) * cap
+            if window and window < T:
+                s = s + np.tril(np.full((T, T), -np.inf, np.float32), -window)
             s = s + np.triu(np.full((T, T), -np.inf, np.float32), 1)
             s = np.exp(s - s.max(-1, keepdims=True))
             a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(T, nh * hd)
             record(p + "wo", a)
-            x = x + a @ w["wo"].T
+            o = a @ w["wo"].T
+            x = x + (_rmsnorm(o, w["post_attn_norm"], eps) if spec.post_norms else o)
             h = _rmsnorm(x, w["ffn_norm"], eps)
             record(p + "w_gate", h)
             g, u = h @ w["w_gate"].T, h @ w["w_up"].T
-            f = g / (1 + np.exp(-g)) * u
+            if spec.activation == "gelu_tanh":
+                f = np.float32(0.5) * g * (1 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g ** 3))) * u
+            else:
+                f = g / (1 + np.exp(-g)) * u
             record(p + "w_down", f)
-            hidden[c] = x + f @ w["w_down"].T
+            o = f @ w["w_down"].T
+            hidden[c] = x + (_rmsnorm(o, w["post_ffn_norm"], eps) if spec.post_norms else o)
         for k in w:
             loaded.release_weight(p + k)
     return hidden

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
+from .families import SUPPORTED_ARCHS
 from .spec import (LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, check_finite, check_finite_blocks,
                    release_mapped_range, weight_shapes)
 
@@ -253,7 +254,7 @@ def spec_from_dict(d: Any, source: str) -> ModelSpec:
         spec = ModelSpec(**d)
     except TypeError as e:
         raise ModelLoadError(f"{source}: config.json 'spec': {e}") from None
-    if spec.arch not in ("llama", "mistral", "qwen2"):
+    if spec.arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{source}: unsupported architecture {spec.arch!r}")
     if not isinstance(spec.eos_token_ids, list):
         raise ModelLoadError(f"{source}: config.json 'spec.eos_token_ids' is not a list")

@@ -620,7 +620,7 @@ def _gguf_eos(g: GGUFFile, vocab: int) -> List[int]:
 def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
     """internal name -> (GGUF tensor, first row, end row; -1: all rows: fused tensors give each part its
     rows); any tensor the engine would not use is an error."""
-    from .hf import weight_shapes_rows
+    from .hf import check_fused_rows, weight_shapes_rows
     fam = family(spec.arch)
     names, unknown = {}, []
     for t in g.tensors:
@@ -633,6 +633,7 @@ def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
                     rows = weight_shapes_rows(spec, part)
                     names[f"layers.{int(idx)}.{part}"] = (t, r0, r0 + rows)
                     r0 += rows
+                check_fused_rows(t, tuple(g.tensors[t].shape), r0, fam.gguf_fused[rest], g.path)
                 continue
             if idx.isdigit() and rest in fam.gguf_layer:
                 internal = f"layers.{int(idx)}.{fam.gguf_layer[rest]}"

@@ -502,6 +502,7 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) 
                 rows = weight_shapes_rows(spec, part)
                 names[f"layers.{layer}.{part}"] = (hf, r0, r0 + rows)
                 r0 += rows
+            check_fused_rows(hf, tuple(tensors.info(hf).shape), r0, fam.hf_fused[m.group(2)], folder)
             continue
         internal = _HF_GLOBAL.get(hf)
         if internal is None and m and m.group(2) in fam.hf_layer:
@@ -518,6 +519,13 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) 
     if "lm_head" not in names and not spec.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and tie_word_embeddings is false")
     return names
+
+
+def check_fused_rows(name: str, shape: Tuple[int, ...], rows: int, parts: Tuple[str, ...], source: str) -> None:
+    """A fused tensor (Phi-3's qkv, gate/up) must hold exactly its parts' rows, as the config sizes them."""
+    if not shape or shape[0] != rows:
+        raise ModelLoadError(f"{source}: fused tensor {name} has shape {shape}, but {' + '.join(parts)} take "
+                             f"{rows} rows by the configuration (head counts, head_dim, intermediate_size)")
 
 
 def weight_shapes_rows(spec: ModelSpec, part: str) -> int:
