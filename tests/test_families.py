@@ -48,25 +48,33 @@ def test_hf_and_gguf_give_the_same_model(family):
         np.testing.assert_array_equal(hf.get_weight(name), gg.get_weight(name), err_msg=name)
 
 
-def rewrite_gguf(src, out, meta=None, drop=()):
-    """A copy of a GGUF with metadata keys replaced or added ({key: (type, value)}) and tensors dropped."""
-    g = read_gguf(src)
+def typed_metadata(g):
+    """A read GGUF's metadata as (key, type, value) for tool.build_gguf."""
     kinds = {str: tool.STRING, float: tool.FLOAT32, bool: tool.BOOL, int: tool.UINT32}
-
-    def typed(v):
+    out = {}
+    for k, v in g.metadata.items():
+        if k == "general.alignment":
+            continue
         if isinstance(v, list):
             et = tool.STRING if v and isinstance(v[0], str) else tool.FLOAT32 if v and isinstance(v[0], float) \
                 else tool.INT32
-            return tool.ARRAY, (et, v)
-        return kinds[type(v)], v
-    items = {k: typed(v) for k, v in g.metadata.items() if k != "general.alignment"}
+            out[k] = (tool.ARRAY, (et, v))
+        else:
+            out[k] = (kinds[type(v)], v)
+    return out
+
+
+def rewrite_gguf(src, out, meta=None, drop=(), tensors=None):
+    """A copy of a GGUF with metadata keys replaced or added ({key: (type, value)}), tensors dropped and
+    tensors replaced ({name: (ggml type, raw bytes)})."""
+    g = read_gguf(src)
+    items = typed_metadata(g)
     items.update(meta or {})
-    tensors = []
-    for name, info in g.tensors.items():
-        if name not in drop:
-            tensors.append((name, list(reversed(info.shape)), info.ggml_type, g.raw(name).tobytes()))
+    new = tensors or {}
+    out_tensors = [(n, list(reversed(i.shape))) + new.get(n, (i.ggml_type, g.raw(n).tobytes()))
+                   for n, i in g.tensors.items() if n not in drop]
     with open(out, "wb") as f:
-        f.write(tool.build_gguf([(k, t, v) for k, (t, v) in items.items()], tensors))
+        f.write(tool.build_gguf([(k, t, v) for k, (t, v) in items.items()], out_tensors))
     return str(out)
 
 
@@ -144,20 +152,7 @@ def test_quantized_fused_tensors_keep_their_blocks(tmp_path):
             d = (np.abs(blocks).max(axis=1) / 127).astype(np.float16)
             inv = np.where(d == 0, 0, 1 / d.astype(np.float32))
             q8[name] = tool.q8_0_bytes(d.astype(np.float32), np.round(blocks * inv[:, None]).astype(np.int8))
-    g = read_gguf(rewrite_gguf(gguf_of("phi3"), tmp_path / "f.gguf"))
-    path = tmp_path / "q8.gguf"
-    kinds = {str: tool.STRING, float: tool.FLOAT32, int: tool.UINT32}
-    meta = []
-    for k, v in g.metadata.items():
-        if isinstance(v, list):
-            et = tool.STRING if isinstance(v[0], str) else tool.FLOAT32 if isinstance(v[0], float) else tool.INT32
-            meta.append((k, tool.ARRAY, (et, v)))
-        else:
-            meta.append((k, kinds[type(v)], v))
-    tensors = [(n, list(reversed(i.shape)), tool.Q8_0 if n in q8 else i.ggml_type, q8.get(n, g.raw(n).tobytes()))
-               for n, i in g.tensors.items()]
-    with open(path, "wb") as f:
-        f.write(tool.build_gguf(meta, tensors))
+    path = rewrite_gguf(gguf_of("phi3"), tmp_path / "q8.gguf", tensors={n: (tool.Q8_0, b) for n, b in q8.items()})
     llm = corelm.LLM(str(path), threads=1, max_seq_len=128)
     assert llm.engine.dtype.startswith("q8_0"), llm.engine.dtype   # the blocks are kept
     ids = np.array([1, 300, 45, 77, 210, 9, 14, 400], np.int32)
