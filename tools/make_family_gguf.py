@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """GGUF files of the tiny random family models (tests/data/models/tiny-*/), written by llama.cpp's own
 converter, so the tests load each family as llama.cpp names, orders and shifts its tensors (Gemma's norms
-stored as 1 + w, Phi-3's fused qkv and gate/up, LongRoPE factor tensors) and check it against the same
-transformers fixtures as the HF folder.
+stored as 1 + w, Phi-3's fused qkv and gate/up, LongRoPE factor tensors, MoE experts stacked into one
+ffn_{gate,up,down}_exps tensor per layer, Mixtral written as arch "llama" with its q/k rows permuted) and check
+it against the same transformers fixtures as the HF folder.
 
     /work/venv-torch/bin/python tools/make_family_gguf.py --llama-cpp /work/llama/src [names...]
 
@@ -20,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, "tests", "data", "models")
 VOCAB = os.path.join(MODELS, "stories260K", "stories260K.gguf")
 NAMES = {"tiny-qwen3": "Qwen3ForCausalLM", "tiny-gemma2": "Gemma2ForCausalLM", "tiny-gemma3": "Gemma3ForCausalLM",
-         "tiny-phi3": "Phi3ForCausalLM"}
+         "tiny-phi3": "Phi3ForCausalLM", "tiny-qwen3moe": "Qwen3MoeForCausalLM", "tiny-mixtral": "MixtralForCausalLM",
+         "tiny-olmoe": "OlmoeForCausalLM"}
 
 
 def copy_vocab(self) -> None:

@@ -16,7 +16,8 @@ transformers, i.e. the dequantized GGUF weights in float32; "gguf" names the equ
   stories260K   tests/data/models/stories260K             (+ stories260K.gguf)
   smollm2       cache:SmolLM2-135M-Instruct               (+ models/SmolLM2-135M-Instruct.Q4_1.gguf)
   qwen2.5-coder cache:Qwen2.5-Coder-0.5B-Instruct          (2 cases only, to keep the 151936-wide logits small)
-  tiny-mistral, tiny-qwen2, tiny-llama3, tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-phi3
+  tiny-mistral, tiny-qwen2, tiny-llama3, tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-phi3,
+  tiny-qwen3moe, tiny-mixtral, tiny-olmoe
                 tests/data/models/tiny-*   (random weights, tools/make_tiny_models.py)
 Models whose folder is missing are skipped with a message.
 
@@ -35,6 +36,10 @@ Per model, <name>.json:
     8 generated tokens were fed back one at a time through the KV cache (they pick generated_ids[8]).
   - margins[i]: top-1 minus top-2 logit at generation step i. A tiny margin means a reimplementation may
     legitimately pick the other token there, and the sequences diverge from that step on.
+  - MoE models (tiny-qwen3moe, tiny-mixtral, tiny-olmoe): their prompts are also redrawn until, along the cached
+    greedy run (prompt, then the generated tokens fed back), the k-th minus (k+1)-th router probability is
+    > 1e-3 at every layer and token, so an fp32 engine summing in another order routes to the same top-k
+    experts; the script stops if no prompt does (change the model's seed or ROUTER_STD in make_tiny_models.py).
 Tokenizers, tokenizer_<name>.json (smollm2, stories260K, qwen2.5-coder):
   {"tokenizer", "source", "transformers_version", "tokenizers_version", "bos_token_id", "eos_token_id",
    "cases": [{"text", "ids_with_special" (add_special_tokens=True), "ids" (add_special_tokens=False),
@@ -148,6 +153,9 @@ def model_table(cache):
         ("tiny-gemma2", os.path.join(m, "tiny-gemma2"), "tests/data/models/tiny-gemma2", None),
         ("tiny-gemma3", os.path.join(m, "tiny-gemma3"), "tests/data/models/tiny-gemma3", None),
         ("tiny-phi3", os.path.join(m, "tiny-phi3"), "tests/data/models/tiny-phi3", None),
+        ("tiny-qwen3moe", os.path.join(m, "tiny-qwen3moe"), "tests/data/models/tiny-qwen3moe", None),
+        ("tiny-mixtral", os.path.join(m, "tiny-mixtral"), "tests/data/models/tiny-mixtral", None),
+        ("tiny-olmoe", os.path.join(m, "tiny-olmoe"), "tests/data/models/tiny-olmoe", None),
     ]
 
 
@@ -191,6 +199,30 @@ def check_against_generate(model, prompt_ids, gen, margins, eos_ids):
 
 
 TINY_MIN_MARGIN = 0.02
+ROUTER_MIN_GAP = 1e-3
+
+
+@torch.no_grad()
+def router_min_gap(model, prompt_ids, gen):
+    """MoE models: the smallest k-th minus (k+1)-th router probability over every layer and token of the cached
+    greedy run (prompt, then the generated tokens one at a time); None for a dense model."""
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
+    if not routers:
+        return None
+    gaps = []
+
+    def hook(mod, inp, out):
+        p = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        gaps.append(float((p[:, mod.top_k - 1] - p[:, mod.top_k]).min()))
+
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        again, _ = greedy(model, prompt_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert again == gen
+    return min(gaps)
 
 
 def _min_margin(logits):
@@ -217,7 +249,8 @@ def make_model_fixture(name, folder, model_dir, gguf):
     cases = []
     if name.startswith("tiny-"):
         rng = np.random.RandomState({"tiny-mistral": 11, "tiny-qwen2": 12, "tiny-llama3": 13, "tiny-qwen3": 14, "tiny-gemma2": 15,
-                                    "tiny-gemma3": 16, "tiny-phi3": 17}[name])
+                                    "tiny-gemma3": 16, "tiny-phi3": 17, "tiny-qwen3moe": 18, "tiny-mixtral": 19,
+                                    "tiny-olmoe": 20}[name])
         prompts = [(None, None, rng.randint(3, 512, size=n).tolist()) for n in (1, 7, 40)]
     else:
         prompts = []
@@ -233,9 +266,16 @@ def make_model_fixture(name, folder, model_dir, gguf):
         gen, logits = greedy(model, prompt_ids)
         if name.startswith("tiny-"):
             # Random prompts: redraw (deterministically) until greedy decoding is well conditioned, so the
-            # fixture tests kernels rather than argmax near-ties, and is not one token repeated.
+            # fixture tests kernels rather than argmax near-ties (or MoE router near-ties), and is not one token
+            # repeated.
+            def ill_conditioned():
+                if _min_margin(logits) < TINY_MIN_MARGIN or len(set(gen)) < 16:
+                    return True
+                gap = router_min_gap(model, prompt_ids, gen)
+                return gap is not None and gap <= ROUTER_MIN_GAP
+
             tries = 0
-            while (_min_margin(logits) < TINY_MIN_MARGIN or len(set(gen)) < 16) and tries < 200:
+            while ill_conditioned() and tries < 200:
                 prompt_ids = rng.randint(3, 512, size=len(prompt_ids)).tolist()
                 gen, logits = greedy(model, prompt_ids)
                 tries += 1
@@ -247,6 +287,10 @@ def make_model_fixture(name, folder, model_dir, gguf):
         err0 = float(np.abs(full[len(prompt_ids) - 1] - logits[0]).max())
         err8 = float(np.abs(full[-1] - logits[STEP]).max())
         assert err0 < 1e-3 and err8 < 1e-3, (err0, err8)
+        gap = router_min_gap(model, prompt_ids, gen)
+        if gap is not None and gap <= ROUTER_MIN_GAP:
+            raise SystemExit(f"{name} p{k}: router top-k gap {gap:.3g} <= {ROUTER_MIN_GAP}: routing is not decisive, "
+                             "change the seed or ROUTER_STD in tools/make_tiny_models.py")
         last_f, step_f = f"{name}_p{k}_last_logits.npy", f"{name}_p{k}_step8_logits.npy"
         np.save(os.path.join(OUT, last_f), np.ascontiguousarray(logits[0], dtype=np.float32))
         np.save(os.path.join(OUT, step_f), np.ascontiguousarray(logits[STEP], dtype=np.float32))
@@ -261,7 +305,8 @@ def make_model_fixture(name, folder, model_dir, gguf):
         cases.append(case)
         shown = tok.decode(gen) if not name.startswith("tiny-") else gen[:12]
         print(f"  p{k}: {len(prompt_ids)} prompt tokens, min margin {min(margins):.4f}, generate(): {how}, "
-              f"cache-vs-full max|d| {max(err0, err8):.2e}\n      -> {shown!r}")
+              f"cache-vs-full max|d| {max(err0, err8):.2e}"
+              + (f", router min top-k gap {gap:.4f}" if gap is not None else "") + f"\n      -> {shown!r}")
 
     doc = {"model": name, "model_dir": model_dir, "gguf": gguf, "arch": model.config.model_type,
            "vocab_size": vocab, "eos_token_ids": eos_ids,

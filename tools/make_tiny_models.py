@@ -3,6 +3,7 @@
 
     /work/refvenv/bin/python tools/make_tiny_models.py            # writes tests/data/models/tiny-*/
     /work/refvenv/bin/python tools/make_tiny_models.py --out DIR  # somewhere else
+    /work/refvenv/bin/python tools/make_tiny_models.py tiny-olmoe ... # only the named models
 
 Needs a reference venv with torch==2.13.0 (CPU) and transformers (see tools/README.md). Deterministic: each
 model is seeded, so re-running reproduces the same bytes for the same torch/transformers versions.
@@ -26,11 +27,25 @@ tokenizer (tokenizer.json / tokenizer_config.json, vocab 512: BOS 1, EOS 2, UNK 
                 global with base 1e6 and linear scaling 4), 4 heads / 1 KV, head_dim 32, q/k head norms, tied.
   tiny-phi3     Phi3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV, FFN 128, fused qkv and gate/up,
                 partial rotary 0.75, LongRoPE (original context 128 of 512).
+
+  tiny-qwen3moe Qwen3MoeForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 32, q/k head norms,
+                every layer MoE: 8 experts, top-2, expert FFN 48 (moe_intermediate_size; intermediate_size 160
+                unused), norm_topk_prob true, rope_theta 1e6, untied lm_head.
+  tiny-mixtral  MixtralForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, 8 experts, top-2
+                (weights renormalised over the top 2), expert FFN 48, sliding_window null, rope_theta 1e6, untied.
+  tiny-olmoe    OlmoeForCausalLM: hidden 64, 2 layers, 4 heads / 4 KV heads (MHA), head_dim 16, q/k RMSNorms
+                over the whole q (64) and k (64) projections, 8 experts, top-2, expert FFN 48,
+                norm_topk_prob false, clip_qkv null, rope_theta 1e4, untied.
 Gemma's norms are drawn as 1 + N(0, 0.1) like the others: its RMSNorm scales by (1 + w), so about 2.
 
 Weights are drawn much larger than transformers' init (std 0.02) so the logits are peaked and greedy decoding
 is non-trivial: linear weights N(0, 0.15), embeddings N(0, 1) (N(0, 0.2) when tied, as it is also the LM
-head), lm_head N(0, 0.3), biases N(0, 0.2), RMSNorm weights 1 + N(0, 0.1).
+head), lm_head N(0, 0.3), biases N(0, 0.2), RMSNorm weights 1 + N(0, 0.1). MoE experts are drawn like the
+dense MLPs, N(0, 0.15); the routers (mlp.gate, [n_experts, hidden]) are drawn N(0, ROUTER_STD), 10x
+transformers' init, so routing is decisive (router logits of std ~1.6 over an RMSNorm output of scale ~1; larger
+would make the top-1 expert swallow the softmax and squeeze the k-th/(k+1)-th probability gap that
+make_fixtures.py requires to be > 1e-3 along every fixture run, so that an fp32 engine summing in another order
+picks the same top-k experts).
 
 config.json is written by transformers 5 (RoPE settings under "rope_parameters"); the classic keys that
 HF-hub configs carry (rope_theta, rope_scaling, head_dim, torch_dtype, ...) are added next to it, so a loader
@@ -45,8 +60,10 @@ import shutil
 
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(REPO, "tests", "data", "models", "stories260K")
@@ -115,7 +132,29 @@ MODELS = {
                     rope_scaling={"type": "longrope",
                                   "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+    "tiny-qwen3moe": dict(
+        seed=1008, cls=Qwen3MoeForCausalLM, cfg_cls=Qwen3MoeConfig,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, intermediate_size=160,
+                 moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, use_sliding_window=False,
+                 sliding_window=None, tie_word_embeddings=False, attention_bias=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0, rope_scaling=None, num_experts=8)),  # transformers 5 writes num_local_experts
+    "tiny-mixtral": dict(
+        seed=1009, cls=MixtralForCausalLM, cfg_cls=MixtralConfig,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                 num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096, sliding_window=None,
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0, rope_scaling=None)),
+    "tiny-olmoe": dict(
+        seed=1011, cls=OlmoeForCausalLM, cfg_cls=OlmoeConfig,
+        cfg=dict(COMMON, num_hidden_layers=2, num_key_value_heads=4, intermediate_size=48, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None, max_position_embeddings=4096,
+                 tie_word_embeddings=False, attention_bias=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        legacy=dict(rope_theta=10000.0, rope_scaling=None)),
 }
+ROUTER_STD = 0.2
 
 
 def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float = 1.0, emb_std=None) -> None:
@@ -134,6 +173,10 @@ def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float
                 normal(p, 0.1, mean=norm_mean)
             elif name.endswith(".bias"):
                 normal(p, 0.2)
+            elif name.endswith(".gate.weight") and p.dim() == 2:  # MoE router [n_experts, hidden]
+                normal(p, ROUTER_STD)
+            elif ".experts." in name and p.dim() == 3:  # fused experts [n_experts, out, in]
+                normal(p, 0.15)
             elif name.endswith(".weight") and p.dim() == 2:
                 normal(p, 0.15)
             else:

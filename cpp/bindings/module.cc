@@ -58,6 +58,10 @@ ModelConfig config_from_dict(const py::dict& d) {
   opt("rope_inv_freq_local", c.rope_inv_freq_local);
   opt("sliding_layers", c.sliding_layers);
   opt("qk_norm", c.qk_norm);
+  opt("qk_norm_whole", c.qk_norm_whole);
+  opt("n_experts", c.n_experts);
+  opt("n_experts_used", c.n_experts_used);
+  opt("moe_norm_topk", c.moe_norm_topk);
   opt("post_norms", c.post_norms);
   opt("embed_scale", c.embed_scale);
   opt("attn_scale", c.attn_scale);
@@ -189,6 +193,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
+      .def_property_readonly("active_weight_bytes", [](PyModel& s) { return s.model.active_weight_bytes(); },
+                             "What one decoded token reads: weight_bytes with only the used experts (of mean size).")
       .def("weight_spans", [](PyModel& s) { return s.model.weight_spans(); },
            "[(name, address, bytes)] of the packed matrices in the order decode reads them.")
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })

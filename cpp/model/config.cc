@@ -20,6 +20,10 @@ void ModelConfig::validate() const {
   for (float v : {attn_scale, attn_softcap, final_softcap})
     require(std::isfinite(v) && v >= 0, "attn_scale, attn_softcap and final_softcap must be finite and >= 0");
   require(activation == Activation::Silu || activation == Activation::GeluTanh, "unknown activation");
+  require(!(qk_norm && qk_norm_whole), "qk_norm and qk_norm_whole exclude each other");
+  require(n_experts >= 0 && n_experts <= 1024, "n_experts must be in [0, 1024]");
+  require(n_experts == 0 ? n_experts_used == 0 : n_experts_used >= 1 && n_experts_used <= n_experts,
+          "n_experts_used must be in [1, n_experts] (0 without experts)");
   require(max_seq_len > 0 && max_seq_len <= (1 << 24), "max_seq_len must be in [1, 16M]");
   require(std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0");
   require(n_threads >= 1 && n_threads <= 1024, "n_threads must be in [1, 1024]");

@@ -47,11 +47,18 @@ struct ModelConfig {
   std::vector<uint8_t> sliding_layers;
   Activation activation = Activation::Silu;
   bool qk_norm = false;      // RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+  bool qk_norm_whole = false;  // RMSNorm over all of q and all of k before RoPE (OLMoE)
   bool post_norms = false;   // RMSNorm of the attention and MLP outputs before the residual add (Gemma 2/3)
   float embed_scale = 1.f;   // embeddings multiplied by it (Gemma: sqrt(dim))
   float attn_scale = 0.f;    // query scale; 0: 1 / sqrt(head_dim)
   float attn_softcap = 0.f;  // scores = cap * tanh(scores / cap) before the softmax (Gemma 2); 0: none
   float final_softcap = 0.f; // the same on the logits
+  // Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): every layer's MLP is n_experts MLPs of ffn_dim, of
+  // which a router picks n_experts_used per token (softmax over all experts' logits, the top k, with
+  // moe_norm_topk their weights renormalized to sum to 1); 0: one dense MLP.
+  int64_t n_experts = 0;
+  int64_t n_experts_used = 0;
+  bool moe_norm_topk = false;
   WeightType weight_type = WeightType::F32;
   // How quantized matmuls take their input (kernels.h): int8 per block of 32, or int16 (near fp32).
   ActType act_type = ActType::I8;
@@ -66,6 +73,7 @@ struct ModelConfig {
   void validate() const;  // throws std::invalid_argument
   int64_t rotary_dim() const { return rope_dim ? rope_dim : head_dim; }
   bool sliding_layer(int64_t l) const { return sliding_layers.empty() || sliding_layers[l]; }
+  bool moe() const { return n_experts > 0; }
 };
 
 }  // namespace corelm

@@ -47,6 +47,21 @@ void Model::ensure_scratch(int64_t n) {
   qact_ = qact_ld_ ? aligned_buffer(nth * qact_ld_) : nullptr;
   scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
+  if (cfg_.moe()) {
+    const int64_t E = cfg_.n_experts, rows = T * cfg_.n_experts_used;
+    moe_norm_.assign(T * cfg_.dim, 0.f);
+    router_logits_.assign(T * E, 0.f);
+    moe_in_.assign(rows * cfg_.dim, 0.f);
+    moe_act_.assign(rows * cfg_.ffn_dim, 0.f);
+    moe_out_.assign(rows * cfg_.dim, 0.f);
+    row_of_.assign(rows, 0);
+    row_token_.assign(rows, 0);
+    row_weight_.assign(rows, 0.f);
+    slot_expert_.assign(E, 0);
+    slot_row0_.assign(E + 1, 0);
+    slot_qa_.assign(E + 1, 0);
+    moe_qa_done_.assign(nth * E, 0);
+  }
   tok_seq_.assign(T, 0);
   tok_pos_.assign(T, 0);
   scratch_tokens_ = T;
@@ -160,8 +175,18 @@ struct TaskMatmul {
   }
 };
 
+// Rotate-half RoPE of one head over its first 2 * half dims.
+inline void rope_head(float* v, const float* cs, const float* sn, int64_t half) {
+  for (int64_t i = 0; i < half; i++) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cs[i] - b * sn[i];
+    v[i + half] = b * cs[i] + a * sn[i];
+  }
+}
+
 // Attention norm, q/k/v projection, bias, the q/k head norms (when the family has them) and RoPE by
-// whole heads; the commit also writes keys and values to the cache.
+// whole heads; the commit also writes keys and values to the cache. With norms over the whole of q and
+// k (qk_norm_whole) it stops after the bias: those need every head (Model::qk_norm_whole).
 struct QkvTask {
   NormedInput in;
   TaskMatmul mm;
@@ -172,6 +197,7 @@ struct QkvTask {
   KVCache* kv;
   const SeqSlice* seqs;
   int64_t layer, hd, nh, nkv, block_size, rope_half;  // rope_half: pairs rotated per head
+  bool projection_only;
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
     const int64_t half = rope_half;
@@ -183,13 +209,9 @@ struct QkvTask {
         float* v = s + t * ld + (h - h0) * hd;
         if (bias)
           for (int64_t i = 0; i < hd; i++) v[i] += bias[h * hd + i];
-        if (h >= nh + nkv) continue;  // values: no norm, no rotation
+        if (h >= nh + nkv || projection_only) continue;  // values: no norm, no rotation
         if (q_norm) in.k->rmsnorm(v, v, h < nh ? q_norm : k_norm, hd, in.eps);
-        for (int64_t i = 0; i < half; i++) {  // rotate-half RoPE over the first 2 * half dims
-          float a = v[i], b = v[i + half];
-          v[i] = a * cs[i] - b * sn[i];
-          v[i + half] = b * cs[i] + a * sn[i];
-        }
+        rope_head(v, cs, sn, half);
       }
     }
   }
@@ -197,6 +219,7 @@ struct QkvTask {
     const int64_t qkv_dim = (nh + 2 * nkv) * hd;
     for (int64_t t = 0; t < in.T; t++) {
       std::memcpy(qkv + t * qkv_dim + h0 * hd, s + t * ld, (h1 - h0) * hd * sizeof(float));
+      if (projection_only) continue;
       const int64_t p = tok_pos[t];
       const SeqSlice& seq = seqs[tok_seq[t]];
       for (int64_t h = std::max(h0, nh); h < h1; h++)  // keys and values go to the cache
@@ -261,6 +284,112 @@ struct MatmulTask {
   }
 };
 
+// The experts a mixture-of-experts region runs (Model::moe): slot s is expert expert[s], with rows
+// [row0[s], row0[s + 1]) of the row buffers and its quantized input at qa_off[s] of a buffer index's
+// own buffer (qa_off[s + 1] == qa_off[s]: float weights, no quantized input). The next region rewrites
+// these arrays, and a descheduled thread finishing a dropped chunk of this one may overlap it: compute()
+// clamps what it reads from them to this region's bounds, so such a thread only computes garbage into
+// its own buffers.
+struct ExpertSlots {
+  const KernelTable* k;
+  const ExpertWeights* experts;
+  const int32_t* expert;
+  const int64_t* row0;
+  const size_t* qa_off;
+  int64_t n_experts, count;
+  int64_t max_rows, cap_rows;  // the largest slot's rows (the scratch holds that many), the buffers' rows
+  const float* x;              // [cap_rows][ldx] the input rows
+  int64_t ldx;
+  uint8_t* qa;                 // [buffers][ld_qa]
+  size_t ld_qa;
+  uint8_t* done;               // [buffers][n_experts] slot s's input quantized into buf's buffer yet
+  ActType act;
+  bool gate_up;                // the experts' w_gate_up, or their w_down
+
+  void prepare(int buf) const { std::memset(done + buf * n_experts, 0, n_experts); }
+  // Slot s's first row and row count, within bounds.
+  int64_t rows(int64_t s, int64_t* r0) const {
+    const int64_t a = std::clamp<int64_t>(row0[s], 0, cap_rows), b = std::clamp<int64_t>(row0[s + 1], a, cap_rows);
+    *r0 = a;
+    return std::min(b - a, max_rows);
+  }
+  // y[i * ldy + n] for slot s's rows i and its expert's output rows n in [n0, n1).
+  void matmul(int buf, int64_t s, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+    const int32_t e = expert[s];
+    const ExpertWeights& ew = experts[e >= 0 && e < n_experts ? e : 0];
+    const PackedMatrix& w = gate_up ? ew.w_gate_up : ew.w_down;
+    int64_t r0;
+    const int64_t m = rows(s, &r0);
+    const size_t off = qa_off[s], end = qa_off[s + 1];
+    if (m <= 0) return;
+    if (end <= off) return k->matmul(x + r0 * ldx, m, ldx, w, y, ldy, n0, n1);
+    if (end > ld_qa || k->quant_act_bytes(w, m, act) > end - off) return;
+    uint8_t* q = qa + buf * ld_qa + off;
+    uint8_t& ready = done[buf * n_experts + s];
+    if (!ready) k->quantize_act(x + r0 * ldx, m, ldx, w, act, q), ready = 1;
+    k->matmul_quant(q, m, act, w, y, ldy, n0, n1);
+  }
+};
+
+// Units are (gate/up block pair b, slot s), block-major (u = b * count + s), so a split of the units
+// in multiples of count is a split of every expert's rows, as the NUMA placement splits them.
+
+// The experts' gate/up projections and activation, into act [rows][f].
+struct ExpertGateUpTask {
+  ExpertSlots sl;
+  float* act;
+  int64_t f, block;
+  Activation activation;
+  void prepare(int buf) const { sl.prepare(buf); }
+  void compute(int buf, int64_t u0, int64_t u1, float* s, int64_t ld) const {
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t slot = u % sl.count, b = u / sl.count, c = std::min(block, f - b * block);
+      float* out = s + (u - u0) * 2 * block;  // the unit's gate then up outputs; the activation over gate's
+      sl.matmul(buf, slot, out - 2 * b * block, ld, 2 * b * block, 2 * b * block + 2 * c);
+      int64_t r0;
+      const int64_t m = sl.rows(slot, &r0);
+      for (int64_t i = 0; i < m; i++) {
+        float* g = out + i * ld;
+        (activation == Activation::GeluTanh ? sl.k->gelu_tanh_mul : sl.k->silu_mul)(g, g, g + c, c);
+      }
+    }
+  }
+  void commit(int64_t u0, int64_t u1, const float* s, int64_t ld) const {
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t slot = u % sl.count, b = u / sl.count, c = std::min(block, f - b * block);
+      const int64_t r0 = sl.row0[slot], m = sl.row0[slot + 1] - r0;
+      for (int64_t i = 0; i < m; i++)
+        std::memcpy(act + (r0 + i) * f + b * block, s + i * ld + (u - u0) * 2 * block, c * sizeof(float));
+    }
+  }
+};
+
+// The experts' down projections, each row times its routing weight, into out [rows][d].
+struct ExpertDownTask {
+  ExpertSlots sl;
+  float* out;
+  const float* weight;  // [rows]
+  int64_t d, grain;
+  void prepare(int buf) const { sl.prepare(buf); }
+  void compute(int buf, int64_t u0, int64_t u1, float* s, int64_t ld) const {
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t slot = u % sl.count, n0 = u / sl.count * grain;
+      sl.matmul(buf, slot, s + (u - u0) * grain - n0, ld, n0, std::min(d, n0 + grain));
+    }
+  }
+  void commit(int64_t u0, int64_t u1, const float* s, int64_t ld) const {
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t slot = u % sl.count, n0 = u / sl.count * grain, n = std::min(d, n0 + grain) - n0;
+      const int64_t r0 = sl.row0[slot], m = sl.row0[slot + 1] - r0;
+      for (int64_t i = 0; i < m; i++) {
+        const float w = weight[r0 + i], *y = s + i * ld + (u - u0) * grain;
+        float* o = out + (r0 + i) * d + n0;
+        for (int64_t j = 0; j < n; j++) o[j] = w * y[j];
+      }
+    }
+  }
+};
+
 }  // namespace
 
 void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
@@ -306,10 +435,15 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
                       (local_rope ? rope_cos_local_ : rope_cos_).data(), (local_rope ? rope_sin_local_ : rope_sin_).data(),
                       L.q_norm.empty() ? nullptr : L.q_norm.data(), L.k_norm.empty() ? nullptr : L.k_norm.data(),
                       tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh, nkv, kv_.block_size(),
-                      cfg_.rotary_dim() / 2};
+                      cfg_.rotary_dim() / 2, cfg_.qk_norm_whole};
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
+    if (cfg_.qk_norm_whole) qk_norm_whole(l, seqs, T);
     attention(l, seqs, T);
     matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm);
+    if (cfg_.moe()) {
+      moe(l, T);
+      continue;
+    }
     const int64_t blocks = (f + GB - 1) / GB;
     pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB,
                                      cfg_.activation},
@@ -328,6 +462,143 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false,
                                    cfg_.final_softcap},
                         chunking(lm_head_, cfg_.vocab_size, k.row_grain, rows, 1));
+}
+
+// OLMoE's q/k norms over all heads of a token at once, then RoPE and the cache, which QkvTask left out.
+void Model::qk_norm_whole(int64_t l, const SeqSlice* seqs, int64_t T) {
+  const LayerWeights& L = layers_[l];
+  const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, qkv_dim = (nh + 2 * nkv) * hd;
+  const int64_t half = cfg_.rotary_dim() / 2, B = kv_.block_size();
+  const bool local = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
+  const float* cos = (local ? rope_cos_local_ : rope_cos_).data();
+  const float* sin = (local ? rope_sin_local_ : rope_sin_).data();
+  pool_.parallel([&](int tid, int nth) {
+    for (int64_t t = tid; t < T; t += nth) {
+      float* q = qkv_.data() + t * qkv_dim;
+      float* k = q + nh * hd;
+      kt_.rmsnorm(q, q, L.q_norm.data(), nh * hd, cfg_.norm_eps);
+      kt_.rmsnorm(k, k, L.k_norm.data(), nkv * hd, cfg_.norm_eps);
+      const int64_t p = tok_pos_[t];
+      for (int64_t h = 0; h < nh + nkv; h++) rope_head(q + h * hd, cos + p * half, sin + p * half, half);
+      const SeqSlice& seq = seqs[tok_seq_[t]];
+      for (int64_t h = 0; h < 2 * nkv; h++)
+        kv_.store(l, seq.blocks[p / B], p % B, h % nkv, h >= nkv, k + h * hd);
+    }
+  });
+}
+
+// A mixture-of-experts MLP over T tokens: the router's logits, each token's top k experts, its rows
+// grouped by expert (so each chosen expert's weights are read once for all its tokens), the experts'
+// gate/up and down projections over those groups, and each token's weighted sum added to x.
+void Model::moe(int64_t l, int64_t T) {
+  const LayerWeights& L = layers_[l];
+  const KernelTable& k = kt_;
+  const int64_t d = cfg_.dim, f = cfg_.ffn_dim, E = cfg_.n_experts, K = cfg_.n_experts_used, GB = kGateUpBlock;
+  float* x = x_.data();
+  for (int64_t t = 0; t < T; t++) k.rmsnorm(moe_norm_.data() + t * d, x + t * d, L.ffn_norm.data(), d, cfg_.norm_eps);
+  pool_.parallel_chunks(MatmulTask{TaskMatmul{&k, &L.router, nullptr, 0, cfg_.act_type}, moe_norm_.data(), T, d,
+                                   router_logits_.data(), E, false},
+                        chunking(L.router, E, k.row_grain, T, 1));
+
+  // Routing: softmax over all experts, the top K (ties to the lower index), optionally renormalized.
+  // (A NaN logit, from broken weights, is never picked over a number, and never makes an index invalid.)
+  std::vector<int64_t> count(E, 0);
+  std::vector<int32_t> chosen(K);
+  std::vector<float> prob(E);
+  std::vector<char> taken(E);
+  for (int64_t t = 0; t < T; t++) {
+    const float* z = router_logits_.data() + t * E;
+    float mx = z[0], sum = 0.f;
+    for (int64_t e = 1; e < E; e++) mx = std::max(mx, z[e]);
+    for (int64_t e = 0; e < E; e++) sum += (prob[e] = std::exp(z[e] - mx));
+    for (int64_t e = 0; e < E; e++) prob[e] /= sum;
+    std::fill(taken.begin(), taken.end(), 0);
+    float picked = 0.f;
+    for (int64_t i = 0; i < K; i++) {
+      int32_t best = -1;
+      for (int64_t e = 0; e < E; e++)
+        if (!taken[e] && (best < 0 || prob[e] > prob[best] || (std::isnan(prob[best]) && !std::isnan(prob[e]))))
+          best = (int32_t)e;
+      chosen[i] = best;
+      taken[best] = 1;
+      row_weight_[t * K + i] = prob[best];  // by (token, i) for now; by row below
+      picked += prob[best];
+    }
+    for (int64_t i = 0; i < K; i++) {
+      row_of_[t * K + i] = chosen[i];
+      if (cfg_.moe_norm_topk) row_weight_[t * K + i] /= picked;
+      count[chosen[i]]++;
+    }
+  }
+  // Group the rows by expert: slot s is the s-th expert with rows, its rows in token order.
+  int64_t slots = 0, max_rows = 0;
+  std::vector<int64_t> next(E);
+  slot_row0_[0] = 0;
+  for (int64_t e = 0; e < E; e++) {
+    if (!count[e]) continue;
+    next[e] = slot_row0_[slots];
+    slot_expert_[slots] = (int32_t)e;
+    slot_row0_[slots + 1] = slot_row0_[slots] + count[e];
+    max_rows = std::max(max_rows, count[e]);
+    slots++;
+  }
+  std::vector<float> by_token(row_weight_.begin(), row_weight_.begin() + T * K);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < K; i++) {
+      const int64_t r = next[row_of_[t * K + i]]++;
+      row_of_[t * K + i] = r;
+      row_token_[r] = t;
+      row_weight_[r] = by_token[t * K + i];
+      std::memcpy(moe_in_.data() + r * d, moe_norm_.data() + t * d, d * sizeof(float));
+    }
+
+  // Each slot's quantized input, one after the other in a thread's buffer (0 bytes: float weights).
+  auto place_inputs = [&](bool gate_up) {
+    size_t off = 0;
+    for (int64_t s = 0; s < slots; s++) {
+      const ExpertWeights& ew = L.experts[slot_expert_[s]];
+      slot_qa_[s] = off;
+      off += (k.quant_act_bytes(gate_up ? ew.w_gate_up : ew.w_down, slot_row0_[s + 1] - slot_row0_[s], cfg_.act_type) + 63) / 64 * 64;
+    }
+    slot_qa_[slots] = off;
+    if (off > moe_qa_ld_) {
+      pool_.quiesce();  // a descheduled pool thread may still read the old buffer
+      moe_qa_ld_ = off + off / 2;
+      moe_qa_ = aligned_buffer(pool_.size() * moe_qa_ld_);
+    }
+  };
+  auto slots_for = [&](bool gate_up, const std::vector<float>& in, int64_t ld_in) {
+    return ExpertSlots{&k, L.experts.data(), slot_expert_.data(), slot_row0_.data(), slot_qa_.data(), E, slots,
+                       max_rows, T * K, in.data(), ld_in, static_cast<uint8_t*>(moe_qa_.get()), moe_qa_ld_,
+                       moe_qa_done_.data(), cfg_.act_type, gate_up};
+  };
+  // chunks of about kChunkBytes of one expert's weights; units in multiples of `slots` (ExpertSlots)
+  auto expert_chunking = [&](const PackedMatrix& w, int64_t blocks, int64_t cols) {
+    const double unit_bytes = (double)w.bytes() / (double)blocks;
+    return Chunking{blocks * slots, slots, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), max_rows, cols, unit_bytes};
+  };
+  const ExpertWeights& first = L.experts[slot_expert_[0]];
+  place_inputs(true);
+  pool_.parallel_chunks(ExpertGateUpTask{slots_for(true, moe_in_, d), moe_act_.data(), f, GB, cfg_.activation},
+                        expert_chunking(first.w_gate_up, (f + GB - 1) / GB, 2 * GB));
+  place_inputs(false);
+  pool_.parallel_chunks(ExpertDownTask{slots_for(false, moe_act_, f), moe_out_.data(), row_weight_.data(), d, k.row_grain},
+                        expert_chunking(first.w_down, (d + k.row_grain - 1) / k.row_grain, k.row_grain));
+
+  // x += each token's rows, in its routing order
+  auto add_rows = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t i = 0; i < K; i++) {
+        const float* o = moe_out_.data() + row_of_[t * K + i] * d;
+        for (int64_t j = 0; j < d; j++) x[t * d + j] += o[j];
+      }
+  };
+  if (T * K * d < (1 << 16)) return add_rows(0, T);
+  pool_.parallel([&](int tid, int nth) {
+    int64_t t0, t1;
+    split_range(T, tid, nth, 1, &t0, &t1);
+    add_rows(t0, t1);
+  });
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

@@ -29,6 +29,7 @@ Model::Model(const ModelConfig& cfg)
             cfg.schedule),
       kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
   layers_.resize(cfg_.n_layers);
+  for (LayerWeights& L : layers_) L.experts.resize(cfg_.n_experts);
   pack_threads_ = [this](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
     pool_.parallel([&](int tid, int nth) {
       int64_t b0, b1;

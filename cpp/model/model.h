@@ -81,7 +81,10 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
   const KernelTable& kernel_table() const { return kt_; }
-  size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token)
+  size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token without experts)
+  // What one token's decode reads: weight_bytes() with n_experts_used of each layer's experts (of mean
+  // size) instead of all of them.
+  size_t active_weight_bytes() const;
   // The packed matrices in the order decode reads them (layers' wqkv, wo, w_gate_up, w_down, then
   // lm_head and tok_embeddings): name, address, bytes. finalize() puts them end to end in one buffer.
   std::vector<std::tuple<std::string, uintptr_t, size_t>> weight_spans() const;
@@ -113,6 +116,8 @@ class Model {
   void check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const;
   void run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
   void attention(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
+  void qk_norm_whole(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
+  void moe(int64_t layer, int64_t n_tokens);
   void ensure_scratch(int64_t n);
   bool numa_places_memory() const;
   void place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges, bool strict);
@@ -165,6 +170,23 @@ class Model {
   std::vector<float> scores_;   // [n_threads][query heads per kv head][max_seq_len]
   std::vector<int64_t> tok_seq_, tok_pos_;  // [T] each token's sequence and position
   std::vector<float> out_rows_;  // [rows][dim] normalized rows whose logits are wanted
+
+  // Mixture of experts: T tokens' T * k routed rows, grouped by expert ("slots": the experts that got
+  // rows, in expert order; slot s holds rows [slot_row0_[s], slot_row0_[s + 1]) of the row buffers).
+  std::vector<float> moe_norm_;     // [T][dim] the tokens' normalized MLP input
+  std::vector<float> router_logits_;  // [T][n_experts]
+  std::vector<float> moe_in_;       // [T * k][dim] each row's token's input
+  std::vector<float> moe_act_;      // [T * k][ffn_dim]
+  std::vector<float> moe_out_;      // [T * k][dim] each row's expert output times its routing weight
+  std::vector<int64_t> row_of_;     // [T][k] the rows of each token
+  std::vector<int64_t> row_token_;  // [T * k]
+  std::vector<float> row_weight_;   // [T * k]
+  std::vector<int32_t> slot_expert_;  // [n_experts]
+  std::vector<int64_t> slot_row0_;    // [n_experts + 1]
+  std::vector<size_t> slot_qa_;       // [n_experts + 1] byte offsets of the slots' quantized inputs
+  std::shared_ptr<void> moe_qa_;      // [n_threads][moe_qa_ld_] each thread's quantized expert inputs
+  size_t moe_qa_ld_ = 0;
+  std::vector<uint8_t> moe_qa_done_;  // [n_threads][n_experts] whether a slot's input is quantized yet
 
   std::vector<PlacedBuffer> placed_;
   std::string numa_status_;

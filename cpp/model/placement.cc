@@ -54,7 +54,7 @@ void Model::split_kv_heads() {
 int64_t Model::row_grain(const std::string& matrix, int64_t head_dim, const KernelTable& kt) {
   if (matrix == "wqkv") return head_dim;
   if (matrix == "w_gate_up") return 2 * kGateUpBlock;
-  if (matrix == "wo" || matrix == "w_down" || matrix == "lm_head") return kt.row_grain;
+  if (matrix == "wo" || matrix == "w_down" || matrix == "lm_head" || matrix == "router") return kt.row_grain;
   throw std::invalid_argument("no row grain for '" + matrix + "'");
 }
 

@@ -12,18 +12,36 @@
 
 namespace corelm {
 
-WeightName parse_weight_name(const std::string& name, int64_t n_layers) {
-  if (name == "tok_embeddings" || name == "lm_head" || name == "norm") return {-1, name};
+static bool all_digits(const std::string& s) {
+  return !s.empty() && s.size() <= 6 && std::all_of(s.begin(), s.end(), ::isdigit);
+}
+
+WeightName parse_weight_name(const std::string& name, int64_t n_layers, int64_t n_experts) {
+  if (name == "tok_embeddings" || name == "lm_head" || name == "norm") return {-1, -1, name};
   const size_t dot = name.rfind("layers.", 0) == 0 ? name.find('.', 7) : std::string::npos;
   const std::string idx = dot == std::string::npos ? "" : name.substr(7, dot - 7);
-  require(!idx.empty() && idx.size() <= 6 && std::all_of(idx.begin(), idx.end(), ::isdigit), "unknown weight " + name);
+  require(all_digits(idx), "unknown weight " + name);
   const int64_t layer = std::stoll(idx);
   require(layer < n_layers, "weight " + name + " is beyond the model's " + std::to_string(n_layers) + " layers");
-  return {layer, name.substr(dot + 1)};
+  std::string part = name.substr(dot + 1);
+  if (part.rfind("experts.", 0) != 0) return {layer, -1, part};
+  const size_t edot = part.find('.', 8);
+  const std::string eidx = edot == std::string::npos ? "" : part.substr(8, edot - 8);
+  require(all_digits(eidx), "unknown weight " + name);
+  const int64_t expert = std::stoll(eidx);
+  require(expert < n_experts, "weight " + name + " is beyond the model's " + std::to_string(n_experts) + " experts");
+  part = part.substr(edot + 1);
+  require(part == "w_gate" || part == "w_up" || part == "w_down", "unknown weight " + name);
+  return {layer, expert, part};
 }
 
 std::string layer_weight_name(int64_t layer, const std::string& part) {
   return "layers." + std::to_string(layer) + "." + part;
+}
+
+std::string weight_name(const WeightName& w) {
+  if (w.layer < 0) return w.part;
+  return layer_weight_name(w.layer, w.expert < 0 ? w.part : "experts." + std::to_string(w.expert) + "." + w.part);
 }
 
 std::vector<std::string> fused_parts(const std::string& part) {
@@ -56,13 +74,33 @@ static void check_shape(const std::string& name, const std::vector<int64_t>& got
 static std::vector<std::string> partner_names(const WeightName& w) {
   std::vector<std::string> out;
   if (w.layer >= 0)
-    for (const std::string& p : fused_parts(w.part)) out.push_back(layer_weight_name(w.layer, p));
+    for (const std::string& p : fused_parts(w.part)) out.push_back(weight_name({w.layer, w.expert, p}));
   return out;
+}
+
+// The dense MLP's parts in a mixture-of-experts layer, or a router or expert without experts, are
+// mistakes of the caller's, not weights to drop.
+static void check_mlp_part(const WeightName& w, const ModelConfig& cfg, const std::string& name) {
+  const bool mlp = w.part == "w_gate" || w.part == "w_up" || w.part == "w_down";
+  if (cfg.moe())
+    require(!(mlp && w.expert < 0), "weight " + name + " given for a mixture-of-experts model: its layers have a "
+                                    "router and experts.<j>.w_gate/w_up/w_down");
+  else
+    require(w.part != "router", "weight " + name + " given for a model without experts");
+}
+
+// The fused gate/up and the down matrix w belongs to: the layer's dense MLP's or its expert's.
+static PackedMatrix& gate_up_of(LayerWeights& L, const WeightName& w) {
+  return w.expert < 0 ? L.w_gate_up : L.experts[w.expert].w_gate_up;
+}
+static PackedMatrix& down_of(LayerWeights& L, const WeightName& w) {
+  return w.expert < 0 ? L.w_down : L.experts[w.expert].w_down;
 }
 
 void Model::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   require(!ready_, "weights can't change after finalize()");
-  const WeightName w = parse_weight_name(name, cfg_.n_layers);
+  const WeightName w = parse_weight_name(name, cfg_.n_layers, cfg_.n_experts);
+  check_mlp_part(w, cfg_, name);
   if (!pending_raw_.empty()) raw_partners_to_f32(w);
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
   const int64_t f = cfg_.ffn_dim;
@@ -84,7 +122,7 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
     return;
   }
   LayerWeights& L = layers_[w.layer];
-  const std::string key = layer_weight_name(w.layer, part);  // "layers.01.wq" waits as "layers.1.wq"
+  const std::string key = weight_name(w);  // "layers.01.wq" waits as "layers.1.wq"
   const std::vector<std::string> partners = partner_names(w);
   auto all_pending = [&] {
     return std::all_of(partners.begin(), partners.end(), [&](const std::string& p) { return pending_.count(p) > 0; });
@@ -97,9 +135,13 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
     check_shape(name, shape, {d});
     (part == "post_attn_norm" ? L.post_attn_norm : L.post_ffn_norm) = vec(d);
   } else if (part == "q_norm" || part == "k_norm") {
-    require(cfg_.qk_norm, "weight " + name + " given for a model without q/k norms");
-    check_shape(name, shape, {hd});
-    (part == "q_norm" ? L.q_norm : L.k_norm) = vec(hd);
+    require(cfg_.qk_norm || cfg_.qk_norm_whole, "weight " + name + " given for a model without q/k norms");
+    const int64_t n = !cfg_.qk_norm_whole ? hd : part == "q_norm" ? q_rows : kv_rows;
+    check_shape(name, shape, {n});
+    (part == "q_norm" ? L.q_norm : L.k_norm) = vec(n);
+  } else if (part == "router") {
+    check_shape(name, shape, {cfg_.n_experts, d});
+    L.router = kt_.pack(data, cfg_.n_experts, d, WeightType::F32, &pack_threads_);
   } else if (part == "wq" || part == "wk" || part == "wv") {
     check_shape(name, shape, {part == "wq" ? q_rows : kv_rows, d});
     pending_[key] = vec(shape[0] * d);
@@ -126,12 +168,12 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
     if (all_pending()) {
       std::vector<float> fused((size_t)2 * f * d);
       interleave_gate_up(pending_[partners[0]].data(), pending_[partners[1]].data(), f, d * sizeof(float), fused.data());
-      L.w_gate_up = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type, &pack_threads_);
+      gate_up_of(L, w) = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type, &pack_threads_);
       for (const std::string& p : partners) pending_.erase(p);
     }
   } else if (part == "w_down") {
     check_shape(name, shape, {d, f});
-    L.w_down = kt_.pack(data, d, f, cfg_.weight_type, &pack_threads_);
+    down_of(L, w) = kt_.pack(data, d, f, cfg_.weight_type, &pack_threads_);
   } else {
     throw std::invalid_argument("unknown weight " + name);
   }
@@ -157,7 +199,8 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   require(quant::is_raw_type(type), "raw weights must be GGUF blocks of a type the kernels take");
   require(shape.size() == 2, "raw weight " + name + " must be a matrix");
   quant::check_raw(type, nbytes, shape[0], shape[1]);
-  const WeightName w = parse_weight_name(name, cfg_.n_layers);
+  const WeightName w = parse_weight_name(name, cfg_.n_layers, cfg_.n_experts);
+  check_mlp_part(w, cfg_, name);
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, q_rows = cfg_.n_heads * hd, kv_rows = cfg_.n_kv_heads * hd;
   const int64_t f = cfg_.ffn_dim;
   auto as_f32 = [&] {  // a weight this path does not fuse raw
@@ -174,7 +217,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
     PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
     if (!model_matrix) {
       LayerWeights& L = layers_[w.layer];
-      (part == "wo" ? L.wo : L.w_down) = m;
+      (part == "wo" ? L.wo : down_of(L, w)) = m;
     } else {
       (part == "tok_embeddings" ? tok_embeddings_ : lm_head_) = m;
       if (part == "tok_embeddings" && cfg_.tie_embeddings) lm_head_ = m;
@@ -184,7 +227,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   const std::vector<std::string> partners = partner_names(w);
   if (partners.empty()) return as_f32();  // norms, biases: set_weight reports what is wrong
   check_shape(name, shape, {part == "wq" ? q_rows : part == "wk" || part == "wv" ? kv_rows : f, d});
-  const std::string key = layer_weight_name(w.layer, part);
+  const std::string key = weight_name(w);
   for (const std::string& p : partners)
     if (p != key && (pending_.count(p) || (partners.size() == 2 && pending_raw_.count(p) && pending_raw_[p].first != type))) {
       raw_partners_to_f32(w);  // float partners, or gate/up of two types: everything fuses as fp32
@@ -229,7 +272,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
     rows = 2 * f;
   }
   LayerWeights& L = layers_[w.layer];
-  (partners.size() == 3 ? L.wqkv : L.w_gate_up) = kt_.pack_raw(type, fused.data(), rows, d, &pack_threads_);
+  (partners.size() == 3 ? L.wqkv : gate_up_of(L, w)) = kt_.pack_raw(type, fused.data(), rows, d, &pack_threads_);
   for (const std::string& p : partners) pending_raw_.erase(p);
 }
 
@@ -245,10 +288,15 @@ void Model::finalize() {
     if (L.ffn_norm.empty()) missing(p + "ffn_norm");
     if (!L.wqkv.storage && L.wqkv.parts.empty()) missing(p + "wq/wk/wv");
     if (!L.wo.storage) missing(p + "wo");
-    if (!L.w_gate_up.storage) missing(p + "w_gate/w_up");
-    if (!L.w_down.storage) missing(p + "w_down");
+    if (!cfg_.moe() && !L.w_gate_up.storage) missing(p + "w_gate/w_up");
+    if (!cfg_.moe() && !L.w_down.storage) missing(p + "w_down");
+    if (cfg_.moe() && !L.router.storage) missing(p + "router");
+    for (size_t e = 0; e < L.experts.size(); e++) {
+      if (!L.experts[e].w_gate_up.storage) missing(p + "experts." + std::to_string(e) + ".w_gate/w_up");
+      if (!L.experts[e].w_down.storage) missing(p + "experts." + std::to_string(e) + ".w_down");
+    }
     if (cfg_.attention_bias && L.bqkv.empty()) missing(p + "bq/bk/bv");
-    if (cfg_.qk_norm && (L.q_norm.empty() || L.k_norm.empty())) missing(p + "q_norm/k_norm");
+    if ((cfg_.qk_norm || cfg_.qk_norm_whole) && (L.q_norm.empty() || L.k_norm.empty())) missing(p + "q_norm/k_norm");
     if (cfg_.post_norms && (L.post_attn_norm.empty() || L.post_ffn_norm.empty()))
       missing(p + "post_attn_norm/post_ffn_norm");
   }
@@ -273,7 +321,20 @@ std::vector<std::tuple<std::string, uintptr_t, size_t>> Model::weight_spans() co
 
 size_t Model::weight_bytes() const {
   size_t total = lm_head_.bytes();
-  for (const LayerWeights& L : layers_) total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_down.bytes();
+  for (const LayerWeights& L : layers_) {
+    total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_down.bytes() + L.router.bytes();
+    for (const ExpertWeights& e : L.experts) total += e.w_gate_up.bytes() + e.w_down.bytes();
+  }
+  return total;
+}
+
+size_t Model::active_weight_bytes() const {
+  size_t total = weight_bytes();
+  for (const LayerWeights& L : layers_) {
+    size_t experts = 0;
+    for (const ExpertWeights& e : L.experts) experts += e.w_gate_up.bytes() + e.w_down.bytes();
+    if (!L.experts.empty()) total -= experts - experts * cfg_.n_experts_used / L.experts.size();
+  }
   return total;
 }
 
@@ -281,18 +342,29 @@ std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
   std::vector<NamedMatrix> out;
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     LayerWeights& L = layers_[l];
-    const std::pair<const char*, PackedMatrix*> kinds[] = {
-        {"wqkv", &L.wqkv}, {"wo", &L.wo}, {"w_gate_up", &L.w_gate_up}, {"w_down", &L.w_down}};
-    for (const auto& k : kinds) {
-      if (k.second->parts.empty()) {
-        out.push_back({layer_weight_name(l, k.first), k.first, k.second});
+    // (name, kind, matrix); a mixture-of-experts layer has the router and its experts for an MLP
+    std::vector<std::tuple<std::string, const char*, PackedMatrix*>> kinds = {
+        {layer_weight_name(l, "wqkv"), "wqkv", &L.wqkv}, {layer_weight_name(l, "wo"), "wo", &L.wo}};
+    if (!cfg_.moe()) {
+      kinds.emplace_back(layer_weight_name(l, "w_gate_up"), "w_gate_up", &L.w_gate_up);
+      kinds.emplace_back(layer_weight_name(l, "w_down"), "w_down", &L.w_down);
+    } else {
+      kinds.emplace_back(layer_weight_name(l, "router"), "router", &L.router);
+      for (size_t e = 0; e < L.experts.size(); e++) {
+        const std::string p = layer_weight_name(l, "experts." + std::to_string(e) + ".");
+        kinds.emplace_back(p + "w_gate_up", "w_gate_up", &L.experts[e].w_gate_up);
+        kinds.emplace_back(p + "w_down", "w_down", &L.experts[e].w_down);
+      }
+    }
+    for (const auto& [name, kind, m] : kinds) {
+      if (m->parts.empty()) {
+        out.push_back({name, kind, m});
         continue;
       }
       int64_t r0 = 0;
-      for (size_t i = 0; i < k.second->parts.size(); i++) {
-        PackedMatrix& p = k.second->parts[i];
-        out.push_back({layer_weight_name(l, k.first) + "." + std::to_string(i), k.first, &p, r0, k.second->rows});
-        r0 += p.rows;
+      for (size_t i = 0; i < m->parts.size(); i++) {
+        out.push_back({name + "." + std::to_string(i), kind, &m->parts[i], r0, m->rows});
+        r0 += m->parts[i].rows;
       }
     }
   }

@@ -10,6 +10,12 @@
 
 namespace corelm {
 
+// One expert of a mixture-of-experts layer: an MLP of its own, fused as the dense one is.
+struct ExpertWeights {
+  PackedMatrix w_gate_up;  // [2 * ffn_dim, dim]
+  PackedMatrix w_down;     // [dim, ffn_dim]
+};
+
 struct LayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // [dim]
   std::vector<float> q_norm, k_norm;       // [head_dim] with qk_norm, else empty
@@ -19,6 +25,10 @@ struct LayerWeights {
   PackedMatrix wo;                         // [dim, n_heads * head_dim]
   PackedMatrix w_gate_up;                  // [2 * ffn_dim, dim]: gate and up rows interleaved in blocks
   PackedMatrix w_down;                     // [dim, ffn_dim]
+  // Mixture of experts, in place of w_gate_up and w_down: the router [n_experts, dim], always fp32 (its
+  // logits pick the experts), and the experts.
+  PackedMatrix router;
+  std::vector<ExpertWeights> experts;
 };
 
 // Gate and up rows are fused in blocks of this many rows, gate's then up's, alternating, so the thread
@@ -26,16 +36,19 @@ struct LayerWeights {
 // without a barrier.
 constexpr int64_t kGateUpBlock = 16;
 
-// A weight's internal name: "tok_embeddings", "lm_head", "norm", or "layers.<layer>.<part>".
+// A weight's internal name: "tok_embeddings", "lm_head", "norm", "layers.<layer>.<part>", or an
+// expert's "layers.<layer>.experts.<expert>.<part>" (part w_gate, w_up or w_down).
 struct WeightName {
-  int64_t layer = -1;  // -1: a weight of the whole model
-  std::string part;    // the layer's part ("wq", "attn_norm", ...), or the model weight's name
+  int64_t layer = -1;   // -1: a weight of the whole model
+  int64_t expert = -1;  // -1: not an expert's
+  std::string part;     // the layer's or expert's part ("wq", "attn_norm", ...), or the model weight's name
 };
 
-// The one parser of weight names. Throws std::invalid_argument for a name of neither form and for a
-// layer at or beyond n_layers; whether a layer has such a part is for the caller to say.
-WeightName parse_weight_name(const std::string& name, int64_t n_layers);
+// The one parser of weight names. Throws std::invalid_argument for a name of no such form and for a
+// layer or expert at or beyond n_layers or n_experts; whether a layer has such a part is for the caller.
+WeightName parse_weight_name(const std::string& name, int64_t n_layers, int64_t n_experts = 0);
 std::string layer_weight_name(int64_t layer, const std::string& part);  // "layers.<layer>.<part>"
+std::string weight_name(const WeightName& w);  // the inverse of parse_weight_name
 
 // The parts fused into one matrix with `part`, itself included, in the fused matrix's order: wq, wk, wv
 // (wqkv) or w_gate, w_up (w_gate_up); empty for any other part.
