@@ -199,3 +199,13 @@ def test_moe_nan_router_does_not_crash():
     w["layers.0.router"][:] = np.nan
     logits = core_forward(build(cfg, w), TOKENS, 0)
     assert logits.shape == (V,)
+
+
+def test_moe_split_by_node():
+    """Threads on two (fake) nodes: each node's threads take their own rows of every chosen expert first
+    (units in multiples of the active experts), and the logits stay the reference's."""
+    cfg = config(threads=2, f=96)
+    w = random_weights(cfg, seed=4)
+    m = build(cfg, w)
+    m.set_thread_nodes([0, 1])
+    assert nmse(core_forward(m, TOKENS, 0, all_logits=True), reference(cfg, w, TOKENS)) < 1e-9

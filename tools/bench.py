@@ -10,7 +10,8 @@ Same columns as the peer benchmark (shared/bench/peers/bench_peers.py), so the t
 - peak RSS      = ru_maxrss of the worker process (one fresh process per measurement);
 - % roofline    = decode tok/s / (read bandwidth at that thread count / weight bytes read per token).
   Weight bytes per token = every layer tensor + lm_head in the engine's storage dtype (the embedding row
-  is ignored; a tied lm_head counts as the embedding matrix). Bandwidth is measured in the same run with
+  is ignored; a tied lm_head counts as the embedding matrix); of a mixture of experts' stacked expert
+  tensors only the used share (expert_used_count / expert_count), what a token's router picks. Bandwidth is measured in the same run with
   the peers' membw microbenchmark (compiled from its source if needed; numpy fallback), once per round and
   thread count, and printed.
 Engines: corelm:DTYPE with any dtype of corelm.options (bf16, fp32, q8/q8_0, q4/q4_0, q4_1: our engine;
@@ -130,6 +131,12 @@ def model_info(path):
         tied = "output.weight" not in ts
         vocab = ts[emb]["dims"][1]
     read = {k: v for k, v in ts.items() if k != emb or tied}  # a tied lm_head reads the embedding matrix
+    # a token reads only the experts its router picks: each stacked expert tensor counts used/experts
+    arch = meta.get("general.architecture") if not os.path.isdir(path) else None
+    used, n_exp = (meta.get(f"{arch}.expert_used_count"), meta.get(f"{arch}.expert_count")) if arch else (None, None)
+    if used and n_exp:
+        read = {k: dict(v, bytes=v["bytes"] * used / n_exp, n=v["n"] * used / n_exp) if "_exps." in k else v
+                for k, v in read.items()}
     return {"tensors": read, "vocab": int(vocab)}
 
 
@@ -221,7 +228,7 @@ def worker_main(engine, path, T, prompt_file):
     dc = (len(stamps) - 1) / (stamps[-1] - stamps[0])
     print("RESULT " + json.dumps({"prefill_tps": pf, "decode_tps": dc, "load_s": t_load, "tokens_head": toks[:8],
                                   "weight_type": str(getattr(llm, "dtype", var)),
-                                  "weight_bytes": llm.engine.core.weight_bytes,
+                                  "weight_bytes": llm.engine.core.active_weight_bytes,
                                   "threads": getattr(llm, "threads", T)}), flush=True)
 
 

@@ -33,8 +33,9 @@ void Model::ensure_scratch(int64_t n) {
   xb_.assign(nth * T * cfg_.dim, 0.f);
   qkv_.assign(T * qkv_dim, 0.f);
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
-  hb_.assign(nth * T * 2 * cfg_.ffn_dim, 0.f);
-  act_.assign(T * cfg_.ffn_dim, 0.f);
+  const int64_t dense_ffn = cfg_.moe() ? 0 : cfg_.ffn_dim;  // experts have buffers of their own
+  hb_.assign(nth * T * 2 * dense_ffn, 0.f);
+  act_.assign(T * dense_ffn, 0.f);
   proj_.assign(cfg_.post_norms ? T * cfg_.dim : 0, 0.f);
   // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
   qact_ld_ = 0;
