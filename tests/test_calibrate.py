@@ -12,7 +12,8 @@ from corelm.engine.model_builder import build_core_model
 from corelm.loader import load_model
 
 
-@pytest.mark.parametrize("name", ["stories260K", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"])
+@pytest.mark.parametrize("name", ["stories260K", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
+                                  "tiny-mixtral", "tiny-qwen3moe", "tiny-olmoe"])
 def test_forward_matches_the_engine(name):
     m = load_model(os.path.join(MODELS, name))
     ids = calibration_ids(m)[:40]

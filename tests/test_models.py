@@ -47,11 +47,17 @@ SOURCES = {
     "tiny-gemma2-hf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2")),
     "tiny-gemma3-hf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3")),
     "tiny-phi3-hf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3")),
+    "tiny-qwen3moe-hf": ("tiny-qwen3moe", lambda: os.path.join(MODELS, "tiny-qwen3moe")),
+    "tiny-mixtral-hf": ("tiny-mixtral", lambda: os.path.join(MODELS, "tiny-mixtral")),
+    "tiny-olmoe-hf": ("tiny-olmoe", lambda: os.path.join(MODELS, "tiny-olmoe")),
     # the same models as llama.cpp's converter writes them (tools/make_family_gguf.py)
     "tiny-qwen3-gguf": ("tiny-qwen3", lambda: os.path.join(MODELS, "tiny-qwen3", "tiny-qwen3.f32.gguf")),
     "tiny-gemma2-gguf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2", "tiny-gemma2.f32.gguf")),
     "tiny-gemma3-gguf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3", "tiny-gemma3.f32.gguf")),
     "tiny-phi3-gguf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3", "tiny-phi3.f32.gguf")),
+    "tiny-qwen3moe-gguf": ("tiny-qwen3moe", lambda: os.path.join(MODELS, "tiny-qwen3moe", "tiny-qwen3moe.f32.gguf")),
+    "tiny-mixtral-gguf": ("tiny-mixtral", lambda: os.path.join(MODELS, "tiny-mixtral", "tiny-mixtral.f32.gguf")),
+    "tiny-olmoe-gguf": ("tiny-olmoe", lambda: os.path.join(MODELS, "tiny-olmoe", "tiny-olmoe.f32.gguf")),
     "smollm2-gguf": ("smollm2", lambda: DEFAULT_GGUF),
     "smollm2-hf": ("smollm2", smollm2_hf_folder),
 }
@@ -86,6 +92,21 @@ def test_fp32_matches_transformers(source):
         llm.reset()
         out = llm.generate([prompt], SamplingParams(max_tokens=len(expected), **GREEDY))[0].outputs[0]
         assert out.token_ids == expected
+
+
+MOE_SOURCES = [s for s in SOURCES if s.startswith(("tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe"))]
+
+
+@pytest.mark.parametrize("source", MOE_SOURCES)
+def test_moe_routes_as_transformers(source):
+    """Every layer picks the same experts, in the same order, for every token of prompt and generation."""
+    fx = fixture(SOURCES[source][0])
+    llm = get_llm(source, "fp32")
+    for case in fx["cases"]:
+        tokens = case["prompt_ids"] + case["generated_ids"][:-1]
+        llm.reset()
+        core_forward(llm.engine.core, np.asarray(tokens, np.int32), 0, False)
+        np.testing.assert_array_equal(llm.engine.core.last_routing(), np.asarray(case["experts"]))
 
 
 def matching_prefix(a, b):
@@ -126,7 +147,8 @@ def test_default_settings_match_transformers(source):
 
 
 @pytest.mark.parametrize("source", ["tiny-qwen2-hf", "tiny-mistral-hf", "tiny-llama3-hf", "tiny-qwen3-hf",
-                                    "tiny-gemma2-hf", "tiny-gemma3-hf", "tiny-phi3-hf"])
+                                    "tiny-gemma2-hf", "tiny-gemma3-hf", "tiny-phi3-hf", "tiny-mixtral-hf",
+                                    "tiny-olmoe-hf"])
 def test_bf16_tiny_random_models_diverge_only_at_near_ties(source):
     """Random-weight tiny models have near-ties (top-2 logit gaps of 0.02) where bf16 rounding may
     legitimately pick the runner-up; before the first gap under 0.2, tokens must be identical."""
@@ -183,6 +205,6 @@ def test_other_kernel_tables_generate_the_same(isa):
         "out = llm.generate([c['prompt_ids']], corelm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))\n"
         "assert out[0].outputs[0].token_ids == c['generated_ids'], 'mismatch'\n"
     )
-    for name in ("tiny-qwen2", "stories260K", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"):
+    for name in ("tiny-qwen2", "stories260K", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmoe"):
         r = run_with_isa(isa, code, os.path.join(FIXTURES, f"{name}.json"), os.path.join(MODELS, name), isa)
         assert r.returncode == 0, r.stderr[-2000:]

@@ -203,17 +203,19 @@ ROUTER_MIN_GAP = 1e-3
 
 
 @torch.no_grad()
-def router_min_gap(model, prompt_ids, gen):
-    """MoE models: the smallest k-th minus (k+1)-th router probability over every layer and token of the cached
-    greedy run (prompt, then the generated tokens one at a time); None for a dense model."""
+def routing(model, prompt_ids, gen):
+    """MoE models: (the smallest k-th minus (k+1)-th router probability, the chosen experts [layers][tokens][k]
+    by falling probability) over every layer and token of the cached greedy run (prompt, then the generated
+    tokens one at a time: prompt + gen[:-1]); None for a dense model."""
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
     if not routers:
         return None
-    gaps = []
+    gaps, chosen = [], [[] for _ in routers]
 
     def hook(mod, inp, out):
-        p = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        p, idx = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True)
         gaps.append(float((p[:, mod.top_k - 1] - p[:, mod.top_k]).min()))
+        chosen[routers.index(mod)].extend(idx[:, :mod.top_k].tolist())
 
     handles = [m.register_forward_hook(hook) for m in routers]
     try:
@@ -222,7 +224,12 @@ def router_min_gap(model, prompt_ids, gen):
         for h in handles:
             h.remove()
     assert again == gen
-    return min(gaps)
+    return min(gaps), chosen
+
+
+def router_min_gap(model, prompt_ids, gen):
+    r = routing(model, prompt_ids, gen)
+    return None if r is None else r[0]
 
 
 def _min_margin(logits):
@@ -287,7 +294,8 @@ def make_model_fixture(name, folder, model_dir, gguf):
         err0 = float(np.abs(full[len(prompt_ids) - 1] - logits[0]).max())
         err8 = float(np.abs(full[-1] - logits[STEP]).max())
         assert err0 < 1e-3 and err8 < 1e-3, (err0, err8)
-        gap = router_min_gap(model, prompt_ids, gen)
+        routed = routing(model, prompt_ids, gen)
+        gap = routed[0] if routed else None
         if gap is not None and gap <= ROUTER_MIN_GAP:
             raise SystemExit(f"{name} p{k}: router top-k gap {gap:.3g} <= {ROUTER_MIN_GAP}: routing is not decisive, "
                              "change the seed or ROUTER_STD in tools/make_tiny_models.py")
@@ -302,6 +310,8 @@ def make_model_fixture(name, folder, model_dir, gguf):
         case.update({"generated_ids": gen, "last_logits": last_f, "step8_logits": step_f,
                      "margins": [round(float(m), 5) for m in margins],
                      "eos_in_generated": any(t in eos_ids for t in gen)})
+        if routed:  # MoE: the experts each layer picked for each token of prompt + generated[:-1]
+            case["experts"] = routed[1]
         cases.append(case)
         shown = tok.decode(gen) if not name.startswith("tiny-") else gen[:12]
         print(f"  p{k}: {len(prompt_ids)} prompt tokens, min margin {min(margins):.4f}, generate(): {how}, "

@@ -193,6 +193,15 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
+      .def("last_routing", [](PyModel& s) {
+             const std::vector<int32_t> r = s.model.last_routing();
+             const ModelConfig& c = s.model.config();
+             py::array_t<int32_t> out({c.n_layers, s.model.last_routing_tokens(), c.n_experts_used});
+             std::copy(r.begin(), r.end(), out.mutable_data());
+             return out;
+           },
+           "[n_layers, tokens, n_experts_used]: the experts the last forward picked for its tokens, each "
+           "token's by falling router probability.")
       .def_property_readonly("active_weight_bytes", [](PyModel& s) { return s.model.active_weight_bytes(); },
                              "What one decoded token reads: weight_bytes with only the used experts (of mean size).")
       .def("weight_spans", [](PyModel& s) { return s.model.weight_spans(); },

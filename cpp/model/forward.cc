@@ -62,6 +62,7 @@ void Model::ensure_scratch(int64_t n) {
     slot_row0_.assign(E + 1, 0);
     slot_qa_.assign(E + 1, 0);
     moe_qa_done_.assign(nth * E, 0);
+    routing_.assign(cfg_.n_layers * rows, 0);
   }
   tok_seq_.assign(T, 0);
   tok_pos_.assign(T, 0);
@@ -397,6 +398,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   int64_t T = 0;
   for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
   ensure_scratch(T);
+  routing_tokens_ = cfg_.moe() ? T : 0;
   for (int64_t i = 0, t = 0; i < n_seqs; i++)
     for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
   const KernelTable& k = kt_;
@@ -526,7 +528,7 @@ void Model::moe(int64_t l, int64_t T) {
       picked += prob[best];
     }
     for (int64_t i = 0; i < K; i++) {
-      row_of_[t * K + i] = chosen[i];
+      row_of_[t * K + i] = routing_[(l * T + t) * K + i] = chosen[i];
       if (cfg_.moe_norm_topk) row_weight_[t * K + i] /= picked;
       count[chosen[i]]++;
     }

@@ -78,6 +78,12 @@ class Model {
   void forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
   int64_t logit_rows(const SeqSlice* seqs, int64_t n_seqs) const;
   const KVCache& kv_cache() const { return kv_; }
+  // The experts the last forward routed its tokens to: [n_layers][its tokens][n_experts_used], each
+  // token's in falling probability (empty without experts). For tests against the reference's routing.
+  std::vector<int32_t> last_routing() const {
+    return std::vector<int32_t>(routing_.begin(), routing_.begin() + cfg_.n_layers * routing_tokens_ * cfg_.n_experts_used);
+  }
+  int64_t last_routing_tokens() const { return routing_tokens_; }
 
   const ModelConfig& config() const { return cfg_; }
   const KernelTable& kernel_table() const { return kt_; }
@@ -187,6 +193,8 @@ class Model {
   std::shared_ptr<void> moe_qa_;      // [n_threads][moe_qa_ld_] each thread's quantized expert inputs
   size_t moe_qa_ld_ = 0;
   std::vector<uint8_t> moe_qa_done_;  // [n_threads][n_experts] whether a slot's input is quantized yet
+  std::vector<int32_t> routing_;      // [n_layers][T][k] the last forward's chosen experts
+  int64_t routing_tokens_ = 0;
 
   std::vector<PlacedBuffer> placed_;
   std::string numa_status_;

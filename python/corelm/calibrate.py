@@ -40,8 +40,9 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
                   progress: bool = False) -> List[np.ndarray]:
     """fp32 forward pass of each chunk of token ids (each from position 0) through every layer, one layer's
     weights at a time; record(matrix name, its input [T, cols]) is called for every layer matrix (once for
-    q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"). Returns the final
-    hidden states (before the last norm) of each chunk."""
+    q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"; an expert's with
+    the tokens routed to it, never for an expert no token chose). Returns the final hidden states (before
+    the last norm) of each chunk."""
     from .engine.model_builder import rope_attention_factor, rope_inv_freq
     spec = loaded.spec
     get = loaded.get_weight
@@ -60,10 +61,10 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
         layers = tqdm(layers, desc="calibrating", unit="layer")
     for i in layers:
         p = f"layers.{i}."
-        w = {k: get(p + k) for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
+        w = {k: get(p + k) for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm")}
         if spec.attention_bias:
             w.update({k: get(p + k) for k in ("bq", "bk", "bv")})
-        if spec.qk_norm:
+        if spec.qk_norm or spec.qk_norm_whole:
             w.update({k: get(p + k) for k in ("q_norm", "k_norm")})
         if spec.post_norms:
             w.update({k: get(p + k) for k in ("post_attn_norm", "post_ffn_norm")})
@@ -78,6 +79,8 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
             q, k, v = h @ w["wq"].T, h @ w["wk"].T, h @ w["wv"].T
             if spec.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            if spec.qk_norm_whole:
+                q, k = _rmsnorm(q, w["q_norm"], eps), _rmsnorm(k, w["k_norm"], eps)
             q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
             if spec.qk_norm:
                 q, k = _rmsnorm(q, w["q_norm"], eps), _rmsnorm(k, w["k_norm"], eps)
@@ -96,33 +99,67 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
             a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(T, nh * hd)
             record(p + "wo", a)
             o = a @ w["wo"].T
-            x = x + (_rmsnorm(o, w["post_attn_norm"], eps) if spec.post_norms else o)
-            h = _rmsnorm(x, w["ffn_norm"], eps)
-            record(p + "w_gate", h)
-            g, u = h @ w["w_gate"].T, h @ w["w_up"].T
-            if spec.activation == "gelu_tanh":
-                f = np.float32(0.5) * g * (1 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g ** 3))) * u
-            else:
-                f = g / (1 + np.exp(-g)) * u
-            record(p + "w_down", f)
-            o = f @ w["w_down"].T
-            hidden[c] = x + (_rmsnorm(o, w["post_ffn_norm"], eps) if spec.post_norms else o)
+            hidden[c] = x + (_rmsnorm(o, w["post_attn_norm"], eps) if spec.post_norms else o)
+        # the MLP works token by token: all chunks' tokens at once, so each expert's weights are read once
+        x = np.concatenate(hidden)
+        h = _rmsnorm(x, w["ffn_norm"], eps)
+        o = _moe(loaded, spec, p, h, record) if spec.num_experts else _mlp(loaded, spec, p, h, record)
+        x = x + (_rmsnorm(o, w["post_ffn_norm"], eps) if spec.post_norms else o)
+        hidden = np.split(x, np.cumsum([len(c) for c in hidden])[:-1])
         for k in w:
             loaded.release_weight(p + k)
     return hidden
 
 
+def _mlp(loaded: LoadedModel, spec, p: str, h: np.ndarray, record: Callable[[str, np.ndarray], None]) -> np.ndarray:
+    """The gated MLP whose weights are p + w_gate, w_up and w_down (a layer's, or one expert's) on rows h."""
+    record(p + "w_gate", h)
+    g, u = h @ loaded.get_weight(p + "w_gate").T, h @ loaded.get_weight(p + "w_up").T
+    if spec.activation == "gelu_tanh":
+        f = np.float32(0.5) * g * (1 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g ** 3))) * u
+    else:
+        f = g / (1 + np.exp(-g)) * u
+    record(p + "w_down", f)
+    out = f @ loaded.get_weight(p + "w_down").T
+    for k in ("w_gate", "w_up", "w_down"):
+        loaded.release_weight(p + k)
+    return out
+
+
+def _moe(loaded: LoadedModel, spec, p: str, h: np.ndarray, record: Callable[[str, np.ndarray], None]) -> np.ndarray:
+    """A mixture-of-experts MLP: the router's softmax over every expert (fp32), each token's
+    num_experts_used most probable (renormalised to sum to 1 with moe_norm_topk), their MLPs' outputs
+    weighted by those probabilities."""
+    logits = h @ loaded.get_weight(p + "router").T
+    loaded.release_weight(p + "router")
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :spec.num_experts_used]
+    weights = np.take_along_axis(probs, top, -1)
+    if spec.moe_norm_topk:
+        weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(spec.num_experts):
+        rows, slot = np.nonzero(top == e)
+        if len(rows):
+            out[rows] += _mlp(loaded, spec, f"{p}experts.{e}.", h[rows], record) * weights[rows, slot][:, None]
+    return out
+
+
 def activation_importance(loaded: LoadedModel, ids: Sequence[int], chunk: int = 512,
                           progress: bool = False) -> Dict[str, np.ndarray]:
     """{"layers.i.wq": mean x^2 per input column (float32 [cols]), ...} for every layer matrix, over `ids`
-    run as independent chunks of `chunk` tokens."""
+    run as independent chunks of `chunk` tokens (an expert's: over the tokens routed to it; an expert no
+    token chose has none, and is quantized without weights)."""
     sums: Dict[str, np.ndarray] = {}
+    rows: Dict[str, int] = {}
 
     def record(name: str, x: np.ndarray) -> None:
         sums[name] = sums.get(name, 0.0) + (x.astype(np.float64) ** 2).sum(0)
+        rows[name] = rows.get(name, 0) + len(x)
 
     hidden_states(loaded, [ids[i:i + chunk] for i in range(0, len(ids), chunk)], record, progress)
-    out = {name: (s / len(ids)).astype(np.float32) for name, s in sums.items()}
+    out = {name: (s / rows[name]).astype(np.float32) for name, s in sums.items()}
     for name in list(out):      # q/k/v and gate/up multiply the same input
         if name.endswith(".wq"):
             out[name[:-2] + "wk"] = out[name[:-2] + "wv"] = out[name]

@@ -10,7 +10,7 @@ lm_head in Q8_0). q8_0 and q4_0 round to nearest as ggml's reference quantizers 
 do (a q8_0 folder computes what the engine's in-memory dtype="q8_0" builds from the source, bit for
 bit); q4_1 searches each block's scale and minimum for the least error, weighted by how large the
 activations each weight multiplies are on a short calibration text (corelm.calibrate).
-Norms and biases stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP) are copied
+Norms, biases and MoE routers stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP) are copied
 block for block, never through floats.
 """
 from __future__ import annotations
@@ -145,12 +145,13 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
 
 def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
     """internal name -> (storage type, shape, copied raw from the source)."""
-    from .loader.spec import weight_shapes
+    from .loader.spec import kept_float, weight_shapes
     plan = {}
     get_raw = loaded.get_raw_weight
     for name, shape in weight_shapes(loaded.spec).items():
-        if len(shape) == 1 or weights == "fp32" or (weights in RAW_KEEP and shape[1] % 32):
-            # norms, biases, and rows that are not whole blocks (the engine pads those when it quantizes)
+        if len(shape) == 1 or weights == "fp32" or kept_float(name) or (weights in RAW_KEEP and shape[1] % 32):
+            # norms, biases, MoE routers, and rows that are not whole blocks (the engine pads those when it
+            # quantizes)
             plan[name] = ("fp32", shape, False)
             continue
         embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..loader.spec import LoadedModel, ModelLoadError, ModelSpec, weight_shapes
+from ..loader.spec import LoadedModel, ModelLoadError, ModelSpec, kept_float, weight_shapes
 from ..options import KEEP_GGUF_BLOCKS, WEIGHT_FORMATS, choose, choose_optional, format_of_core, format_of_gguf
 
 log = logging.getLogger("corelm")
@@ -145,7 +145,9 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 embed_scale=float(spec.embed_scale),
                 attn_scale=float(np.float32(spec.query_pre_attn_scalar ** -0.5)) if spec.query_pre_attn_scalar else 0.0,
                 attn_softcap=float(spec.attn_logit_softcap or 0.0),
-                final_softcap=float(spec.final_logit_softcap or 0.0))
+                final_softcap=float(spec.final_logit_softcap or 0.0), qk_norm_whole=bool(spec.qk_norm_whole),
+                n_experts=int(spec.num_experts), n_experts_used=int(spec.num_experts_used),
+                moe_norm_topk=bool(spec.moe_norm_topk))
 
 
 # activations="auto" is the exact path: int16 (about 15 bits) keeps every weight format's own function
@@ -196,11 +198,15 @@ def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
     keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
     dense = format_of_core(resolve_dtype(dtype)).name
     stored = collections.Counter()
-    for name in loaded.weight_names():
-        if len(weight_shapes(loaded.spec)[name]) == 2:
-            kept = _kept_blocks(loaded, name, keep_raw)
-            stored[kept[1].name if kept else dense] += 1
+    for name in _matrices(loaded.spec):
+        kept = _kept_blocks(loaded, name, keep_raw)
+        stored[kept[1].name if kept else dense] += 1
     return "+".join(t for t, _ in stored.most_common())
+
+
+def _matrices(spec: ModelSpec) -> set:
+    """The matrices stored in the weight format (not the fp32 ones: norms, biases, MoE routers)."""
+    return {name for name, shape in weight_shapes(spec).items() if len(shape) == 2 and not kept_float(name)}
 
 
 def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> str:
@@ -213,8 +219,7 @@ def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> st
     if resolve_dtype(dtype) != "fp32":
         return "bf16"
     keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
-    quantized = keep_raw and any(_kept_blocks(loaded, name, keep_raw) for name, shape in
-                                 weight_shapes(loaded.spec).items() if len(shape) == 2)
+    quantized = keep_raw and any(_kept_blocks(loaded, name, keep_raw) for name in _matrices(loaded.spec))
     return "bf16" if quantized else "fp32"
 
 
@@ -250,6 +255,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
     model = _core.Model(config)
     names = list(loaded.weight_names())
+    matrices = _matrices(spec)
     if progress:
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
@@ -257,7 +263,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
         kept = _kept_blocks(loaded, name, keep_raw)
-        is_matrix = len(weight_shapes(spec)[name]) == 2
+        is_matrix = name in matrices
         if kept is not None:           # quantized blocks: repacked, no float round trip
             raw, raw_format = kept
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))

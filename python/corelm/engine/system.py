@@ -129,6 +129,9 @@ def model_info(model: str) -> Dict[str, Any]:
         "path": loaded.source or model, "format": loaded.source_format, "description": loaded.description,
         "architecture": spec.arch, "parameters": int(n_params), "layers": spec.num_layers,
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        # mixture of experts: the experts of each layer and how many each token uses (0, 0: dense MLPs;
+        # intermediate_size is then an expert's)
+        "experts": spec.num_experts, "experts_used": spec.num_experts_used,
         "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "vocab_size": spec.vocab_size, "context_length": spec.max_position_embeddings,
         # what chat, generate, serve and batch run with by default (-c/--ctx-size 0), and how the

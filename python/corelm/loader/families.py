@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 # HF tensor names inside a layer (model.layers.<i>.<name>) -> internal names, Llama's checkpoints.
-_HF_LLAMA_LAYER = {
+_HF_LLAMA_ATTN = {
     "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
     "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
     "self_attn.v_proj.bias": "bv", "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "ffn_norm", "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
+    "post_attention_layernorm.weight": "ffn_norm"}
+_HF_LLAMA_LAYER = {**_HF_LLAMA_ATTN, "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+                   "mlp.down_proj.weight": "w_down"}
 _HF_QK_NORM = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 # Gemma 2/3 norm both sides of attention and MLP: HF's post_attention_layernorm is the norm *after*
 # attention there, where in Llama it is the norm before the MLP.
@@ -22,17 +23,30 @@ _HF_GEMMA_NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layern
                    "post_feedforward_layernorm.weight": "post_ffn_norm"}
 
 # GGUF tensor names inside a block (blk.<i>.<name>) -> internal names, as llama.cpp's converter writes them.
-_GGUF_LLAMA_LAYER = {
+_GGUF_LLAMA_ATTN = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
-    "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w_gate",
-    "ffn_up.weight": "w_up", "ffn_down.weight": "w_down", "attn_q.bias": "bq", "attn_k.bias": "bk",
+    "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm", "attn_q.bias": "bq", "attn_k.bias": "bk",
     "attn_v.bias": "bv"}
+_GGUF_LLAMA_LAYER = {**_GGUF_LLAMA_ATTN, "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
+                     "ffn_down.weight": "w_down"}
 _GGUF_QK_NORM = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 _GGUF_GEMMA_NORMS = {"post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
 
 # Fused checkpoint tensors split at load (Phi-3): their name -> (the internal parts, in row order).
 QKV = ("wq", "wk", "wv")
 GATE_UP = ("w_gate", "w_up")
+
+# Mixture of experts. A layer's router is layers.<i>.router; expert e's MLP is layers.<i>.experts.<e>.w_gate,
+# w_up and w_down. HF checkpoints hold one tensor per expert ({e} in the name: the expert's index) or, as
+# transformers 5 computes with, 3D tensors [expert, rows, cols] stacking every expert's parts; GGUF files
+# hold the 3D ones.
+_HF_MOE_ROUTER = {"mlp.gate.weight": "router"}
+_HF_MOE_EXPERTS = {"mlp.experts.{e}.gate_proj.weight": "w_gate", "mlp.experts.{e}.up_proj.weight": "w_up",
+                   "mlp.experts.{e}.down_proj.weight": "w_down"}
+_HF_MOE_STACKED = {"mlp.experts.gate_up_proj": GATE_UP, "mlp.experts.down_proj": ("w_down",)}
+_GGUF_MOE = {"ffn_gate_inp.weight": "router"}
+_GGUF_MOE_STACKED = {"ffn_gate_exps.weight": ("w_gate",), "ffn_up_exps.weight": ("w_up",),
+                     "ffn_down_exps.weight": ("w_down",), "ffn_gate_up_exps.weight": GATE_UP}
 
 
 @dataclass(frozen=True)
@@ -47,15 +61,28 @@ class Family:
     gguf_fused: Dict[str, Tuple[str, ...]] = field(default_factory=dict)  # GGUF fused tensor -> its parts
     attention_bias: str = "never"       # "always" (Qwen2), "config" (Llama's attention_bias key), "never"
     qk_norm: bool = False               # RMSNorm on each q and k head before RoPE
+    qk_norm_whole: bool = False         # RMSNorm over the whole q and the whole k projection (OLMoE)
+    # Mixture of experts: every layer's MLP is experts a router picks (ModelSpec.num_experts > 0).
+    moe: bool = False
+    hf_experts: Dict[str, str] = field(default_factory=dict)  # HF per-expert tensor ({e}: index) -> its part
+    hf_stacked: Dict[str, Tuple[str, ...]] = field(default_factory=dict)    # HF 3D expert tensor -> its parts
+    gguf_stacked: Dict[str, Tuple[str, ...]] = field(default_factory=dict)  # GGUF 3D expert tensor -> its parts
+    # The config key and the GGUF key (after "<arch>.") of the MLP's size (an expert's, with experts).
+    ffn_keys: Tuple[str, str] = ("intermediate_size", "feed_forward_length")
+    # Renormalise the top-k routing weights to sum to 1: "always" (Mixtral) or "config" (norm_topk_prob),
+    # and what a GGUF file that does not say (<arch>.expert_weights_norm) means: llama.cpp's choice.
+    norm_topk: str = "always"
+    gguf_norm_topk: bool = True
+    gguf_moe_of: Optional[str] = None   # a GGUF arch that stores this family when it has experts (Mixtral: llama)
     post_norms: bool = False            # RMSNorm on the attention and MLP outputs (Gemma 2/3)
     norm_plus_one: bool = False         # HF's RMSNorm scales by (1 + w); GGUF files store w + 1 already
     activation: str = "silu"            # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False           # embeddings times sqrt(hidden_size)
     softcaps: bool = False              # attention- and final-logit soft-capping (Gemma 2)
     query_pre_attn_scalar: bool = False  # the query scale is query_pre_attn_scalar ** -0.5 (Gemma)
-    # Which layers attend only sliding_window tokens: "none", "all" (Mistral), "qwen2" (its
-    # use_sliding_window / max_window_layers, all-or-nothing) or "pattern": layer i slides unless
-    # (i + 1) % swa_pattern == 0, unless config.json lists layer_types.
+    # Which layers attend only sliding_window tokens: "none", "all" (Mistral), "flag" (all of them when
+    # use_sliding_window is set), "qwen2" (its use_sliding_window / max_window_layers, all-or-nothing) or
+    # "pattern": layer i slides unless (i + 1) % swa_pattern == 0, unless config.json lists layer_types.
     sliding: str = "none"
     swa_pattern: int = 0
     local_rope_theta: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3's default)
@@ -94,12 +121,46 @@ FAMILIES: Dict[str, Family] = {f.arch: f for f in (
            {k: v for k, v in _GGUF_LLAMA_LAYER.items() if k != "ffn_up.weight"},
            hf_fused={"self_attn.qkv_proj.weight": QKV, "mlp.gate_up_proj.weight": GATE_UP},
            gguf_fused={"attn_qkv.weight": QKV, "ffn_up.weight": GATE_UP}, sliding="all"),
+    # llama.cpp stores Mixtral as "llama" with an expert count. Its checkpoints name the MoE block
+    # block_sparse_moe; transformers 5 computes with it renamed mlp, its experts stacked.
+    Family("mixtral", ("MixtralForCausalLM",), None, 4096 * 32,
+           {**_HF_LLAMA_ATTN, **_HF_MOE_ROUTER, "block_sparse_moe.gate.weight": "router"},
+           {**_GGUF_LLAMA_ATTN, **_GGUF_MOE}, sliding="all", gguf_permuted_qk=True, moe=True,
+           hf_experts={f"block_sparse_moe.experts.{{e}}.{w}.weight": p
+                       for w, p in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))},
+           hf_stacked=_HF_MOE_STACKED, gguf_stacked=_GGUF_MOE_STACKED, gguf_moe_of="llama",
+           hf_defaults=dict(num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5)),
+    # transformers 5 slides every layer when use_sliding_window is set (no max_window_layers)
+    Family("qwen3moe", ("Qwen3MoeForCausalLM",), "qwen3moe", 32768,
+           {**_HF_LLAMA_ATTN, **_HF_QK_NORM, **_HF_MOE_ROUTER}, {**_GGUF_LLAMA_ATTN, **_GGUF_QK_NORM, **_GGUF_MOE},
+           attention_bias="config", qk_norm=True, sliding="flag", moe=True, hf_experts=_HF_MOE_EXPERTS,
+           hf_stacked=_HF_MOE_STACKED, gguf_stacked=_GGUF_MOE_STACKED,
+           ffn_keys=("moe_intermediate_size", "expert_feed_forward_length"), norm_topk="config",
+           hf_defaults=dict(rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8, norm_topk_prob=False,
+                            moe_intermediate_size=768)),
+    Family("olmoe", ("OlmoeForCausalLM",), "olmoe", 4096,
+           {**_HF_LLAMA_ATTN, **_HF_QK_NORM, **_HF_MOE_ROUTER}, {**_GGUF_LLAMA_ATTN, **_GGUF_QK_NORM, **_GGUF_MOE},
+           attention_bias="config", qk_norm_whole=True, moe=True, hf_experts=_HF_MOE_EXPERTS,
+           hf_stacked=_HF_MOE_STACKED, gguf_stacked=_GGUF_MOE_STACKED, norm_topk="config", gguf_norm_topk=False,
+           hf_defaults=dict(rms_norm_eps=1e-5, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False)),
 )}
 
 SUPPORTED_ARCHS = tuple(FAMILIES)
 HF_CLASSES = {c: f.arch for f in FAMILIES.values() for c in f.hf_classes}
 GGUF_ARCHS = {f.gguf_arch: f.arch for f in FAMILIES.values() if f.gguf_arch}
+GGUF_MOE_ARCHS = {f.gguf_moe_of: f.arch for f in FAMILIES.values() if f.gguf_moe_of}  # arch with experts -> family
 
 
 def family(arch: str) -> Family:
     return FAMILIES[arch]
+
+
+def expert_tensor(fam: Family, name: str) -> Optional[Tuple[int, str]]:
+    """(expert index, internal part) of a per-expert HF layer tensor name ("mlp.experts.3.up_proj.weight"),
+    None for any other name."""
+    head, sep, rest = name.partition(".experts.")
+    index, _, tail = rest.partition(".")
+    if not sep or not index.isdigit() or not index.isascii():
+        return None
+    part = fam.hf_experts.get(f"{head}.experts.{{e}}.{tail}")
+    return (int(index), part) if part else None

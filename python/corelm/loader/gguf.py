@@ -25,8 +25,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
-from .families import GGUF_ARCHS, family
-from .spec import ModelLoadError, bf16_to_f32, check_finite, check_finite_blocks, release_mapped_range
+from .families import GGUF_ARCHS, GGUF_MOE_ARCHS, family
+from .spec import (ModelLoadError, bf16_to_f32, check_finite, check_finite_blocks, kept_float, release_mapped_range,
+                   row_range)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -139,25 +140,29 @@ class GGUFFile:
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a read-only uint8 view of the mapping."""
+    def raw(self, name: str, r0: int = 0, r1: int = -1) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the mapping; with r1 >= 0, those of its rows
+        [r0, r1) (spec.row_range: rows hold whole blocks)."""
         info = self._info(name)
-        return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        start, count, _ = row_range(info.shape, info.nbytes, r0, r1)
+        return np.frombuffer(self._buf, dtype=np.uint8, count=count, offset=info.offset + start)
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """The tensor as a new C-contiguous float32 array of `tensors[name].shape`."""
+    def dequantize(self, name: str, r0: int = 0, r1: int = -1) -> np.ndarray:
+        """The tensor (or its rows [r0, r1), decoded alone) as a new C-contiguous float32 array."""
         info = self._info(name)
         decode = _DECODERS.get(info.type_name)
         if decode is None:
             raise ModelLoadError(f"{self.path}: tensor {name} uses GGUF type {info.type_name}, which corelm "
                                  f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
-        out = decode(self.raw(name), info.numel)
-        return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
+        shape = row_range(info.shape, info.nbytes, r0, r1)[2]
+        out = decode(self.raw(name, r0, r1), math.prod(shape))
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         info = self.tensors.get(name)
         if info is not None:
-            release_mapped_range(self._buf, info.offset, info.nbytes)
+            start, count, _ = row_range(info.shape, info.nbytes, r0, r1)
+            release_mapped_range(self._buf, info.offset + start, count)
 
     def _info(self, name: str) -> GGUFTensorInfo:
         try:
@@ -459,14 +464,16 @@ _REQUIRED = object()
 
 def load_gguf_model(path: str):
     """A GGUF file as a LoadedModel: weights dequantized to fp32 on demand, Llama q/k un-permuted."""
-    from .hf import check_weight_shapes, load_tokenizer
+    from .hf import check_experts, check_weight_shapes, load_tokenizer, source_shape
     from .spec import LoadedModel
 
     g = read_gguf(path)
     spec = spec_from_gguf(g)
     names = _map_gguf_names(spec, g)
-    check_weight_shapes(spec, {n: _source_shape(g, src) for n, src in names.items()}, g.path)
-    for t, _, _ in names.values():      # fail now, not halfway through handing weights to the engine
+    shapes = {n: source_shape(g.tensors[src[0]].shape, src) for n, src in names.items()}
+    check_experts(spec, shapes, _expert_keys(g)[0], g.path)
+    check_weight_shapes(spec, shapes, g.path)
+    for t in {src[0] for src in names.values()}:   # fail now, not halfway through handing weights to the engine
         if g.tensors[t].type_name not in SUPPORTED_GGML_TYPES:
             raise ModelLoadError(f"{g.path}: tensor {t} uses GGUF type {g.tensors[t].type_name}, which corelm "
                                  f"does not support yet (supported: {', '.join(SUPPORTED_GGML_TYPES)})")
@@ -475,7 +482,8 @@ def load_gguf_model(path: str):
         gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
     template = g.metadata.get("tokenizer.chat_template")
     return LoadedModel(
-        spec=spec, get_weight=_gguf_getter(g, spec, names), release_weight=lambda n: g.release(names.get(n, ("",))[0]),
+        spec=spec, get_weight=_gguf_getter(g, spec, names),
+        release_weight=lambda n: g.release(*names.get(n, ("", 0, -1))),
         get_raw_weight=_gguf_raw_getter(g, spec, names),
         tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
@@ -483,14 +491,18 @@ def load_gguf_model(path: str):
 
 
 def _meta(g: GGUFFile, key: str, kind: str, default: Any = _REQUIRED) -> Any:
-    """A typed metadata value: kind "int" (non-negative integer) or "float" (finite number)."""
+    """A typed metadata value: kind "int" (non-negative integer), "float" (finite number) or "bool"."""
     if key not in g.metadata:
         if default is _REQUIRED:
             raise ModelLoadError(f"{g.path}: GGUF metadata has no {key!r}")
         return default
     v = g.metadata[key]
-    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0 if kind == "int" else \
-        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+    if kind == "bool":
+        ok = isinstance(v, bool)
+    elif kind == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    else:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
     if not ok:
         raise ModelLoadError(f"{g.path}: GGUF metadata {key!r} = {_short(v)} is not a valid {kind}")
     return float(v) if kind == "float" else v
@@ -508,9 +520,11 @@ def spec_from_gguf(g: GGUFFile):
     gguf_arch = g.metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {_short(gguf_arch)}; corelm supports "
-                             f"{', '.join(GGUF_ARCHS)} (Mistral models are stored as llama)")
+                             f"{', '.join(GGUF_ARCHS)} (Mistral and Mixtral models are stored as llama)")
     arch = gguf_arch
     fam = family(GGUF_ARCHS[arch])
+    if arch in GGUF_MOE_ARCHS and _meta(g, f"{arch}.expert_count", "int", 0):
+        fam = family(GGUF_MOE_ARCHS[arch])      # Mixtral: "llama" with experts
     if "rope_freqs.weight" in g.tensors:
         raise ModelLoadError(f"{g.path}: has a rope_freqs tensor (Llama 3.1-style RoPE frequency scaling), which "
                              f"corelm does not support from GGUF yet; load the model's HF folder instead")
@@ -524,9 +538,11 @@ def spec_from_gguf(g: GGUFFile):
         raise ModelLoadError(f"{g.path}: key and value head sizes differ, which corelm does not support")
     rope_dim = _meta(g, f"{arch}.rope.dimension_count", "int", head_dim)
     layers = _meta(g, f"{arch}.block_count", "int")
+    experts_key, used_key = _expert_keys(g)
+    experts, used = (_meta(g, experts_key, "int", 0), _meta(g, used_key, "int", 0)) if fam.moe else (0, 0)
     spec = ModelSpec(
         arch=fam.arch, vocab_size=vocab, hidden_size=dim,
-        intermediate_size=_meta(g, f"{arch}.feed_forward_length", "int"),
+        intermediate_size=_gguf_ffn(g, arch, fam, used),
         num_layers=layers, num_heads=heads,
         num_kv_heads=_meta(g, f"{arch}.attention.head_count_kv", "int", heads), head_dim=head_dim,
         rms_norm_eps=_meta(g, f"{arch}.attention.layer_norm_rms_epsilon", "float", 1e-5),
@@ -539,7 +555,9 @@ def spec_from_gguf(g: GGUFFile):
         eos_token_ids=_gguf_eos(g, vocab),
         activation=fam.activation, qk_norm=fam.qk_norm, post_norms=fam.post_norms,
         embed_scale=float(np.float32(math.sqrt(dim))) if fam.embed_scale and dim else 1.0,
-        rope_dim=rope_dim if rope_dim != head_dim else None,
+        rope_dim=rope_dim if rope_dim != head_dim else None, qk_norm_whole=fam.qk_norm_whole,
+        num_experts=experts, num_experts_used=used,
+        moe_norm_topk=_meta(g, f"{arch}.expert_weights_norm", "bool", fam.gguf_norm_topk) if fam.moe else False,
     )
     if fam.sliding != "none":
         window = _meta(g, f"{arch}.attention.sliding_window", "int", fam.hf_defaults.get("sliding_window"))
@@ -558,7 +576,21 @@ def spec_from_gguf(g: GGUFFile):
         spec.query_pre_attn_scalar = float(dim // heads if big and heads else head_dim)
     if any(t in g.tensors for t in _ROPE_FACTORS):
         spec.rope_scaling = _gguf_longrope(g, arch)
-    return validate_spec(spec, g.path)
+    return validate_spec(spec, g.path, (experts_key, used_key))
+
+
+def _expert_keys(g: GGUFFile) -> Tuple[str, str]:
+    arch = g.metadata.get("general.architecture")
+    return f"{arch}.expert_count", f"{arch}.expert_used_count"
+
+
+def _gguf_ffn(g: GGUFFile, arch: str, fam, experts_used: int) -> int:
+    """The MLP's size (an expert's): the family's key, else as llama.cpp falls back for Qwen3-MoE, the
+    feed-forward length shared among the experts a token uses."""
+    ffn = _meta(g, f"{arch}.{fam.ffn_keys[1]}", "int", None)
+    if ffn is None:
+        ffn = _meta(g, f"{arch}.feed_forward_length", "int") // max(1, experts_used)
+    return ffn
 
 
 def _gguf_sliding_layers(g: GGUFFile, arch: str, fam, layers: int) -> List[bool]:
@@ -618,22 +650,21 @@ def _gguf_eos(g: GGUFFile, vocab: int) -> List[int]:
 
 
 def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
-    """internal name -> (GGUF tensor, first row, end row; -1: all rows: fused tensors give each part its
-    rows); any tensor the engine would not use is an error."""
-    from .hf import check_fused_rows, weight_shapes_rows
+    """internal name -> (GGUF tensor, first row, end row; -1: all rows: fused and stacked expert tensors give
+    each part its rows); any tensor the engine would not use is an error."""
+    from .hf import add_source, split_tensor
     fam = family(spec.arch)
     names, unknown = {}, []
     for t in g.tensors:
         internal = _GGUF_GLOBAL.get(t)
         if internal is None and t.startswith("blk."):
             idx, _, rest = t[4:].partition(".")
-            if idx.isdigit() and rest in fam.gguf_fused:
-                r0 = 0
-                for part in fam.gguf_fused[rest]:
-                    rows = weight_shapes_rows(spec, part)
-                    names[f"layers.{int(idx)}.{part}"] = (t, r0, r0 + rows)
-                    r0 += rows
-                check_fused_rows(t, tuple(g.tensors[t].shape), r0, fam.gguf_fused[rest], g.path)
+            if idx.isdigit() and (rest in fam.gguf_fused or rest in fam.gguf_stacked):
+                stacked = rest in fam.gguf_stacked
+                parts = fam.gguf_stacked[rest] if stacked else fam.gguf_fused[rest]
+                for name, src in split_tensor(spec, int(idx), t, tuple(g.tensors[t].shape), parts, stacked,
+                                              _expert_keys(g)[0], g.path).items():
+                    add_source(names, name, src, g.path)
                 continue
             if idx.isdigit() and rest in fam.gguf_layer:
                 internal = f"layers.{int(idx)}.{fam.gguf_layer[rest]}"
@@ -641,20 +672,11 @@ def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
             if t not in _ROPE_FACTORS:
                 unknown.append(t)
         else:
-            names[internal] = (t, 0, -1)
+            add_source(names, internal, (t, 0, -1), g.path)
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ModelLoadError(f"{g.path}: unknown tensors for a {spec.arch} model: {', '.join(unknown[:5])}{more}")
     return names
-
-
-def _source_shape(g: GGUFFile, src: Tuple[str, int, int]) -> Tuple[int, ...]:
-    shape = tuple(g.tensors[src[0]].shape)
-    if src[2] < 0:
-        return shape
-    if len(shape) != 2 or src[2] > shape[0]:
-        return (-1,) + shape[1:]     # too few rows for its parts: check_weight_shapes names it
-    return (src[2] - src[1],) + shape[1:]
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -673,10 +695,8 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
     def get_weight(name: str) -> np.ndarray:
         if name not in names:
             raise ModelLoadError(f"no weight named {name!r}")
-        t, r0, r1 = names[name]
-        w = g.dequantize(t)
-        if r1 >= 0:
-            w = w[r0:r1]
+        t = names[name][0]
+        w = g.dequantize(*names[name])
         kind = name.rsplit(".", 1)[-1]
         if permuted and kind in heads:
             w = unpermute_rope_rows(w, heads[kind])
@@ -689,23 +709,22 @@ RAW_GGML_TYPES = tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
 def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
-    """(type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise. Llama q/k
-    rows are un-permuted as whole rows of blocks (the permutation only moves rows); a fused tensor's
-    part is its rows."""
+    """(type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise (and for the
+    matrices the engine keeps in fp32). Llama q/k rows are un-permuted as whole rows of blocks (the
+    permutation only moves rows); a fused tensor's part, or a stacked tensor's expert, is its rows."""
     heads = {"wq": spec.num_heads, "wk": spec.num_kv_heads}
     permuted = family(spec.arch).gguf_permuted_qk
 
     def get_raw_weight(name: str):
         t, r0, r1 = names.get(name, ("", 0, -1))
         info = g.tensors.get(t)
-        if info is None or info.type_name not in RAW_GGML_TYPES or len(info.shape) != 2:
+        if info is None or kept_float(name) or info.type_name not in RAW_GGML_TYPES or \
+                (r1 < 0 and len(info.shape) != 2):
             return None
-        rows, cols = info.shape
-        raw = g.raw(t)
+        rows, cols = row_range(info.shape, info.nbytes, r0, r1)[2]
+        raw = g.raw(t, r0, r1)
         check_finite_blocks(info.type_name, raw, g.path, t)
         raw = raw.reshape(rows, -1)
-        if r1 >= 0:
-            raw, rows = raw[r0:r1], r1 - r0
         kind = name.rsplit(".", 1)[-1]
         if permuted and kind in heads:
             raw = unpermute_rope_rows(raw, heads[kind])
@@ -718,7 +737,7 @@ def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:
     # embedding), then list the other types present. How the engine stores them depends on its dtype
     # (quantized blocks are kept under "auto"), so the file's description does not say.
     rank: Dict[str, Tuple[int, int]] = {}
-    for t, _, _ in names.values():
+    for t in {src[0] for src in names.values()}:
         info = g.tensors[t]
         n_mat, n_bytes = rank.get(info.type_name, (0, 0))
         rank[info.type_name] = (n_mat + (len(info.shape) >= 2), n_bytes + info.nbytes)

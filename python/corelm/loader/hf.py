@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsCollection, open_safetensors_folder
-from .families import HF_CLASSES, SUPPORTED_ARCHS, Family, family
+from .families import HF_CLASSES, SUPPORTED_ARCHS, Family, expert_tensor, family
 from .spec import LoadedModel, ModelLoadError, ModelSpec, check_finite, weight_shapes
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt")
@@ -25,6 +25,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 # us build absurd shape tables (num_hidden_layers = 10^12) before any weight is looked at.
 _CAPS = {"vocab_size": 1 << 23, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 4096,
          "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 4096}
+MAX_EXPERTS = 1 << 12   # DeepSeek-V3 and Qwen3-235B route among 256 and 128
 
 # HF tensor name -> internal name (layer tensors: the family's hf_layer, loader/families.py).
 _HF_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings", "model.norm.weight": "norm",
@@ -37,8 +38,10 @@ _HF_IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.i
 # ---------------------------------------------------------------------------------------------------
 # Shared checks.
 
-def validate_spec(spec: ModelSpec, source: str) -> ModelSpec:
-    """Reject hyper-parameters that are missing, absurd or inconsistent, naming the offending field."""
+def validate_spec(spec: ModelSpec, source: str,
+                  expert_keys: Tuple[str, str] = ("num_experts", "num_experts_used")) -> ModelSpec:
+    """Reject hyper-parameters that are missing, absurd or inconsistent, naming the offending field
+    (expert_keys: what the file calls num_experts and num_experts_used)."""
     for field, cap in _CAPS.items():
         v = getattr(spec, field)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= cap:
@@ -69,6 +72,7 @@ def validate_spec(spec: ModelSpec, source: str) -> ModelSpec:
     spec.rope_scaling = validate_rope_scaling(spec.rope_scaling, spec, source)
     spec.rms_norm_eps, spec.rope_theta = float(spec.rms_norm_eps), float(spec.rope_theta)
     _validate_features(spec, source)
+    _validate_experts(spec, source, *expert_keys)
     for tid in ([spec.bos_token_id] if spec.bos_token_id is not None else []) + list(spec.eos_token_ids):
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < spec.vocab_size:
             raise ModelLoadError(f"{source}: special token id {tid!r} is outside the vocabulary "
@@ -102,6 +106,24 @@ def _validate_features(spec: ModelSpec, source: str) -> None:
                 not all(isinstance(b, bool) for b in spec.sliding_layers):
             raise ModelLoadError(f"{source}: the sliding-window layer pattern must give true/false for each of "
                                  f"the {spec.num_layers} layers, not {_short(spec.sliding_layers)}")
+
+
+def _validate_experts(spec: ModelSpec, source: str, experts_key: str, used_key: str) -> None:
+    n, k = spec.num_experts, spec.num_experts_used
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_EXPERTS:
+        raise ModelLoadError(f"{source}: {experts_key} = {_short(n)} is not a number of experts from 0 to "
+                             f"{MAX_EXPERTS}")
+    if family(spec.arch).moe and not n:
+        raise ModelLoadError(f"{source}: {experts_key} = 0, but every {spec.arch} layer routes to experts")
+    if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= n if n else k == 0):
+        want = f"between 1 and {experts_key} = {n}" if n else "0 for a model without experts"
+        raise ModelLoadError(f"{source}: {used_key} = {_short(k)} (the experts each token is routed to) must be "
+                             f"{want}")
+    if not isinstance(spec.moe_norm_topk, bool):
+        raise ModelLoadError(f"{source}: moe_norm_topk (norm_topk_prob, expert_weights_norm) = "
+                             f"{_short(spec.moe_norm_topk)} must be true or false")
+    if spec.qk_norm and spec.qk_norm_whole:
+        raise ModelLoadError(f"{source}: qk_norm (per head) and qk_norm_whole (whole projection) exclude each other")
 
 
 def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optional[Dict[str, Any]]:
@@ -187,6 +209,24 @@ def check_weight_shapes(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], sou
                                  f"but the configuration implies {tuple(want)}")
 
 
+def check_experts(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], experts_key: str, source: str) -> None:
+    """The expert count the configuration gives (`experts_key`) must be the one the file's routers and
+    experts hold; `shapes` maps internal names to what the file holds."""
+    n, held = spec.num_experts, {}
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if parts[-1] == "router" and len(shape) == 2 and shape[0] != n:
+            raise ModelLoadError(f"{source}: {experts_key} = {n}, but the router {name} scores {shape[0]} experts "
+                                 f"(shape {tuple(shape)})")
+        if len(parts) == 5 and parts[2] == "experts":
+            if int(parts[3]) >= n:
+                raise ModelLoadError(f"{source}: {experts_key} = {n}, but the file holds expert {parts[3]} ({name})")
+            held.setdefault(parts[1], set()).add(int(parts[3]))
+    for layer, experts in held.items():
+        if len(experts) != n:
+            raise ModelLoadError(f"{source}: {experts_key} = {n}, but layer {layer} holds {len(experts)} experts")
+
+
 def _few(names: List[str], n: int = 5) -> str:
     more = f" and {len(names) - n} more" if len(names) > n else ""
     return ", ".join(names[:n]) + more
@@ -260,9 +300,11 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
     else:
         bias = fam.attention_bias == "always"
     layers = req("num_hidden_layers")
+    ffn_key = fam.ffn_keys[0]
+    experts_key, experts = _hf_experts(config, fam, source)
     spec = ModelSpec(
         arch=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
-        intermediate_size=req("intermediate_size"), num_layers=layers,
+        intermediate_size=opt(ffn_key) if ffn_key in fam.hf_defaults else req(ffn_key), num_layers=layers,
         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=opt("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config, fam),
         rope_scaling=_rope_scaling(config, fam, source),
@@ -279,12 +321,29 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
         final_logit_softcap=opt("final_logit_softcapping") if fam.softcaps else None,
         sliding_layers=_sliding_layers(config, fam, layers, source),
         rope_local_theta=_rope_local_theta(config, fam),
-        rope_dim=_rope_dim(config, head_dim, source),
+        rope_dim=_rope_dim(config, head_dim, source), qk_norm_whole=fam.qk_norm_whole,
+        num_experts=experts, num_experts_used=opt("num_experts_per_tok", 0) if fam.moe else 0,
+        moe_norm_topk=opt("norm_topk_prob", False) if fam.norm_topk == "config" else fam.moe,
     )
     if "head_dim" not in config and "head_dim" not in fam.hf_defaults and _pos_int(hidden) and _pos_int(heads) \
             and hidden % heads:
         raise ModelLoadError(f"{source}: hidden_size {hidden} is not divisible by {heads} heads")
-    return validate_spec(spec, source)
+    return validate_spec(spec, source, (experts_key, "num_experts_per_tok"))
+
+
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")  # transformers maps each MoE class's to the other
+
+
+def _hf_experts(config: Dict[str, Any], fam: Family, source: str) -> Tuple[str, Any]:
+    """(the config key that gives the number of experts, its value); 0 for dense families."""
+    given = [k for k in _EXPERT_COUNT_KEYS if config.get(k) is not None]
+    if not fam.moe:
+        return _EXPERT_COUNT_KEYS[-1], 0
+    if len(given) == 2 and config[given[0]] != config[given[1]]:
+        raise ModelLoadError(f"{source}: {given[0]} = {_short(config[given[0]])} and {given[1]} = "
+                             f"{_short(config[given[1]])} disagree on the number of experts")
+    key = given[0] if given else next(k for k in _EXPERT_COUNT_KEYS if k in fam.hf_defaults)
+    return key, config[key] if given else fam.hf_defaults[key]
 
 
 def _pos_int(x) -> bool:
@@ -324,11 +383,30 @@ def _check_unsupported_features(config: Dict[str, Any], fam: Family, source: str
                              f"models, which corelm does not run")
     if fam.attention_bias == "never" and config.get("attention_bias"):
         raise ModelLoadError(f"{source}: attention biases are not supported for {fam.arch}")
+    if fam.moe:
+        _check_every_layer_moe(config, source)
+    if config.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{source}: clip_qkv = {_short(config['clip_qkv'])} (clamping q, k and v) is not "
+                             f"supported")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?") if isinstance(
             config["quantization_config"], dict) else "?"
         raise ModelLoadError(f"{source}: pre-quantized HF checkpoints ({method}) are not supported; "
                              f"use the fp16/bf16/fp32 release or a GGUF file")
+
+
+def _check_every_layer_moe(config: Dict[str, Any], source: str) -> None:
+    """The engine runs every layer's MLP as the same mixture of experts: no dense layers between them
+    (Qwen3-MoE's mlp_only_layers, decoder_sparse_step), no shared expert beside them (Qwen2-MoE style)."""
+    if config.get("mlp_only_layers"):
+        raise ModelLoadError(f"{source}: mlp_only_layers = {_short(config['mlp_only_layers'])}: dense MLP layers "
+                             f"among mixture-of-experts ones are not supported (every layer must route to experts)")
+    if config.get("decoder_sparse_step") not in (None, 1):
+        raise ModelLoadError(f"{source}: decoder_sparse_step = {_short(config['decoder_sparse_step'])}: only every "
+                             f"n-th layer routes to experts, which is not supported (every layer must)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if config.get(key):
+            raise ModelLoadError(f"{source}: {key} = {_short(config[key])}: shared experts are not supported")
 
 
 def _rope_params(config: Dict[str, Any], layer_type: str = "full_attention") -> Dict[str, Any]:
@@ -390,6 +468,8 @@ def _sliding_window(config: Dict[str, Any], fam: Family, source: str) -> Optiona
     window = config.get("sliding_window", fam.hf_defaults.get("sliding_window"))
     if fam.sliding in ("all", "pattern"):
         return window
+    if fam.sliding == "flag":
+        return window if config.get("use_sliding_window") else None
     if fam.sliding == "qwen2" and config.get("use_sliding_window") and window:
         # Qwen2 slides only in layers >= max_window_layers; all-or-nothing is what the engine can do.
         layers, window_layers = config.get("num_hidden_layers", 0), config.get("max_window_layers", 0)
@@ -448,11 +528,14 @@ def load_hf_folder(folder: str) -> LoadedModel:
     config = read_json(config_path, "config.json")
     generation_config = _optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json")
     spec = spec_from_hf_config(config, generation_config, folder)
-    names = _map_hf_names(spec, tensors, folder)
-    check_weight_shapes(spec, {n: _source_shape(tensors, src) for n, src in names.items()}, folder)
+    experts_key = _hf_experts(config, family(spec.arch), folder)[0]
+    names = _map_hf_names(spec, tensors, folder, experts_key)
+    shapes = {n: source_shape(tensors.info(src[0]).shape, src) for n, src in names.items()}
+    check_experts(spec, shapes, experts_key, folder)
+    check_weight_shapes(spec, shapes, folder)
     return LoadedModel(
         spec=spec, get_weight=_hf_getter(spec, tensors, names, folder),
-        release_weight=lambda n: tensors.release(names.get(n, ("",))[0]),
+        release_weight=lambda n: tensors.release(*names.get(n, ("", 0, -1))),
         tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=_hf_chat_template(folder), generation_config=generation_config, source=folder,
         source_format="hf", description=_hf_description(tensors, names))
@@ -484,36 +567,41 @@ def _optional_json(path: str, what: str) -> Dict[str, Any]:
     return doc
 
 
-# Where an internal weight lives in the checkpoint: a tensor, or rows [r0, r1) of a fused one (Phi-3).
-HFSource = Tuple[str, int, int]
+# Where an internal weight lives in the checkpoint: a tensor, or its rows [r0, r1) (spec.row_range): a part
+# of a fused tensor (Phi-3) or an expert's part of a stacked 3D one.
+Source = Tuple[str, int, int]
 
 
-def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) -> Dict[str, HFSource]:
+def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
+                  experts_key: str) -> Dict[str, Source]:
     """internal name -> (HF tensor name, first row, end row; -1 for all rows), for every tensor the file
     holds that the engine uses."""
     fam = family(spec.arch)
     names, unknown = {}, []
     for hf in tensors:
         m = _HF_LAYER_RE.fullmatch(hf)
-        if m and m.group(2) in fam.hf_fused:
-            layer = int(m.group(1))
-            r0 = 0
-            for part in fam.hf_fused[m.group(2)]:
-                rows = weight_shapes_rows(spec, part)
-                names[f"layers.{layer}.{part}"] = (hf, r0, r0 + rows)
-                r0 += rows
-            check_fused_rows(hf, tuple(tensors.info(hf).shape), r0, fam.hf_fused[m.group(2)], folder)
+        rest = m.group(2) if m else None
+        if rest in fam.hf_fused or rest in fam.hf_stacked:
+            stacked = rest in fam.hf_stacked
+            parts = fam.hf_stacked[rest] if stacked else fam.hf_fused[rest]
+            for internal, src in split_tensor(spec, int(m.group(1)), hf, tuple(tensors.info(hf).shape), parts,
+                                              stacked, experts_key, folder).items():
+                add_source(names, internal, src, folder)
             continue
         internal = _HF_GLOBAL.get(hf)
-        if internal is None and m and m.group(2) in fam.hf_layer:
-            internal = f"layers.{int(m.group(1))}.{fam.hf_layer[m.group(2)]}"
+        if internal is None and m:
+            expert = expert_tensor(fam, rest)
+            if rest in fam.hf_layer:
+                internal = f"layers.{int(m.group(1))}.{fam.hf_layer[rest]}"
+            elif expert:
+                internal = f"layers.{int(m.group(1))}.experts.{expert[0]}.{expert[1]}"
         if internal == "lm_head" and spec.tie_word_embeddings:
             continue            # tied: the engine reuses tok_embeddings; a stored copy is redundant
         if internal is None:
             if not _HF_IGNORED_RE.fullmatch(hf):
                 unknown.append(hf)
             continue
-        names[internal] = (hf, 0, -1)
+        add_source(names, internal, (hf, 0, -1), folder)
     if unknown:
         raise ModelLoadError(f"{folder}: unknown tensors for a {spec.arch} model: {_few(unknown)}")
     if "lm_head" not in names and not spec.tie_word_embeddings:
@@ -521,41 +609,61 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str) 
     return names
 
 
-def check_fused_rows(name: str, shape: Tuple[int, ...], rows: int, parts: Tuple[str, ...], source: str) -> None:
-    """A fused tensor (Phi-3's qkv, gate/up) must hold exactly its parts' rows, as the config sizes them."""
-    if not shape or shape[0] != rows:
-        raise ModelLoadError(f"{source}: fused tensor {name} has shape {shape}, but {' + '.join(parts)} take "
-                             f"{rows} rows by the configuration (head counts, head_dim, intermediate_size)")
+def add_source(names: Dict[str, Source], internal: str, src: Source, source: str) -> None:
+    if internal in names:
+        raise ModelLoadError(f"{source}: both {names[internal][0]} and {src[0]} hold {internal}")
+    names[internal] = src
+
+
+def split_tensor(spec: ModelSpec, layer: int, name: str, shape: Tuple[int, ...], parts: Tuple[str, ...],
+                 stacked: bool, experts_key: str, source: str) -> Dict[str, Source]:
+    """The internal weights of layer `layer` that one checkpoint tensor holds, each as its rows: a fused
+    tensor's parts one after another, or, stacked, [experts, each expert's parts, cols]."""
+    experts, inner = 1, shape
+    if stacked:
+        if len(shape) != 3:
+            raise ModelLoadError(f"{source}: expert tensor {name} has shape {shape}, not [experts, rows, cols]")
+        if shape[0] != spec.num_experts:
+            raise ModelLoadError(f"{source}: {experts_key} = {spec.num_experts}, but expert tensor {name} holds "
+                                 f"{shape[0]} experts (shape {shape})")
+        experts, inner = shape[0], shape[1:]
+    rows = [weight_shapes_rows(spec, part) for part in parts]
+    if len(inner) != 2 or inner[0] != sum(rows):
+        what = "fused tensor" if not stacked else "expert tensor"
+        raise ModelLoadError(f"{source}: {what} {name} has shape {shape}, but {' + '.join(parts)} take {sum(rows)} "
+                             f"rows{' per expert' if stacked else ''} by the configuration (head counts, head_dim, "
+                             f"hidden_size, intermediate_size)")
+    out, r0 = {}, 0
+    for e in range(experts):
+        prefix = f"layers.{layer}.experts.{e}." if stacked else f"layers.{layer}."
+        for part, n in zip(parts, rows):
+            out[prefix + part] = (name, r0, r0 + n)
+            r0 += n
+    return out
 
 
 def weight_shapes_rows(spec: ModelSpec, part: str) -> int:
-    """The rows of a layer matrix that fused checkpoints stack (wq, wk, wv, w_gate, w_up)."""
+    """The rows of a layer matrix that fused or stacked checkpoint tensors hold (wq, wk, wv, w_gate, w_up,
+    w_down)."""
     return {"wq": spec.num_heads * spec.head_dim, "wk": spec.num_kv_heads * spec.head_dim,
             "wv": spec.num_kv_heads * spec.head_dim, "w_gate": spec.intermediate_size,
-            "w_up": spec.intermediate_size}[part]
+            "w_up": spec.intermediate_size, "w_down": spec.hidden_size}[part]
 
 
-def _source_shape(tensors: SafetensorsCollection, src: HFSource) -> Tuple[int, ...]:
-    shape = tuple(tensors.info(src[0]).shape)
-    if src[2] < 0:
-        return shape
-    if len(shape) != 2 or src[2] > shape[0]:
-        return (-1,) + shape[1:]     # too few rows for its parts: check_weight_shapes names it
-    return (src[2] - src[1],) + shape[1:]
+def source_shape(shape: Tuple[int, ...], src: Source) -> Tuple[int, ...]:
+    """The shape of the internal weight `src` gives, from its tensor's `shape` (split_tensor checked its rows)."""
+    return tuple(shape) if src[2] < 0 else (src[2] - src[1], shape[-1])
 
 
-def _hf_getter(spec: ModelSpec, tensors: SafetensorsCollection, names: Dict[str, HFSource],
+def _hf_getter(spec: ModelSpec, tensors: SafetensorsCollection, names: Dict[str, Source],
                folder: str) -> Callable[[str], np.ndarray]:
     plus_one = family(spec.arch).norm_plus_one
 
     def get_weight(name: str) -> np.ndarray:
         if name not in names:
             raise ModelLoadError(f"no weight named {name!r}")
-        hf, r0, r1 = names[name]
-        w = tensors.get(hf)
-        if r1 >= 0:
-            w = w[r0:r1]
-        w = np.ascontiguousarray(w, dtype=np.float32)
+        hf = names[name][0]
+        w = np.ascontiguousarray(tensors.get(*names[name]), dtype=np.float32)
         if plus_one and name.endswith("norm"):
             w = w + np.float32(1)   # Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers
         return check_finite(w, folder, hf)

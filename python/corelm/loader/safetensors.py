@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .spec import ModelLoadError, bf16_to_f32, release_mapped_range
+from .spec import ModelLoadError, bf16_to_f32, release_mapped_range, row_range
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000   # the spec's cap "to prevent parsing extremely large JSON"
 MAX_RANK = 16
@@ -72,29 +72,30 @@ class SafetensorsFile:
     def keys(self) -> List[str]:
         return list(self.tensors)
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as C-contiguous float32 (a read-only view of the mapping when stored as F32)."""
+    def get(self, name: str, r0: int = 0, r1: int = -1) -> np.ndarray:
+        """The tensor as C-contiguous float32 (a read-only view of the mapping when stored as F32); with
+        r1 >= 0, only its rows [r0, r1) (spec.row_range), decoded alone."""
         info = self.tensors.get(name)
         if info is None:
             raise ModelLoadError(f"{self.path}: no tensor named {name!r}")
         if info.dtype in _UNDECODABLE:
             raise ModelLoadError(f"{self.path}: tensor {name} has dtype {info.dtype}, which corelm does not "
                                  f"support yet (supported: {', '.join(_FLOAT_DTYPES)} and integer types)")
-        count = info.end - info.begin
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=count, offset=self.data_offset + info.begin)
+        start, count, shape = row_range(info.shape, info.end - info.begin, r0, r1)
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=count, offset=self.data_offset + info.begin + start)
         if info.dtype == "BF16":
             out = bf16_to_f32(raw)
         else:
             out = raw.view(DTYPES[info.dtype][0])
             if out.dtype != np.float32:
                 out = out.astype(np.float32)
-        return out.reshape(info.shape)
+        return out.reshape(shape)
 
-
-    def release(self, name: str) -> None:
+    def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         info = self.tensors.get(name)
         if info is not None:
-            release_mapped_range(self._buf, self.data_offset + info.begin, info.end - info.begin)
+            start, count, _ = row_range(info.shape, info.end - info.begin, r0, r1)
+            release_mapped_range(self._buf, self.data_offset + info.begin + start, count)
 
 
 def _map_file(path: str):
@@ -251,16 +252,16 @@ class SafetensorsCollection:
     def info(self, name: str) -> SafetensorsTensorInfo:
         return self._where[name].tensors[name]
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, r0: int = 0, r1: int = -1) -> np.ndarray:
         f = self._where.get(name)
         if f is None:
             raise ModelLoadError(f"no tensor named {name!r} in {', '.join(x.path for x in self.files)}")
-        return f.get(name)
+        return f.get(name, r0, r1)
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         f = self._where.get(name)
         if f is not None:
-            f.release(name)
+            f.release(name, r0, r1)
 
 
 def open_safetensors_folder(folder: str) -> SafetensorsCollection:

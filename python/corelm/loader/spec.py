@@ -1,6 +1,7 @@
 """What every loader produces: the model's hyper-parameters and its weights by internal name."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -43,38 +44,61 @@ class ModelSpec:
     sliding_layers: Optional[List[bool]] = None    # which layers use sliding_window (None: all of them)
     rope_local_theta: Optional[float] = None       # the sliding layers' RoPE base (None: rope_theta)
     rope_dim: Optional[int] = None  # dims of each head RoPE rotates (None: head_dim)
+    qk_norm_whole: bool = False     # layers.i.q_norm [num_heads*head_dim] / k_norm [num_kv_heads*head_dim]
+                                    # over the whole q and k projections before RoPE (OLMoE)
+    # Mixture of experts (0: one dense MLP per layer). Each layer's router [num_experts, hidden] scores the
+    # experts; a softmax over all of them, the num_experts_used most probable, their probabilities
+    # renormalised to sum to 1 when moe_norm_topk, weight the chosen experts' MLPs (intermediate_size each).
+    num_experts: int = 0
+    num_experts_used: int = 0
+    moe_norm_topk: bool = False
 
 
 def layer_weight_names(spec: ModelSpec, i: int) -> List[str]:
-    names = [f"layers.{i}.{n}" for n in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")]
-    if spec.attention_bias:
-        names += [f"layers.{i}.{n}" for n in ("bq", "bk", "bv")]
-    if spec.qk_norm:
-        names += [f"layers.{i}.{n}" for n in ("q_norm", "k_norm")]
-    if spec.post_norms:
-        names += [f"layers.{i}.{n}" for n in ("post_attn_norm", "post_ffn_norm")]
-    return names
+    return list(_layer_shapes(spec, i))
 
 
 def weight_shapes(spec: ModelSpec) -> Dict[str, tuple]:
     """The expected shape of every internal weight; loaders check against it."""
+    shapes = {"tok_embeddings": (spec.vocab_size, spec.hidden_size), "norm": (spec.hidden_size,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head"] = (spec.vocab_size, spec.hidden_size)
+    for i in range(spec.num_layers):
+        shapes.update(_layer_shapes(spec, i))
+    return shapes
+
+
+def _layer_shapes(spec: ModelSpec, i: int) -> Dict[str, tuple]:
     d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
-    shapes = {"tok_embeddings": (spec.vocab_size, d), "norm": (d,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head"] = (spec.vocab_size, d)
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attn_norm": (d,), p + "wq": (q, d), p + "wk": (kv, d), p + "wv": (kv, d),
-                       p + "wo": (d, q), p + "ffn_norm": (d,), p + "w_gate": (f, d), p + "w_up": (f, d),
-                       p + "w_down": (d, f)})
-        if spec.attention_bias:
-            shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
-        if spec.qk_norm:
-            shapes.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
-        if spec.post_norms:
-            shapes.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
+    p = f"layers.{i}."
+    shapes = {p + "attn_norm": (d,), p + "wq": (q, d), p + "wk": (kv, d), p + "wv": (kv, d), p + "wo": (d, q),
+              p + "ffn_norm": (d,)}
+    mlp = {"w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    if spec.num_experts:
+        shapes[p + "router"] = (spec.num_experts, d)
+        for e in range(spec.num_experts):
+            shapes.update({f"{p}experts.{e}.{k}": v for k, v in mlp.items()})
+    else:
+        shapes.update({p + k: v for k, v in mlp.items()})
+    if spec.attention_bias:
+        shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
+    if spec.qk_norm:
+        shapes.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+    if spec.qk_norm_whole:
+        shapes.update({p + "q_norm": (q,), p + "k_norm": (kv,)})
+    if spec.post_norms:
+        shapes.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
     return shapes
+
+
+# Matrices the engine keeps in fp32 whatever the dtype: the MoE router (its logits choose the experts).
+FLOAT_MATRICES = ("router",)
+
+
+def kept_float(name: str) -> bool:
+    """Whether internal weight `name` stays fp32 in the engine and in converted folders."""
+    return name.rsplit(".", 1)[-1] in FLOAT_MATRICES
 
 
 @dataclass
@@ -100,6 +124,17 @@ class LoadedModel:
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
+
+
+def row_range(shape: Tuple[int, ...], nbytes: int, r0: int = 0, r1: int = -1) -> Tuple[int, int, Tuple[int, ...]]:
+    """(byte offset, byte count, shape) of rows [r0, r1) of a tensor of `nbytes` seen as a matrix [product of
+    the leading dimensions, last dimension]: a fused tensor's part, or an expert's part of a stacked 3D
+    tensor. r1 < 0: the whole tensor, as it is."""
+    if r1 < 0:
+        return 0, nbytes, tuple(shape)
+    rows = math.prod(shape[:-1])
+    row_bytes = nbytes // rows if rows else 0
+    return r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, shape[-1])
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:

@@ -149,7 +149,9 @@ def format_info(info: Dict[str, Any]) -> str:
         lines += [
             f"Model:     {model['path']} ({model['description'] or model['format']})",
             f"           {model['architecture']}, {_count(model['parameters'])} parameters, "
-            f"{model['layers']} layers, hidden {model['hidden_size']}, ffn {model['intermediate_size']}",
+            f"{model['layers']} layers, hidden {model['hidden_size']}, ffn {model['intermediate_size']}"
+            + (f" per expert, experts {model['experts']}, {model['experts_used']} active" if model.get("experts")
+               else ""),
             f"           {model['heads']} heads ({model['kv_heads']} kv) of {model['head_dim']}, "
             f"vocab {model['vocab_size']}, context {model['default_context']} "
             f"(-c 0; the model's own: {model['context_length']}), "
