@@ -333,62 +333,87 @@ struct ExpertSlots {
   }
 };
 
-// Units are (gate/up block pair b, slot s), block-major (u = b * count + s), so a split of the units
-// in multiples of count is a split of every expert's rows, as the NUMA placement splits them.
+// The units of an expert region: (slot, row block), nb blocks per slot. Expert-major (u = s * nb + b)
+// by default, so a chunk is a run of one expert's consecutive rows, one kernel call streaming them.
+// Block-major (u = b * count + s) when the pool splits by node: a split of the units in multiples of
+// count is then a split of every expert's rows, as the NUMA placement binds them.
+struct ExpertUnits {
+  int64_t count, nb;
+  bool block_major;
+  // Calls fn(slot, b0, b1, u) for each run of units [u, u + b1 - b0) of one slot's consecutive blocks.
+  template <class F>
+  void runs(int64_t u0, int64_t u1, F&& fn) const {
+    for (int64_t u = u0; u < u1;) {
+      if (block_major) {
+        fn(u % count, u / count, u / count + 1, u);
+        u++;
+        continue;
+      }
+      const int64_t slot = u / nb, b0 = u % nb, b1 = std::min(nb, b0 + (u1 - u));
+      fn(slot, b0, b1, u);
+      u += b1 - b0;
+    }
+  }
+};
 
-// The experts' gate/up projections and activation, into act [rows][f].
+// The experts' gate/up projections and activation, into act [rows][f]: a block is a gate/up block pair.
 struct ExpertGateUpTask {
   ExpertSlots sl;
+  ExpertUnits units;
   float* act;
   int64_t f, block;
   Activation activation;
   void prepare(int buf) const { sl.prepare(buf); }
   void compute(int buf, int64_t u0, int64_t u1, float* s, int64_t ld) const {
-    for (int64_t u = u0; u < u1; u++) {
-      const int64_t slot = u % sl.count, b = u / sl.count, c = std::min(block, f - b * block);
-      float* out = s + (u - u0) * 2 * block;  // the unit's gate then up outputs; the activation over gate's
-      sl.matmul(buf, slot, out - 2 * b * block, ld, 2 * b * block, 2 * b * block + 2 * c);
+    units.runs(u0, u1, [&](int64_t slot, int64_t b0, int64_t b1, int64_t u) {
+      float* out = s + (u - u0) * 2 * block;  // block b's gate then up outputs at out + (b - b0) * 2 * block
+      sl.matmul(buf, slot, out - 2 * b0 * block, ld, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
       int64_t r0;
       const int64_t m = sl.rows(slot, &r0);
-      for (int64_t i = 0; i < m; i++) {
-        float* g = out + i * ld;
-        (activation == Activation::GeluTanh ? sl.k->gelu_tanh_mul : sl.k->silu_mul)(g, g, g + c, c);
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t c = std::min(block, f - b * block);
+        for (int64_t i = 0; i < m; i++) {  // the activation over gate's outputs, in place
+          float* g = out + i * ld + (b - b0) * 2 * block;
+          (activation == Activation::GeluTanh ? sl.k->gelu_tanh_mul : sl.k->silu_mul)(g, g, g + c, c);
+        }
       }
-    }
+    });
   }
   void commit(int64_t u0, int64_t u1, const float* s, int64_t ld) const {
-    for (int64_t u = u0; u < u1; u++) {
-      const int64_t slot = u % sl.count, b = u / sl.count, c = std::min(block, f - b * block);
+    units.runs(u0, u1, [&](int64_t slot, int64_t b0, int64_t b1, int64_t u) {
       const int64_t r0 = sl.row0[slot], m = sl.row0[slot + 1] - r0;
-      for (int64_t i = 0; i < m; i++)
-        std::memcpy(act + (r0 + i) * f + b * block, s + i * ld + (u - u0) * 2 * block, c * sizeof(float));
-    }
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t c = std::min(block, f - b * block);
+        for (int64_t i = 0; i < m; i++)
+          std::memcpy(act + (r0 + i) * f + b * block, s + i * ld + (u - u0 + b - b0) * 2 * block, c * sizeof(float));
+      }
+    });
   }
 };
 
-// The experts' down projections, each row times its routing weight, into out [rows][d].
+// The experts' down projections, each row times its routing weight, into out [rows][d]: a block is
+// grain output rows.
 struct ExpertDownTask {
   ExpertSlots sl;
+  ExpertUnits units;
   float* out;
   const float* weight;  // [rows]
   int64_t d, grain;
   void prepare(int buf) const { sl.prepare(buf); }
   void compute(int buf, int64_t u0, int64_t u1, float* s, int64_t ld) const {
-    for (int64_t u = u0; u < u1; u++) {
-      const int64_t slot = u % sl.count, n0 = u / sl.count * grain;
-      sl.matmul(buf, slot, s + (u - u0) * grain - n0, ld, n0, std::min(d, n0 + grain));
-    }
+    units.runs(u0, u1, [&](int64_t slot, int64_t b0, int64_t b1, int64_t u) {
+      sl.matmul(buf, slot, s + (u - u0) * grain - b0 * grain, ld, b0 * grain, std::min(d, b1 * grain));
+    });
   }
   void commit(int64_t u0, int64_t u1, const float* s, int64_t ld) const {
-    for (int64_t u = u0; u < u1; u++) {
-      const int64_t slot = u % sl.count, n0 = u / sl.count * grain, n = std::min(d, n0 + grain) - n0;
-      const int64_t r0 = sl.row0[slot], m = sl.row0[slot + 1] - r0;
+    units.runs(u0, u1, [&](int64_t slot, int64_t b0, int64_t b1, int64_t u) {
+      const int64_t r0 = sl.row0[slot], m = sl.row0[slot + 1] - r0, n0 = b0 * grain, n = std::min(d, b1 * grain) - n0;
       for (int64_t i = 0; i < m; i++) {
         const float w = weight[r0 + i], *y = s + i * ld + (u - u0) * grain;
         float* o = out + (r0 + i) * d + n0;
         for (int64_t j = 0; j < n; j++) o[j] = w * y[j];
       }
-    }
+    });
   }
 };
 
@@ -575,18 +600,23 @@ void Model::moe(int64_t l, int64_t T) {
                        max_rows, T * K, in.data(), ld_in, static_cast<uint8_t*>(moe_qa_.get()), moe_qa_ld_,
                        moe_qa_done_.data(), cfg_.act_type, gate_up};
   };
-  // chunks of about kChunkBytes of one expert's weights; units in multiples of `slots` (ExpertSlots)
+  // chunks of about kChunkBytes of one expert's weights (ExpertUnits)
+  const bool block_major = pool_splits_by_node_;
   auto expert_chunking = [&](const PackedMatrix& w, int64_t blocks, int64_t cols) {
     const double unit_bytes = (double)w.bytes() / (double)blocks;
-    return Chunking{blocks * slots, slots, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)), max_rows, cols, unit_bytes};
+    return Chunking{blocks * slots, block_major ? slots : 1, (int64_t)(kChunkBytes / std::max(1.0, unit_bytes)),
+                    max_rows, cols, unit_bytes};
   };
   const ExpertWeights& first = L.experts[slot_expert_[0]];
+  const int64_t up_blocks = (f + GB - 1) / GB, down_blocks = (d + k.row_grain - 1) / k.row_grain;
   place_inputs(true);
-  pool_.parallel_chunks(ExpertGateUpTask{slots_for(true, moe_in_, d), moe_act_.data(), f, GB, cfg_.activation},
-                        expert_chunking(first.w_gate_up, (f + GB - 1) / GB, 2 * GB));
+  pool_.parallel_chunks(ExpertGateUpTask{slots_for(true, moe_in_, d), {slots, up_blocks, block_major}, moe_act_.data(),
+                                         f, GB, cfg_.activation},
+                        expert_chunking(first.w_gate_up, up_blocks, 2 * GB));
   place_inputs(false);
-  pool_.parallel_chunks(ExpertDownTask{slots_for(false, moe_act_, f), moe_out_.data(), row_weight_.data(), d, k.row_grain},
-                        expert_chunking(first.w_down, (d + k.row_grain - 1) / k.row_grain, k.row_grain));
+  pool_.parallel_chunks(ExpertDownTask{slots_for(false, moe_act_, f), {slots, down_blocks, block_major}, moe_out_.data(),
+                                       row_weight_.data(), d, k.row_grain},
+                        expert_chunking(first.w_down, down_blocks, k.row_grain));
 
   // x += each token's rows, in its routing order
   auto add_rows = [&](int64_t t0, int64_t t1) {

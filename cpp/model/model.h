@@ -161,6 +161,7 @@ class Model {
   // The kv heads each node's threads attend over first (the pool's nodes, split as place_kv_cache
   // places them); empty where the pool does not split by node.
   std::vector<RowRange> kv_head_nodes_;
+  bool pool_splits_by_node_ = false;  // the pool's regions split their units by node first
 
   // Scratch for one chunk of at most scratch_tokens_ tokens ("the wave of activations").
   int64_t scratch_tokens_ = 0;

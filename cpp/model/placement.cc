@@ -42,11 +42,13 @@ void Model::place_kv_cache() {
           /*strict=*/false);
 }
 
-// The pool's own split by node (its nodes and their threads, as its chunked regions use), so with the
+// Whether the pool splits its regions by node, and its own split of the kv heads (its nodes and their
+// threads, as its chunked regions use), so with the
 // NUMA plan's nodes these are the ranges place_kv_cache placed.
 void Model::split_kv_heads() {
   const std::vector<NodeShare> shares = pool_node_shares(pool_.thread_nodes());
   kv_head_nodes_.clear();
+  pool_splits_by_node_ = shares.size() >= 2;
   if (shares.size() >= 2 && shares.size() <= (size_t)ThreadPool::kMaxGroups)
     kv_head_nodes_ = split_by_node(cfg_.n_kv_heads, 1, shares);
 }
