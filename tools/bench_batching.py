@@ -9,6 +9,7 @@ generated tokens / total time).
     python tools/bench_batching.py --threads 1 2 --npl 1 4 16 64 --rounds 2
     python tools/bench_batching.py --isa avx512_bf16 avx512   # corelm once per kernel table (CORELM_ISA)
     python tools/bench_batching.py --weights q8               # corelm q8 against llama.cpp Q8_0
+    python tools/bench_batching.py --weights auto --model F.gguf --gguf F.gguf   # both engines on one file
 """
 import argparse
 import json
@@ -33,7 +34,8 @@ def corelm_worker(model, threads, n, npp, ntg, kv, weights):
     import corelm
     from corelm import SamplingParams
     per_token = None
-    wkw = {"dtype": "bf16"} if weights == "bf16" else {"weights": weights}  # a converted folder keeps its format
+    # a converted folder keeps its format; "auto" loads the model as it is (a GGUF's blocks kept)
+    wkw = {"dtype": "bf16"} if weights == "bf16" else {} if weights == "auto" else {"weights": weights}
     llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
                      kv_cache_gb=None, max_num_seqs=max(n, 1), max_batch_tokens=512, **wkw)
     needed_blocks = n * -(-(npp + ntg + 1) // llm.engine.core.kv_block_size)
@@ -90,8 +92,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=os.path.join(PEERS, "models", "qwen0.5b-dims-rand"))
-    ap.add_argument("--weights", default="bf16", choices=sorted(GGUF_FOR),
-                    help="corelm's weight format; llama.cpp runs the GGUF of the same bits (F16, Q8_0, Q4_0)")
+    ap.add_argument("--weights", default="bf16", choices=sorted(GGUF_FOR) + ["auto"],
+                    help="corelm's weight format; llama.cpp runs the GGUF of the same bits (F16, Q8_0, Q4_0); "
+                         "auto: --model as it is, e.g. the --gguf file itself")
     ap.add_argument("--gguf", default=None, help="default: the peers' qwen0.5b-dims-rand GGUF matching --weights")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--npl", nargs="+", type=int, default=[1, 4, 16, 64])
@@ -106,6 +109,8 @@ def main():
     if a.worker:
         m, t, n, npp, ntg, kv, w = a.worker
         return corelm_worker(m, int(t), int(n), int(npp), int(ntg), kv, w)
+    if a.weights == "auto" and not a.gguf:
+        ap.error("--weights auto needs --gguf (the file llama.cpp runs; --model the same file or its folder)")
     a.gguf = a.gguf or os.path.join(PEERS, "models", "gguf", f"qwen0.5b-dims-rand-{GGUF_FOR[a.weights]}.gguf")
     have_llama = os.path.exists(os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")) and \
         os.path.exists(a.gguf)
