@@ -23,3 +23,22 @@ def test_system_info_without_the_core(monkeypatch):
     info = system.system_info()
     assert info["kernels"] is None and "core_error" in info and "topology" not in info
     assert info["cpu"]["numa_nodes"] is None    # only the C++ core reads sysfs
+
+
+def test_model_info_reads_no_weights(monkeypatch):
+    """`corelm info` says how the matrices will be stored from the file's header: no weight is read (a
+    7B mixture of experts once cost its whole 3.9 GB of pages)."""
+    from corelm import loader
+    from conftest import DEFAULT_GGUF
+    real = loader.load_model
+
+    def no_reads(path):
+        loaded = real(path)
+
+        def fail(name):
+            raise AssertionError(f"weight {name} was read")
+        loaded.get_weight = loaded.get_raw_weight = fail
+        return loaded
+    monkeypatch.setattr(loader, "load_model", no_reads)
+    info = system.model_info(DEFAULT_GGUF)
+    assert info["matrices_stored_as"].startswith("q4_1")

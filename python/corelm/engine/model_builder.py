@@ -191,16 +191,32 @@ def _kept_blocks(loaded: LoadedModel, name: str, keep_raw):
     return (raw, raw_format) if raw_format is not None and raw_format.name in keep_raw else None
 
 
+def _kept_format(loaded: LoadedModel, name: str, keep_raw):
+    """The format a weight's GGUF blocks are kept in under this dtype, from the header alone; None when
+    it is not kept as stored."""
+    if not keep_raw:
+        return None
+    raw_type, get_raw = getattr(loaded, "raw_weight_type", None), getattr(loaded, "get_raw_weight", None)
+    if raw_type is None and get_raw is not None:  # a loader without it: what its getter gives
+        raw_type = lambda n: (get_raw(n) or (None,))[0]  # noqa: E731
+    if raw_type is None:
+        return None
+    t = raw_type(name)
+    fmt = format_of_gguf(t) if t is not None else None
+    return fmt if fmt is not None and fmt.name in keep_raw else None
+
+
 def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
     """How build_core_model would store the matrices (what loaded.stored_types says after a build),
-    without building: e.g. "q4_1+q8_0" for a GGUF whose blocks are kept, "bf16" for an HF model."""
+    without building or reading weights: e.g. "q4_1+q8_0" for a GGUF whose blocks are kept, "bf16" for
+    an HF model."""
     dtype = choose("dtype", dtype)
     keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
     dense = format_of_core(resolve_dtype(dtype)).name
     stored = collections.Counter()
     for name in _matrices(loaded.spec):
-        kept = _kept_blocks(loaded, name, keep_raw)
-        stored[kept[1].name if kept else dense] += 1
+        kept = _kept_format(loaded, name, keep_raw)
+        stored[kept.name if kept else dense] += 1
     return "+".join(t for t, _ in stored.most_common())
 
 
@@ -219,7 +235,7 @@ def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> st
     if resolve_dtype(dtype) != "fp32":
         return "bf16"
     keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
-    quantized = keep_raw and any(_kept_blocks(loaded, name, keep_raw) for name in _matrices(loaded.spec))
+    quantized = keep_raw and any(_kept_format(loaded, name, keep_raw) for name in _matrices(loaded.spec))
     return "bf16" if quantized else "fp32"
 
 

@@ -295,9 +295,13 @@ def load_corelm_folder(folder: str) -> LoadedModel:
             raise ModelLoadError(f"no weight named {name!r}")
         return check_finite(w.get_f32(name), w.path, name)
 
+    def raw_weight_type(name: str):
+        t = w.tensors.get(name)
+        return None if t is None else TYPES[t.type][2]
+
     def get_raw_weight(name: str):
         t = w.tensors.get(name)
-        if t is None or TYPES[t.type][2] is None:
+        if raw_weight_type(name) is None:
             return None
         raw = w.raw(name)
         check_finite_blocks(TYPES[t.type][2], raw, w.path, name)
@@ -308,7 +312,8 @@ def load_corelm_folder(folder: str) -> LoadedModel:
         kinds[t.type] = kinds.get(t.type, 0) + t.nbytes
     order = sorted(kinds, key=kinds.get, reverse=True)
     return LoadedModel(
-        spec=spec, get_weight=get_weight, get_raw_weight=get_raw_weight, release_weight=w.release,
+        spec=spec, get_weight=get_weight, get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
+        release_weight=w.release,
         tokenizer=load_tokenizer("from_hf_folder", folder, folder), chat_template=_hf_chat_template(folder),
         generation_config=_optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json"),
         source=folder, source_format="corelm",

@@ -481,10 +481,11 @@ def load_gguf_model(path: str):
     if spec.eos_token_ids:
         gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
     template = g.metadata.get("tokenizer.chat_template")
+    get_raw_weight, raw_weight_type = _gguf_raw_getters(g, spec, names)
     return LoadedModel(
         spec=spec, get_weight=_gguf_getter(g, spec, names),
         release_weight=lambda n: g.release(*names.get(n, ("", 0, -1))),
-        get_raw_weight=_gguf_raw_getter(g, spec, names),
+        get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
         tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
         source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))
@@ -708,19 +709,31 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
 RAW_GGML_TYPES = tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
-def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
-    """(type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise (and for the
-    matrices the engine keeps in fp32). Llama q/k rows are un-permuted as whole rows of blocks (the
-    permutation only moves rows); a fused tensor's part, or a stacked tensor's expert, is its rows."""
+def _gguf_raw_getters(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
+    """get_raw_weight: (type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise
+    (and for the matrices the engine keeps in fp32); raw_weight_type: that type name alone. Llama q/k rows
+    are un-permuted as whole rows of blocks (the permutation only moves rows); a fused tensor's part, or a
+    stacked tensor's expert, is its rows."""
     heads = {"wq": spec.num_heads, "wk": spec.num_kv_heads}
     permuted = family(spec.arch).gguf_permuted_qk
 
-    def get_raw_weight(name: str):
+    def source(name: str):
         t, r0, r1 = names.get(name, ("", 0, -1))
         info = g.tensors.get(t)
         if info is None or kept_float(name) or info.type_name not in RAW_GGML_TYPES or \
                 (r1 < 0 and len(info.shape) != 2):
             return None
+        return t, info, r0, r1
+
+    def raw_weight_type(name: str):
+        src = source(name)
+        return src[1].type_name if src else None
+
+    def get_raw_weight(name: str):
+        src = source(name)
+        if src is None:
+            return None
+        t, info, r0, r1 = src
         rows, cols = row_range(info.shape, info.nbytes, r0, r1)[2]
         raw = g.raw(t, r0, r1)
         check_finite_blocks(info.type_name, raw, g.path, t)
@@ -729,7 +742,7 @@ def _gguf_raw_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
         if permuted and kind in heads:
             raw = unpermute_rope_rows(raw, heads[kind])
         return info.type_name, np.ascontiguousarray(raw), (rows, cols)
-    return get_raw_weight
+    return get_raw_weight, raw_weight_type
 
 
 def _gguf_description(g: GGUFFile, names: Dict[str, str]) -> str:

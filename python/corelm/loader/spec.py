@@ -121,6 +121,9 @@ class LoadedModel:
     # Optional (GGUF): (ggml type name, uint8 bytes, shape) of a matrix stored as quantized blocks
     # (Q8_0, Q4_0, Q4_1), rows already in get_weight's order; None for anything else.
     get_raw_weight: Optional[Callable[[str], Optional[Tuple[str, np.ndarray, Tuple[int, ...]]]]] = None
+    # Optional, with get_raw_weight: the ggml type name get_raw_weight(name) would give (None where it gives
+    # None), from the file's header alone: deciding how to store a model reads none of its weights.
+    raw_weight_type: Optional[Callable[[str], Optional[str]]] = None
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
