@@ -2,6 +2,7 @@
 fields disagree with its tensors is refused with a ModelLoadError naming the field. Token-for-token
 agreement with transformers is in test_models.py; the kernels' GeGLU in test_kernels.py."""
 import os
+import re
 import shutil
 
 import numpy as np
@@ -42,6 +43,8 @@ def test_each_family_is_described_once():
         mlp = {"w_gate", "w_up", "w_down"} & (set(f.hf_layer.values()) | set(f.gguf_layer.values()))
         assert (f.moe, bool(mlp)) in ((True, False), (False, True)), f.arch
         assert f.moe == bool(f.hf_experts and f.gguf_stacked) == ("router" in f.hf_layer.values())
+        # a multimodal class's text model and other towers: only with the key of its text config
+        assert f.hf_text_config or not (f.hf_text_prefixes or f.hf_towers), f.arch
 
 
 @pytest.mark.parametrize("family", list(TINY))
@@ -241,6 +244,138 @@ def test_gemma3_defaults_to_transformers_pattern_without_layer_types(tmp_path):
     assert load_model(d).spec.sliding_layers == [True] * 5 + [False]
 
 
+GEMMA3_VL = os.path.join(MODELS, "tiny-gemma3-vl")   # tiny-gemma3's text model in Gemma3ForConditionalGeneration
+
+
+def renamed_copy(src, dst, rename, config=None, add=None):
+    """A copy of an HF folder with every tensor renamed by rename(name) (None drops it), written with the
+    safetensors numpy API, config.json edited as copy_model does."""
+    from safetensors.numpy import save_file
+    d = copy_model(src, dst, config=config)
+    tensors = {rename(n): w for n, w in hf_tensors_of(src).items() if rename(n)}
+    save_file({**tensors, **(add or {})}, os.path.join(d, "model.safetensors"))
+    return d
+
+
+def hf_tensors_of(folder):
+    from corelm.loader.safetensors import SafetensorsFile
+    st = SafetensorsFile(os.path.join(folder, "model.safetensors"))
+    return {n: st.get(n) for n in st.keys()}
+
+
+def transformers5_name(name):
+    """A tensor's name as transformers 5 computes with it (its save_pretrained writes the hub's)."""
+    for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                     ("vision_tower.", "model.vision_tower."),
+                     ("multi_modal_projector.", "model.multi_modal_projector.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    raise AssertionError(name)
+
+
+def assert_same_model(a, b):
+    assert a.spec == b.spec
+    assert sorted(a.weight_names()) == sorted(b.weight_names())
+    for name in a.weight_names():
+        np.testing.assert_array_equal(a.get_weight(name), b.get_weight(name), err_msg=name)
+
+
+def test_gemma3_multimodal_folder_is_its_text_model():
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and up): config.json's text_config and the language_model
+    tensors are tiny-gemma3's text model (same seed, same weights); the vision tower is skipped."""
+    names = list(hf_tensors_of(GEMMA3_VL))
+    assert any(n.startswith("vision_tower.") for n in names)
+    assert any(n.startswith("language_model.model.") for n in names)
+    assert_same_model(load_model(TINY["gemma3"]), load_model(GEMMA3_VL))
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+def test_gemma3_multimodal_tensor_layouts_give_the_same_model(tmp_path, layout):
+    """Hub checkpoints (language_model.model.*, vision_tower.vision_model.*) and transformers 5's names
+    (model.language_model.*, model.vision_tower.*), with an untied lm_head under each one's name."""
+    rename = {"hub": lambda n: n.replace("vision_tower.", "vision_tower.vision_model.", 1),
+              "transformers5": transformers5_name}[layout]
+    lm_head = np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32)
+    head = {"hub": "language_model.lm_head.weight", "transformers5": "lm_head.weight"}[layout]
+    d = renamed_copy(GEMMA3_VL, tmp_path / "m", rename, config={"tie_word_embeddings": False}, add={head: lm_head})
+    m = load_model(d)
+    assert not m.spec.tie_word_embeddings
+    np.testing.assert_array_equal(m.get_weight("lm_head"), lm_head)
+    ref = load_model(GEMMA3_VL)
+    for name in ref.weight_names():
+        np.testing.assert_array_equal(m.get_weight(name), ref.get_weight(name), err_msg=name)
+    # tied again (the outer config's tie_word_embeddings, as transformers 5 reads it): the stored lm_head is redundant
+    tied = renamed_copy(GEMMA3_VL, tmp_path / "tied", rename, add={head: lm_head})
+    assert_same_model(load_model(tied), ref)
+
+
+def gemma3_vl_config(text_config=None, **outer):
+    import json
+    config = json.load(open(os.path.join(GEMMA3_VL, "config.json")))
+    if text_config is not None:
+        config["text_config"] = text_config
+    config.update(outer)
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def test_gemma3_multimodal_text_config_defaults_are_transformers():
+    """The hub's text_config omits most keys: they take Gemma3TextConfig's defaults (transformers 5.25)."""
+    from corelm.loader.hf import spec_from_hf_config
+    gen = {"bos_token_id": 1, "eos_token_id": 2}      # the folder's generation_config.json
+    full = spec_from_hf_config(gemma3_vl_config(), gen, "vl")
+    # as on the hub (gemma-3-4b-it: hidden_size, intermediate_size, num_hidden_layers, rope_scaling,
+    # sliding_window), plus the keys whose tiny values are not the defaults
+    hub = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6, sliding_window=8,
+               rope_scaling={"factor": 4.0, "rope_type": "linear"}, vocab_size=512, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=32768)
+    assert spec_from_hf_config(gemma3_vl_config(hub), gen, "vl") == full
+    bare = spec_from_hf_config(gemma3_vl_config(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7)),
+                               {}, "vl")
+    assert (bare.vocab_size, bare.num_heads, bare.num_kv_heads, bare.head_dim, bare.query_pre_attn_scalar,
+            bare.sliding_window, bare.max_position_embeddings) == (262208, 8, 4, 256, 256, 4096, 131072)
+    assert (bare.rope_theta, bare.rope_local_theta, bare.rope_scaling, bare.rms_norm_eps) == (1e6, 1e4, None, 1e-6)
+    assert bare.sliding_layers == [True] * 5 + [False, True]
+    assert (bare.attn_logit_softcap, bare.final_logit_softcap, bare.tie_word_embeddings) == (None, None, True)
+    assert (bare.bos_token_id, bare.eos_token_ids) == (2, [1])
+    # the outer config's token ids and tie_word_embeddings before the text model's; generation_config first
+    outer = spec_from_hf_config(gemma3_vl_config(eos_token_id=[1, 106], tie_word_embeddings=False), {}, "vl")
+    assert (outer.eos_token_ids, outer.tie_word_embeddings) == ([1, 106], False)
+    assert spec_from_hf_config(gemma3_vl_config(eos_token_id=[1, 106]), {"eos_token_id": 5}, "vl").eos_token_ids == [5]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(text_config=[1]), r"config.json text_config is not an object but \[1\]"),
+    (dict(text_config={"vocab_size": 512}), "config.json text_config has no 'hidden_size'"),
+    (dict(quantization_config={"quant_method": "gptq"}), r"pre-quantized .*gptq"),
+    (dict(text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+                       "hidden_activation": "relu"}), "activation 'relu'"),
+])
+def test_gemma3_multimodal_configs_that_disagree_are_named(edit, match):
+    from corelm.loader.hf import spec_from_hf_config
+    with pytest.raises(ModelLoadError, match=match):
+        spec_from_hf_config(gemma3_vl_config(**edit), {}, "vl")
+
+
+@pytest.mark.parametrize("folder,extra", [
+    (GEMMA3_VL, "language_model.model.layers.0.mlp.extra.weight"),     # in the text model
+    (GEMMA3_VL, "audio_tower.conv.weight"),                            # a tower the family does not declare
+    (GEMMA3_VL, "model.layers.0.mlp.extra.weight"),                     # a text-only name
+    (TINY["gemma3"], "lm_head.bias"),
+    (TINY["qwen3"], "vision_tower.embeddings.patch_embedding.weight"),  # no vision tower in a text-only family
+])
+def test_unknown_tensors_are_still_reported(tmp_path, folder, extra):
+    d = renamed_copy(folder, tmp_path / "m", lambda n: n, add={extra: np.zeros((4, 4), np.float32)})
+    with pytest.raises(ModelLoadError, match=f"unknown tensors for a .* model: {re.escape(extra)}"):
+        load_model(d)
+
+
+def test_gemma3_multimodal_text_model_under_two_names_is_ambiguous(tmp_path):
+    w = hf_tensors_of(GEMMA3_VL)["language_model.model.norm.weight"]
+    d = renamed_copy(GEMMA3_VL, tmp_path / "m", lambda n: n, add={"model.language_model.norm.weight": w})
+    with pytest.raises(ModelLoadError, match=r"both \S+ and \S+ hold norm"):
+        load_model(d)
+
+
 def test_converted_family_model_matches(tmp_path):
     """convert writes the family's spec and shifted norms; the corelm folder computes what the HF folder does."""
     from corelm.convert import convert
@@ -274,9 +409,7 @@ def test_quantized_fused_tensors_keep_their_blocks(tmp_path):
 
 
 def hf_tensors(family):
-    from corelm.loader.safetensors import SafetensorsFile
-    st = SafetensorsFile(os.path.join(TINY[family], "model.safetensors"))
-    return {n: st.get(n) for n in st.keys()}
+    return hf_tensors_of(TINY[family])
 
 
 def stacked_experts(family, layers=(0, 1)):

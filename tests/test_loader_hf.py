@@ -297,6 +297,10 @@ def test_chat_template_string_list_and_jinja(tmp_path):
                                                "chat_template.jinja": "J"})
     assert load_model(d).chat_template == "J"
     assert load_model(src).chat_template is None
+    tc.pop("chat_template", None)  # a processor's chat_template.json (Gemma 3 4B+)
+    d = copy_model(src, tmp_path / "d", files={"tokenizer_config.json": json.dumps(tc),
+                                               "chat_template.json": json.dumps({"chat_template": "P"})})
+    assert load_model(d).chat_template == "P"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ SOURCES = {
     "tiny-qwen3-hf": ("tiny-qwen3", lambda: os.path.join(MODELS, "tiny-qwen3")),
     "tiny-gemma2-hf": ("tiny-gemma2", lambda: os.path.join(MODELS, "tiny-gemma2")),
     "tiny-gemma3-hf": ("tiny-gemma3", lambda: os.path.join(MODELS, "tiny-gemma3")),
+    # Gemma3ForConditionalGeneration (Gemma 3 4B and up), its text model alone
+    "tiny-gemma3-vl-hf": ("tiny-gemma3-vl", lambda: os.path.join(MODELS, "tiny-gemma3-vl")),
     "tiny-phi3-hf": ("tiny-phi3", lambda: os.path.join(MODELS, "tiny-phi3")),
     "tiny-qwen3moe-hf": ("tiny-qwen3moe", lambda: os.path.join(MODELS, "tiny-qwen3moe")),
     "tiny-mixtral-hf": ("tiny-mixtral", lambda: os.path.join(MODELS, "tiny-mixtral")),

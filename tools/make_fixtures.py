@@ -16,9 +16,11 @@ transformers, i.e. the dequantized GGUF weights in float32; "gguf" names the equ
   stories260K   tests/data/models/stories260K             (+ stories260K.gguf)
   smollm2       cache:SmolLM2-135M-Instruct               (+ models/SmolLM2-135M-Instruct.Q4_1.gguf)
   qwen2.5-coder cache:Qwen2.5-Coder-0.5B-Instruct          (2 cases only, to keep the 151936-wide logits small)
-  tiny-mistral, tiny-qwen2, tiny-llama3, tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-phi3,
+  tiny-mistral, tiny-qwen2, tiny-llama3, tiny-qwen3, tiny-gemma2, tiny-gemma3, tiny-gemma3-vl, tiny-phi3,
   tiny-qwen3moe, tiny-mixtral, tiny-olmoe
                 tests/data/models/tiny-*   (random weights, tools/make_tiny_models.py)
+AutoModelForCausalLM loads each folder with its config's class: tiny-gemma3-vl as Gemma3ForConditionalGeneration
+(vision tower included), run on text alone (input_ids, no pixel_values).
 Models whose folder is missing are skipped with a message.
 
 Per model, <name>.json:
@@ -152,6 +154,7 @@ def model_table(cache):
         ("tiny-qwen3", os.path.join(m, "tiny-qwen3"), "tests/data/models/tiny-qwen3", None),
         ("tiny-gemma2", os.path.join(m, "tiny-gemma2"), "tests/data/models/tiny-gemma2", None),
         ("tiny-gemma3", os.path.join(m, "tiny-gemma3"), "tests/data/models/tiny-gemma3", None),
+        ("tiny-gemma3-vl", os.path.join(m, "tiny-gemma3-vl"), "tests/data/models/tiny-gemma3-vl", None),
         ("tiny-phi3", os.path.join(m, "tiny-phi3"), "tests/data/models/tiny-phi3", None),
         ("tiny-qwen3moe", os.path.join(m, "tiny-qwen3moe"), "tests/data/models/tiny-qwen3moe", None),
         ("tiny-mixtral", os.path.join(m, "tiny-mixtral"), "tests/data/models/tiny-mixtral", None),
@@ -251,13 +254,13 @@ def make_model_fixture(name, folder, model_dir, gguf):
     model.eval()
     tok = AutoTokenizer.from_pretrained(folder)
     eos_ids = eos_list(model, tok)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size   # a multimodal config nests it (text_config)
 
     cases = []
     if name.startswith("tiny-"):
         rng = np.random.RandomState({"tiny-mistral": 11, "tiny-qwen2": 12, "tiny-llama3": 13, "tiny-qwen3": 14, "tiny-gemma2": 15,
                                     "tiny-gemma3": 16, "tiny-phi3": 17, "tiny-qwen3moe": 18, "tiny-mixtral": 19,
-                                    "tiny-olmoe": 20}[name])
+                                    "tiny-olmoe": 20, "tiny-gemma3-vl": 21}[name])
         prompts = [(None, None, rng.randint(3, 512, size=n).tolist()) for n in (1, 7, 40)]
     else:
         prompts = []

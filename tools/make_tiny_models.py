@@ -25,6 +25,10 @@ tokenizer (tokenizer.json / tokenizer_config.json, vocab 512: BOS 1, EOS 2, UNK 
                 head_dim 16, FFN 128, GeGLU, post-norms, attention soft-cap 5, final soft-cap 20, tied.
   tiny-gemma3   Gemma3ForCausalLM: hidden 64, 6 layers (5 sliding with window 8 and RoPE base 1e4, the 6th
                 global with base 1e6 and linear scaling 4), 4 heads / 1 KV, head_dim 32, q/k head norms, tied.
+  tiny-gemma3-vl Gemma3ForConditionalGeneration (Gemma 3 4B/12B/27B's class): tiny-gemma3's text model under
+                "text_config" (same seed, so the same text weights, saved as model.language_model.*) beside a
+                tiny SigLIP vision tower (hidden 16, 1 layer, 2 heads, 28x28 images of 14x14 patches) and its
+                projector (4 tokens per image), which corelm ignores.
   tiny-phi3     Phi3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV, FFN 128, fused qkv and gate/up,
                 partial rotary 0.75, LongRoPE (original context 128 of 512).
 
@@ -59,11 +63,11 @@ import os
 import shutil
 
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(REPO, "tests", "data", "models", "stories260K")
@@ -154,7 +158,16 @@ MODELS = {
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         legacy=dict(rope_theta=10000.0, rope_scaling=None)),
 }
+# tiny-gemma3's text model (its seed: the same text weights) inside Gemma 3's multimodal class; "wrap": the outer
+# config's class, the key that holds the text config, and the outer config's other keys
+MODELS["tiny-gemma3-vl"] = dict(
+    MODELS["tiny-gemma3"], cls=Gemma3ForConditionalGeneration,
+    wrap=dict(cfg_cls=Gemma3Config, key="text_config", mm_tokens_per_image=4,
+              vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                                 vision_use_head=False)))
 ROUTER_STD = 0.2
+VISION_STD = 0.02   # a multimodal model's vision tower and projector: never run by the text-only fixtures
 
 
 def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float = 1.0, emb_std=None) -> None:
@@ -164,8 +177,12 @@ def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float
         t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std + mean)
 
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):  # named_parameters() lists a tied tensor once
-            if name.endswith("embed_tokens.weight"):
+        # named_parameters() lists a tied tensor once; the vision tower's names sort after the text model's
+        # (model.language_model.*), so a multimodal model draws the same text weights as its text-only twin
+        for name, p in sorted(model.named_parameters()):
+            if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+                normal(p, VISION_STD)
+            elif name.endswith("embed_tokens.weight"):
                 normal(p, emb_std or (0.2 if tied else 1.0))
             elif name == "lm_head.weight":
                 normal(p, 0.3)
@@ -183,9 +200,11 @@ def init_weights(model: torch.nn.Module, tied: bool, seed: int, norm_mean: float
                 raise RuntimeError(f"unexpected parameter {name} {tuple(p.shape)}")
 
 
-def add_legacy_keys(path: str, cfg: dict, legacy: dict) -> dict:
-    """Write the transformers-4 style keys next to transformers 5's rope_parameters."""
-    c = json.load(open(path))
+def add_legacy_keys(path: str, cfg: dict, legacy: dict, nested=None) -> dict:
+    """Write the transformers-4 style keys next to transformers 5's rope_parameters (in config[nested], the text
+    model's config of a multimodal class)."""
+    top = json.load(open(path))
+    c = top[nested] if nested else top
     c.update(legacy)
     c["head_dim"] = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     c.pop("rope_parameters", None) if "rope_local_base_freq" in legacy else None  # Gemma 3's hub layout
@@ -194,9 +213,9 @@ def add_legacy_keys(path: str, cfg: dict, legacy: dict) -> dict:
         c[k] = cfg[k]
     if "sliding_window" in cfg:
         c["sliding_window"] = cfg["sliding_window"]
-    c.setdefault("torch_dtype", c.get("dtype", "float32"))
+    top.setdefault("torch_dtype", top.get("dtype", "float32"))
     with open(path, "w") as f:
-        json.dump(c, f, indent=2)
+        json.dump(top, f, indent=2)
         f.write("\n")
     return c
 
@@ -206,6 +225,10 @@ def build(name: str, spec: dict, out_root: str) -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(spec["seed"])
     cfg = spec["cfg_cls"](**{k: v for k, v in spec["cfg"].items() if v is not None or k != "hidden_act"})
+    wrap = spec.get("wrap")
+    if wrap:  # a multimodal class: the text config nested in the outer one
+        outer = {k: v for k, v in wrap.items() if k not in ("cfg_cls", "key")}
+        cfg = wrap["cfg_cls"](**{wrap["key"]: cfg}, tie_word_embeddings=spec["cfg"]["tie_word_embeddings"], **outer)
     model = spec["cls"](cfg).to(torch.float32).eval()
     init_weights(model, spec["cfg"]["tie_word_embeddings"], spec["seed"], spec.get("norm_mean", 1.0),
                  spec.get("emb_std"))
@@ -213,7 +236,7 @@ def build(name: str, spec: dict, out_root: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(STORIES, f), os.path.join(out, f))
-    c = add_legacy_keys(os.path.join(out, "config.json"), spec["cfg"], spec["legacy"])
+    c = add_legacy_keys(os.path.join(out, "config.json"), spec["cfg"], spec["legacy"], wrap and wrap["key"])
     n = sum(p.numel() for p in model.parameters())
     print(f"{name}: {type(model).__name__}, {n:,} parameters, rope {c.get('rope_parameters')} -> {out}")
 

@@ -22,6 +22,16 @@ _HF_GEMMA_NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layern
                    "pre_feedforward_layernorm.weight": "ffn_norm",
                    "post_feedforward_layernorm.weight": "post_ffn_norm"}
 
+# Multimodal checkpoints in transformers' "llava" layout (Gemma 3 4B/12B/27B): the text model's tensors under
+# language_model.model.* and language_model.lm_head (hub checkpoints, and what transformers 5's save_pretrained
+# writes) or model.language_model.* and lm_head (as transformers 5 computes) -> the text-only checkpoint's
+# names; the vision tower and its projector, which corelm does not run, are skipped.
+_HF_LLAVA = dict(hf_text_config="text_config",
+                 hf_text_prefixes={"language_model.model.": "model.", "model.language_model.": "model.",
+                                   "language_model.lm_head.": "lm_head."},
+                 hf_towers=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector."))
+
 # GGUF tensor names inside a block (blk.<i>.<name>) -> internal names, as llama.cpp's converter writes them.
 _GGUF_LLAMA_ATTN = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
@@ -88,8 +98,14 @@ class Family:
     local_rope_theta: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3's default)
     gguf_permuted_qk: bool = False      # llama.cpp permuted this arch's q/k rows (interleaved RoPE)
     # transformers' defaults for the config keys its class does not require (what a config.json that
-    # omits them means)
+    # omits them means; a multimodal class's text config too)
     hf_defaults: Dict[str, object] = field(default_factory=dict)
+    # Multimodal classes among hf_classes (text plus a vision tower; corelm runs the text model alone): the
+    # config.json key that holds the text model's config, checkpoint tensor-name prefixes of the text model ->
+    # the text-only checkpoint's, and the prefixes of the other towers' tensors, which are skipped.
+    hf_text_config: Optional[str] = None
+    hf_text_prefixes: Dict[str, str] = field(default_factory=dict)
+    hf_towers: Tuple[str, ...] = ()
 
 
 _GEMMA_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
@@ -111,12 +127,16 @@ FAMILIES: Dict[str, Family] = {f.arch: f for f in (
            post_norms=True, norm_plus_one=True, activation="gelu_tanh", embed_scale=True, softcaps=True,
            query_pre_attn_scalar=True, sliding="pattern", swa_pattern=2,
            hf_defaults=dict(_GEMMA_DEFAULTS, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
-    Family("gemma3", ("Gemma3ForCausalLM",), "gemma3", 131072,
+    # Gemma 3 1B is a Gemma3ForCausalLM; 4B, 12B and 27B are Gemma3ForConditionalGeneration (images unsupported)
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", 131072,
            {**_HF_LLAMA_LAYER, **_HF_GEMMA_NORMS, **_HF_QK_NORM},
            {**_GGUF_LLAMA_LAYER, **_GGUF_GEMMA_NORMS, **_GGUF_QK_NORM},
            qk_norm=True, post_norms=True, norm_plus_one=True, activation="gelu_tanh", embed_scale=True,
            softcaps=True, query_pre_attn_scalar=True, sliding="pattern", swa_pattern=6,
-           local_rope_theta=10000.0, hf_defaults=dict(_GEMMA_DEFAULTS, rope_theta=1000000.0)),
+           local_rope_theta=10000.0, **_HF_LLAVA,
+           # Gemma3TextConfig's; the multimodal checkpoints' text_config omits most of them
+           hf_defaults=dict(_GEMMA_DEFAULTS, rope_theta=1000000.0, vocab_size=262208, num_attention_heads=8,
+                            num_key_value_heads=4, bos_token_id=2, eos_token_id=1)),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", 4096, _HF_LLAMA_LAYER,
            {k: v for k, v in _GGUF_LLAMA_LAYER.items() if k != "ffn_up.weight"},
            hf_fused={"self_attn.qkv_proj.weight": QKV, "mlp.gate_up_proj.weight": GATE_UP},

@@ -282,11 +282,16 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
         raise ModelLoadError(f"{source}: config.json is not a JSON object")
     arch = _hf_arch(config, source)
     fam = family(arch)
+    text = hf_text_config(config, fam, source)
+    where = "config.json" if text is config else f"config.json {fam.hf_text_config}"
+    config = text
     _check_unsupported_features(config, fam, source)
 
-    def req(key):
+    def req(key):  # a key the config must give, unless transformers' class has a default for it
+        if config.get(key) is None and key in fam.hf_defaults:
+            return fam.hf_defaults[key]
         if key not in config:
-            raise ModelLoadError(f"{source}: config.json has no {key!r}")
+            raise ModelLoadError(f"{source}: {where} has no {key!r}")
         return config[key]
 
     def opt(key, default=None):  # the config's value, else transformers' default for the family
@@ -304,16 +309,16 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
     experts_key, experts = _hf_experts(config, fam, source)
     spec = ModelSpec(
         arch=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
-        intermediate_size=opt(ffn_key) if ffn_key in fam.hf_defaults else req(ffn_key), num_layers=layers,
-        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+        intermediate_size=req(ffn_key), num_layers=layers,
+        num_heads=heads, num_kv_heads=opt("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=opt("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config, fam),
         rope_scaling=_rope_scaling(config, fam, source),
         max_position_embeddings=config.get("max_position_embeddings") or fam.default_max_pos,
         tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
         attention_bias=bias,
         sliding_window=_sliding_window(config, fam, source),
-        bos_token_id=_first_set("bos_token_id", generation_config, config),
-        eos_token_ids=_eos_list(_first_set("eos_token_id", generation_config, config), source),
+        bos_token_id=_first_set("bos_token_id", generation_config, config, fam.hf_defaults),
+        eos_token_ids=_eos_list(_first_set("eos_token_id", generation_config, config, fam.hf_defaults), source),
         activation=fam.activation, qk_norm=fam.qk_norm, post_norms=fam.post_norms,
         embed_scale=float(np.float32(math.sqrt(hidden))) if fam.embed_scale and _pos_int(hidden) else 1.0,
         query_pre_attn_scalar=opt("query_pre_attn_scalar") if fam.query_pre_attn_scalar else None,
@@ -329,6 +334,25 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
             and hidden % heads:
         raise ModelLoadError(f"{source}: hidden_size {hidden} is not divisible by {heads} heads")
     return validate_spec(spec, source, (experts_key, "num_experts_per_tok"))
+
+
+# Keys of a multimodal config.json that transformers reads from the outer config, not the text model's: the
+# outer class ties lm_head to the embeddings by its own tie_word_embeddings, generation takes the token ids
+# from the outer config before the text model's, and a quantized checkpoint says so at the top.
+_OUTER_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization_config")
+
+
+def hf_text_config(config: Dict[str, Any], fam: Family, source: str) -> Dict[str, Any]:
+    """The config of the model corelm runs: config.json itself, or for a multimodal class the text model's
+    config (the family's hf_text_config key) with the keys transformers takes from the outer config."""
+    key = fam.hf_text_config
+    if key is None or config.get(key) is None:
+        return config
+    text = config[key]
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{source}: config.json {key} is not an object but {_short(text)}")
+    outer = {k: config[k] for k in _OUTER_KEYS if config.get(k) is not None}
+    return {**text, **outer}
 
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")  # transformers maps each MoE class's to the other
@@ -528,7 +552,7 @@ def load_hf_folder(folder: str) -> LoadedModel:
     config = read_json(config_path, "config.json")
     generation_config = _optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json")
     spec = spec_from_hf_config(config, generation_config, folder)
-    experts_key = _hf_experts(config, family(spec.arch), folder)[0]
+    experts_key = _hf_experts(hf_text_config(config, family(spec.arch), folder), family(spec.arch), folder)[0]
     names = _map_hf_names(spec, tensors, folder, experts_key)
     shapes = {n: source_shape(tensors.info(src[0]).shape, src) for n, src in names.items()}
     check_experts(spec, shapes, experts_key, folder)
@@ -579,7 +603,10 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
     fam = family(spec.arch)
     names, unknown = {}, []
     for hf in tensors:
-        m = _HF_LAYER_RE.fullmatch(hf)
+        name = _text_model_name(fam, hf)
+        if name is None:
+            continue            # a multimodal checkpoint's vision tower: the engine runs the text model alone
+        m = _HF_LAYER_RE.fullmatch(name)
         rest = m.group(2) if m else None
         if rest in fam.hf_fused or rest in fam.hf_stacked:
             stacked = rest in fam.hf_stacked
@@ -588,7 +615,7 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
                                               stacked, experts_key, folder).items():
                 add_source(names, internal, src, folder)
             continue
-        internal = _HF_GLOBAL.get(hf)
+        internal = _HF_GLOBAL.get(name)
         if internal is None and m:
             expert = expert_tensor(fam, rest)
             if rest in fam.hf_layer:
@@ -598,7 +625,7 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
         if internal == "lm_head" and spec.tie_word_embeddings:
             continue            # tied: the engine reuses tok_embeddings; a stored copy is redundant
         if internal is None:
-            if not _HF_IGNORED_RE.fullmatch(hf):
+            if not _HF_IGNORED_RE.fullmatch(name):
                 unknown.append(hf)
             continue
         add_source(names, internal, (hf, 0, -1), folder)
@@ -607,6 +634,15 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
     if "lm_head" not in names and not spec.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and tie_word_embeddings is false")
     return names
+
+
+def _text_model_name(fam: Family, hf: str) -> Optional[str]:
+    """A checkpoint tensor's name in a text-only checkpoint (a multimodal checkpoint's text model is under
+    another prefix, the family's hf_text_prefixes); None for a tensor of its other towers (hf_towers)."""
+    for prefix, text_prefix in fam.hf_text_prefixes.items():
+        if hf.startswith(prefix):
+            return text_prefix + hf[len(prefix):]
+    return None if hf.startswith(fam.hf_towers) else hf
 
 
 def add_source(names: Dict[str, Source], internal: str, src: Source, source: str) -> None:
@@ -680,6 +716,8 @@ def _hf_chat_template(folder: str) -> Optional[str]:
         except (OSError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{jinja}: could not read the chat template: {e}") from None
     tmpl = _optional_json(os.path.join(folder, "tokenizer_config.json"), "tokenizer_config.json").get("chat_template")
+    if tmpl is None:   # multimodal repos (Gemma 3 4B+) may keep it in the processor's chat_template.json
+        tmpl = _optional_json(os.path.join(folder, "chat_template.json"), "chat_template.json").get("chat_template")
     if isinstance(tmpl, list):   # named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
         tmpl = named.get("default")
