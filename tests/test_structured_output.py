@@ -85,6 +85,16 @@ def test_sampled_and_greedy_outputs_validate_against_the_schema(llm, name):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_constrained_requests_batched_answer_as_alone(llm):
+    """Constrained requests of different schemas in one batch (greedy ones taking the unmasked argmax
+    where the grammar allows it) answer as each request alone."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMAS[n]))
+              for n, t, s in zip(sorted(SCHEMAS), (0, 0.8, 0, 0.8, 0, 0.8, 0), range(7))]
+    prompts = [f"Write a JSON object ({n}):" for n in sorted(SCHEMAS)][:len(params)]
+    together = [o.text for o in _generate(llm, prompts, params)]
+    assert together == [_generate(llm, [p], [q])[0].text for p, q in zip(prompts, params)]
+
+
 def test_unconstrained_sampling_would_not_validate(llm):
     """The same prompts and seeds without the constraint: the model alone does not write valid JSON,
     so the test above measures the constraint."""

@@ -458,21 +458,33 @@ class Sampler:
             self.accept(self._pending)
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} entries, expected {self.vocab_size}.")
-        x = self._processed_logits(np.asarray(logits).reshape(-1), allowed)
         p = self.params
-        if p.is_greedy or p.top_k == 1:
-            token = int(np.argmax(x))            # first maximum: ties go to the lowest id
-        else:
-            token = self._sample_random(x)
+        logits = np.asarray(logits).reshape(-1)
+        token = -1
+        if allowed is not None and (p.is_greedy or p.top_k == 1) and self._unprocessed():
+            # the first maximum, when the grammar allows it, is the masked first maximum too: no masked copy
+            token = int(np.argmax(logits))
+            token = token if allowed[token] else -1
+        if token < 0:
+            x = self._processed_logits(logits, allowed)
+            if p.is_greedy or p.top_k == 1:
+                token = int(np.argmax(x))            # first maximum: ties go to the lowest id
+            else:
+                token = self._sample_random(x)
         self._pending = token
         return token
+
+    def _unprocessed(self) -> bool:
+        """No penalty, logit_bias or min_tokens mask changes the logits at this step."""
+        return not (self._penalised or (self._n_out < self.params.min_tokens and len(self._stop_ids)) or
+                    len(self._bias_ids))
 
     def _processed_logits(self, logits: np.ndarray, allowed: Optional[np.ndarray] = None) -> np.ndarray:
         """Penalties, logit_bias, the min_tokens mask and the grammar's mask, on a copy (only when
         there is something to change)."""
         p = self.params
         mask_stops = self._n_out < p.min_tokens and len(self._stop_ids)
-        if not (self._penalised or mask_stops or len(self._bias_ids)):
+        if self._unprocessed():
             return logits if allowed is None else np.where(allowed, logits, np.float32(-np.inf))
         x = logits.astype(np.float32, copy=True)
         if self._penalised:
