@@ -161,8 +161,39 @@ def test_forced_call(client, choice):
                                            max_tokens=80, temperature=0.8, seed=seed)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None
-        [call] = c.message.tool_calls
-        check_call(call, ["get_time"] if isinstance(choice, dict) else SCHEMAS)
+        calls = c.message.tool_calls
+        assert len(calls) == 1 or (choice == "required" and len(calls) <= 8)
+        for call in calls:
+            check_call(call, ["get_time"] if isinstance(choice, dict) else SCHEMAS)
+
+
+def test_forced_parallel_calls():
+    """tool_choice "required" with parallel calls allowed forces a list of 1-8 calls, each parsed into
+    tool_calls; without parallel calls, or naming a function, exactly one."""
+    from corelm.openai.tools import check_tools
+    cfg = check_tools(TOOLS, "required", None)
+    schema = cfg.guide().json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 8
+    two = json.dumps([{"name": "get_time", "arguments": {}},
+                      {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}])
+    content, calls = cfg.parse(two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert len({c["id"] for c in calls}) == 2
+    single = check_tools(TOOLS, "required", False)
+    assert "array" not in json.dumps(single.guide().json)
+    assert len(single.parse(two)[1]) == 1      # parallel_tool_calls false keeps the first call
+    named = check_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert "array" not in json.dumps(named.guide().json)
+
+
+def test_forced_parallel_calls_through_the_server(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=120, temperature=0.8, seed=3)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert 1 <= len(c.message.tool_calls) <= 8
+    for call in c.message.tool_calls:
+        check_call(call)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -171,9 +202,11 @@ def test_forced_call_streaming(client, choice):
                                                  max_tokens=80, temperature=0, stream=True))
     deltas = [c.choices[0] for c in chunks if c.choices]
     assert not any(d.delta.content for d in deltas)
-    [call] = [t for d in deltas for t in (d.delta.tool_calls or [])]
-    assert call.index == 0
-    check_call(call, ["get_weather"] if isinstance(choice, dict) else SCHEMAS)
+    calls = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert [call.index for call in calls] == list(range(len(calls)))
+    assert len(calls) == 1 or (choice == "required" and len(calls) <= 8)
+    for call in calls:
+        check_call(call, ["get_weather"] if isinstance(choice, dict) else SCHEMAS)
     assert deltas[-1].finish_reason == "tool_calls"
 
 
@@ -289,3 +322,12 @@ def test_real_model_two_step_agent_loop():
             else:
                 text, finish = r.choices[0].message.content, r.choices[0].finish_reason
             assert finish in ("stop", "length") and "17" in text, text
+        # tool_choice "required" forces a list of calls; this 0.5B model makes one call for two cities
+        # (in auto mode too), so only the calls' validity is checked
+        messages = [{"role": "user", "content": "What is the weather in Paris and in London, in celsius?"}]
+        r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                      temperature=0, max_tokens=120)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls
+        for t in calls:
+            assert t.function.name == "get_weather" and json.loads(t.function.arguments)["city"] in ("Paris", "London")

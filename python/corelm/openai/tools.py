@@ -18,6 +18,7 @@ from ..engine.guided import StructuredOutputsParams
 from . import tool_parsers
 
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8   # calls one forced answer may hold
 
 
 @dataclass
@@ -33,11 +34,16 @@ class ToolConfig:
         return self.choice in ("required", "function")
 
     def guide(self) -> StructuredOutputsParams:
-        """The constraint of a forced call: {"name": one of the functions, "arguments": its parameters}."""
+        """The constraint of a forced call: {"name": one of the functions, "arguments": its parameters};
+        with tool_choice "required" and parallel calls allowed, a list of 1 to MAX_PARALLEL_CALLS of them
+        (as vLLM forces "required")."""
         options = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)},
                     "required": ["name", "arguments"], "additionalProperties": False}
                    for f in (t["function"] for t in self.tools) if self.name in (None, f["name"])]
-        so = StructuredOutputsParams(json=options[0] if len(options) == 1 else {"anyOf": options})
+        call = options[0] if len(options) == 1 else {"anyOf": options}
+        if self.choice == "required" and self.parallel:
+            call = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+        so = StructuredOutputsParams(json=call)
         so.source_param = "tools"
         return so
 
@@ -51,8 +57,9 @@ class ToolConfig:
             return text, []
         if self.forced:
             try:
-                call = json.loads(text)
-                content, calls = None, [(call["name"], call["arguments"])]
+                forced = json.loads(text)
+                content, calls = None, [(c["name"], c["arguments"]) for c in
+                                        (forced if isinstance(forced, list) else [forced])]
             except (ValueError, KeyError, TypeError):
                 return text, []
         else:
