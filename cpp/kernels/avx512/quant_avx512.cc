@@ -507,6 +507,7 @@ constexpr int64_t kMinGemmRows = 8;
 
 template <class Row, class Gemv>
 void few_rows(int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1, Row row, Gemv gemv) {
+  if (m == 1) return gemv(row(0), y, n0, n1);  // one uninterrupted stream
   const int64_t align = kGroup * kSuper;
   const int64_t piece = std::max<int64_t>(align, (int64_t)(kChunkBytes / std::max<size_t>(1, w.nbytes / w.rows)) / align * align);
   for (int64_t a = n0; a < n1;) {
