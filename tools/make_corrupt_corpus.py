@@ -530,9 +530,34 @@ def tiny_hf_folder(config: Optional[Dict[str, Any]] = None, tokenizer: Optional[
                                                   "chat_template": TINY_CHAT_TEMPLATE})}
 
 
+def tiny_moe_arrays(experts: int = 2) -> Dict[str, np.ndarray]:
+    """The tiny Llama with a Mixtral MLP of `experts` experts (router and w1/w3/w2 per expert)."""
+    arrays = tiny_hf_arrays()
+    d, f = TINY["dim"], TINY["ffn"]
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            del arrays[f"{p}mlp.{part}.weight"]
+        moe = p + "block_sparse_moe."
+        arrays[moe + "gate.weight"] = (np.cos(np.arange(experts * d)) * 0.5).astype(np.float32).reshape(experts, d)
+        for e in range(experts):
+            for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                arrays[f"{moe}experts.{e}.{w}.weight"] = \
+                    (np.sin(np.arange(f * d) * 0.29 + e) * 0.1).astype(np.float32).reshape(shape)
+    return arrays
+
+
+def tiny_moe_config(**edits) -> Dict[str, Any]:
+    return {**tiny_hf_config(), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": 2, "num_experts_per_tok": 1, **edits}
+
+
 def folder_cases() -> List[FolderCase]:
     def config(**edits):
         return tiny_hf_folder(config=dict(tiny_hf_config(), **edits))
+
+    def moe(**edits):
+        return tiny_hf_folder(config=tiny_moe_config(**edits), arrays=tiny_moe_arrays())
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
@@ -557,6 +582,12 @@ def folder_cases() -> List[FolderCase]:
         FolderCase("hf_architectures_holds_a_list", config(architectures=[["LlamaForCausalLM"]]),
                    "unsupported architecture"),
         FolderCase("hf_nan_weight", tiny_hf_folder(arrays=nan_arrays), None, "1 non-finite value"),
+        # the model-families issue: counts that disagree with the tensors are named
+        FolderCase("valid_tiny_hf_moe", moe(), None),
+        FolderCase("hf_moe_expert_count_above_tensors", moe(num_local_experts=3), "num_local_experts = 3"),
+        FolderCase("hf_moe_experts_used_above_count", moe(num_experts_per_tok=3), "num_experts_per_tok = 3"),
+        FolderCase("hf_moe_experts_used_0", moe(num_experts_per_tok=0), "num_experts_per_tok = 0"),
+        FolderCase("hf_head_count_disagrees_with_q_proj", config(num_attention_heads=4), "num_attention_heads"),
     ]
 
 

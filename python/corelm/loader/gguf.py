@@ -464,7 +464,7 @@ _REQUIRED = object()
 
 def load_gguf_model(path: str):
     """A GGUF file as a LoadedModel: weights dequantized to fp32 on demand, Llama q/k un-permuted."""
-    from .hf import check_experts, check_weight_shapes, load_tokenizer, source_shape
+    from .hf import SIZE_KEYS, check_experts, check_weight_shapes, load_tokenizer, source_shape
     from .spec import LoadedModel
 
     g = read_gguf(path)
@@ -472,7 +472,9 @@ def load_gguf_model(path: str):
     names = _map_gguf_names(spec, g)
     shapes = {n: source_shape(g.tensors[src[0]].shape, src) for n, src in names.items()}
     check_experts(spec, shapes, _expert_keys(g)[0], g.path)
-    check_weight_shapes(spec, shapes, g.path)
+    arch = g.metadata.get("general.architecture")
+    keys = dict(SIZE_KEYS["gguf"], ffn=family(spec.arch).ffn_keys[1])
+    check_weight_shapes(spec, shapes, g.path, {k: f"{arch}.{v}" for k, v in keys.items()})
     for t in {src[0] for src in names.values()}:   # fail now, not halfway through handing weights to the engine
         if g.tensors[t].type_name not in SUPPORTED_GGML_TYPES:
             raise ModelLoadError(f"{g.path}: tensor {t} uses GGUF type {g.tensors[t].type_name}, which corelm "

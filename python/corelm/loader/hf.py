@@ -194,8 +194,34 @@ def _short(v: Any) -> str:
     return r if len(r) < 80 else r[:77] + "..."
 
 
-def check_weight_shapes(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], source: str) -> None:
-    """`shapes` maps internal names to what the file holds; it must match `weight_shapes(spec)` exactly."""
+# The configuration's sizes a weight's dimensions come from, by the names each format gives them
+# (GGUF's under "<arch>."), for errors that say which field disagrees with the tensors.
+SIZE_KEYS = {"hf": dict(vocab="vocab_size", hidden="hidden_size", heads="num_attention_heads",
+                        kv_heads="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size"),
+             "gguf": dict(vocab="vocab_size", hidden="embedding_length", heads="attention.head_count",
+                          kv_heads="attention.head_count_kv", head_dim="attention.key_length",
+                          ffn="feed_forward_length")}
+
+
+def _size_fields(name: str) -> Tuple[str, ...]:
+    """The sizes behind weight `name`'s dimensions (SIZE_KEYS' keys)."""
+    part = name.rsplit(".", 1)[-1]
+    if part in ("wq", "bq", "wo", "q_norm"):
+        return ("heads", "head_dim", "hidden")
+    if part in ("wk", "wv", "bk", "bv", "k_norm"):
+        return ("kv_heads", "head_dim", "hidden")
+    if part in ("w_gate", "w_up", "w_down"):
+        return ("ffn", "hidden")
+    if part in ("tok_embeddings", "lm_head"):
+        return ("vocab", "hidden")
+    return ("hidden",)
+
+
+def check_weight_shapes(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], source: str,
+                        keys: Optional[Dict[str, str]] = None) -> None:
+    """`shapes` maps internal names to what the file holds; it must match `weight_shapes(spec)` exactly.
+    `keys`: the format's names of the sizes (SIZE_KEYS), named when a shape disagrees, with `ffn` the
+    family's own key."""
     expected = weight_shapes(spec)
     missing = [n for n in expected if n not in shapes]
     if missing:
@@ -203,10 +229,14 @@ def check_weight_shapes(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], sou
     extra = [n for n in shapes if n not in expected]
     if extra:
         raise ModelLoadError(f"{source}: unexpected weights for this configuration: {_few(extra)}")
+    keys = keys or SIZE_KEYS["hf"]
+    sizes = dict(vocab=spec.vocab_size, hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                 head_dim=spec.head_dim, ffn=spec.intermediate_size)
     for name, want in expected.items():
         if tuple(shapes[name]) != tuple(want):
-            raise ModelLoadError(f"{source}: weight {name} has shape {tuple(shapes[name])}, "
-                                 f"but the configuration implies {tuple(want)}")
+            fields = ", ".join(f"{keys[k]} = {sizes[k]}" for k in _size_fields(name))
+            raise ModelLoadError(f"{source}: weight {name} has shape {tuple(shapes[name])}, but the configuration "
+                                 f"implies {tuple(want)} ({fields})")
 
 
 def check_experts(spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]], experts_key: str, source: str) -> None:
@@ -556,7 +586,7 @@ def load_hf_folder(folder: str) -> LoadedModel:
     names = _map_hf_names(spec, tensors, folder, experts_key)
     shapes = {n: source_shape(tensors.info(src[0]).shape, src) for n, src in names.items()}
     check_experts(spec, shapes, experts_key, folder)
-    check_weight_shapes(spec, shapes, folder)
+    check_weight_shapes(spec, shapes, folder, dict(SIZE_KEYS["hf"], ffn=family(spec.arch).ffn_keys[0]))
     return LoadedModel(
         spec=spec, get_weight=_hf_getter(spec, tensors, names, folder),
         release_weight=lambda n: tensors.release(*names.get(n, ("", 0, -1))),
