@@ -394,3 +394,22 @@ def test_every_tokenizer_fixture_is_checked():
     names = {f[len("tokenizer_"):-len(".json")] for f in os.listdir(FIXTURES)
              if f.startswith("tokenizer_") and f.endswith(".json")}
     assert names == {name for name, _ in FIXTURE_SOURCES.values()}
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's tokenizer test strings (tests/data/vocab: its models/ggml-vocab-*.gguf, vocabulary-only
+# GGUFs, with the ids transformers gives each string, made by its convert_hf_to_gguf_update.py)
+
+VOCAB = os.path.join(os.path.dirname(__file__), "data", "vocab")
+
+
+@pytest.mark.parametrize("name", ["qwen2"])   # Qwen1.5-3's byte-level BPE (llama.cpp's pre "qwen2")
+def test_llama_cpp_vocab_strings_match_transformers(name):
+    from corelm.loader.gguf import read_gguf
+    path = os.path.join(VOCAB, f"ggml-vocab-{name}.gguf")
+    tok = Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
+    texts = open(path + ".inp", encoding="utf-8").read().split("\n__ggml_vocab_test__\n")
+    ids = open(path + ".out", encoding="utf-8").read().split("\n")
+    assert len(texts) >= 40
+    for text, want in zip(texts, ids):
+        assert tok.encode(text, add_special_tokens=False) == [int(t) for t in want.split()], repr(text)
