@@ -210,3 +210,25 @@ def test_range_budget_is_per_render(stories):
     template = "{% for i in range(600000) %}{% endfor %}ok"
     assert render(stories, template) == "ok"
     assert render(stories, template) == "ok"     # the budget of the previous render does not carry over
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models' templates (tests/data/templates, from llama.cpp's models/templates) against transformers'
+# renderings (tools/make_template_fixtures.py): Qwen3's enable_thinking and reasoning turns, tools, Gemma's
+# and Phi-3.5's turns.
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "templates")
+
+
+def _real_template_cases():
+    doc = json.load(open(os.path.join(FIXTURES, "templates_real.json"), encoding="utf-8"))
+    return [pytest.param(name, case, id=f"{name[:-6]}-{i}") for name, cases in doc.items() for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("name,case", _real_template_cases())
+def test_real_templates_render_as_transformers(name, case):
+    tok = Tokenizer.from_hf_folder(os.path.join(MODELS, "stories260K"))
+    template = open(os.path.join(TEMPLATES, name), encoding="utf-8").read()
+    text = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"],
+                                   chat_template=template, **case["kwargs"])
+    assert text == case["text"]
