@@ -162,11 +162,17 @@ def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optiona
         if not high > low:
             raise ModelLoadError(f"{source}: rope_scaling.high_freq_factor = {high:g} must be larger than "
                                  f"low_freq_factor = {low:g}")
-        orig = s.get("original_max_position_embeddings")
-        if not _pos_int(orig) or orig > 1 << 31:
-            raise ModelLoadError(f"{source}: rope_scaling of type llama3 needs original_max_position_embeddings, "
-                                 f"a positive integer (the pre-training context, e.g. 8192), not {_short(orig)}")
+        _original_context(s, "llama3", source)
     return s
+
+
+def _original_context(s: Dict[str, Any], kind: str, source: str) -> int:
+    """rope_scaling's original_max_position_embeddings (llama3, longrope): the pre-training context."""
+    orig = s.get("original_max_position_embeddings")
+    if not _pos_int(orig) or orig > 1 << 31:
+        raise ModelLoadError(f"{source}: rope_scaling of type {kind} needs original_max_position_embeddings, "
+                             f"a positive integer (the pre-training context, e.g. 8192), not {_short(orig)}")
+    return orig
 
 
 def _validate_longrope(s: Dict[str, Any], spec: ModelSpec, source: str) -> Dict[str, Any]:
@@ -178,10 +184,7 @@ def _validate_longrope(s: Dict[str, Any], spec: ModelSpec, source: str) -> Dict[
                 isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v):
             raise ModelLoadError(f"{source}: rope_scaling.{key} must list {n} positive numbers (one per rotated "
                                  f"pair), not {_short(v)}")
-    orig = s.get("original_max_position_embeddings")
-    if not _pos_int(orig) or orig > 1 << 31:
-        raise ModelLoadError(f"{source}: rope_scaling of type longrope needs original_max_position_embeddings, a "
-                             f"positive integer (the pre-training context), not {_short(orig)}")
+    _original_context(s, "longrope", source)
     for key in ("factor", "attention_factor"):
         v = s.get(key)
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
