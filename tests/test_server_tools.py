@@ -261,9 +261,12 @@ def test_bad_assistant_tool_calls_are_400(server, calls):
 def test_batch_forced_call():
     worker = BatchWorker(None, 2)
     line, err = batch_answer(worker, "/v1/chat/completions",
-                             {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80})
+                             {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120,
+                              "temperature": 0})
     assert err is None, err
-    message = line["response"]["body"]["choices"][0]["message"]
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    message = choice["message"]
     jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]),
                         SCHEMAS[message["tool_calls"][0]["function"]["name"]])
 
