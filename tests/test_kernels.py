@@ -1,5 +1,7 @@
 """Every kernel table against a float64 numpy reference (and so against the scalar table), over
 awkward shapes: K not a multiple of the vector width, one row, thousands of rows."""
+import os
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,31 @@ def test_kv_kernel_arguments_are_checked():
         _core.testing.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 4), np.float32), 16, 16)   # too small
     with pytest.raises(ValueError):
         _core.testing.kernel_kv_scores("scalar", "fp32", q, np.zeros((8, 16), np.float32), 16, 17)  # n > ldk
+
+
+@pytest.mark.parametrize("isa", _core.kernel_tables())
+def test_few_rows_get_the_bits_of_one_row(isa):
+    """Speculative decoding checks a sequence's proposed tokens in one pass of a few rows and keeps what
+    decode would have sampled: through the table's row_exact table, each of up to 32 rows must get
+    exactly the bits a one-row product (decode) gets, for every weight type and activation input."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_ggml_blocks import TYPES, block_of, random_blocks
+    exact = _core.testing.kernel_row_exact(isa)
+    rng = np.random.default_rng(3)
+    n, k = 70, 512
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((33, k)).astype(np.float32)
+    cases = [(wt, act) for wt in ("fp32", "bf16", "q8", "q4", "q4m") for act in (("int8", "int16") if wt[0] == "q" else ("int8",))]
+    for wt, act in cases:
+        one = np.stack([_core.testing.kernel_matmul(isa, x[i:i + 1], w, wt, activations=act)[0] for i in range(32)])
+        for m in (2, 3, 5, 8, 17, 32):
+            got = _core.testing.kernel_matmul(exact, x[:m], w, wt, activations=act)
+            assert np.array_equal(got.view(np.uint32), one[:m].view(np.uint32)), (isa, exact, wt, act, m)
+    for t in TYPES:
+        raw = random_blocks(t, n, k // block_of(t)[0])
+        for act in ("int8", "int16"):
+            one = np.stack([_core.testing.kernel_matmul_raw(isa, x[i:i + 1], raw, t, n, k, act)[0] for i in range(32)])
+            for m in (2, 5, 8, 32):
+                got = _core.testing.kernel_matmul_raw(exact, x[:m], raw, t, n, k, act)
+                assert np.array_equal(got.view(np.uint32), one[:m].view(np.uint32)), (isa, exact, t, act, m)

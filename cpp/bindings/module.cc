@@ -152,6 +152,9 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
          "Takes a matrix as raw GGUF blocks (uint8; option_names()['gguf_raw']): Q8_0/Q4_0/Q4_1 repacked, the others multiplied as stored, never dequantized.")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
+      .def("park_threads", [](PyModel& self) { self.model.park_threads(); },
+           "The worker threads sleep at once instead of spinning for the next forward: call it before "
+           "another model (a speculative draft) runs on the same cores.")
       .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                                py::list seqs) {
         if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");

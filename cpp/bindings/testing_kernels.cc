@@ -40,6 +40,11 @@ void need_native(bool emulated) {
 }  // namespace
 
 void register_testing_kernels(py::module_& m) {
+  m.def("kernel_row_exact", [](const std::string& isa) {
+    const KernelTable& t = table(isa);
+    return std::string(t.row_exact ? t.row_exact->name : t.name);
+  }, py::arg("isa"), "The table whose matmul gives each row of a few-row product the bits of a one-row product "
+                     "(for checking speculative tokens): the table's row_exact, or itself.");
   m.def("kernel_matmul", [](const std::string& isa, FloatArray x, FloatArray w, const std::string& wtype, int64_t n0,
                             int64_t n1, const std::string& activations) {
     if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))

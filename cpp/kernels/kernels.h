@@ -120,7 +120,12 @@ struct KernelTable {
   void (*quantize_act)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa);
   void (*matmul_quant)(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                        int64_t n0, int64_t n1);
+  // A table reading the same layouts whose matmul gives every row of an m-row product (m <= kRowExactRows)
+  // the bits of a one-row product, for passes whose rows are compared with decode's (speculative tokens
+  // checked); null where this table's matmul already does.
+  const KernelTable* row_exact = nullptr;
 };
+constexpr int64_t kRowExactRows = 32;
 
 extern const KernelTable kScalarKernels;
 #if defined(CORELM_HAVE_X86)

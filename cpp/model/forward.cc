@@ -424,9 +424,15 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
   ensure_scratch(T);
   routing_tokens_ = cfg_.moe() ? T : 0;
-  for (int64_t i = 0, t = 0; i < n_seqs; i++)
+  bool all_logits = false;
+  for (int64_t i = 0, t = 0; i < n_seqs; i++) {
+    all_logits |= seqs[i].all_logits;
     for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
-  const KernelTable& k = kt_;
+  }
+  // Rows whose every logit is asked for are a speculative proposal being checked against what decode
+  // would give: a few of them run through the table that computes each row with decode's bits.
+  const KernelTable& k = all_logits && T <= kRowExactRows && kt_.row_exact ? *kt_.row_exact : kt_;
+  run_kt_ = &k;
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
   const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
   float* x = x_.data();

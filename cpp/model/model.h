@@ -96,6 +96,8 @@ class Model {
   std::vector<std::tuple<std::string, uintptr_t, size_t>> weight_spans() const;
   int n_threads() const { return pool_.size(); }
   const ThreadPool& pool() const { return pool_; }
+  // The workers sleep at once instead of spinning for the next forward (another model runs next).
+  void park_threads() { pool_.park(); }
   void set_schedule(Schedule s) { pool_.set_schedule(s), cfg_.schedule = s; }
   // How quantized matmuls take their input from the next forward on (the loader picks it once it
   // knows how the weights are stored); the activation buffers are sized again.
@@ -142,6 +144,7 @@ class Model {
 
   ModelConfig cfg_;
   const KernelTable& kt_;
+  const KernelTable* run_kt_ = &kt_;  // the table of the forward running now (kt_ or its row_exact)
   NumaLayout numa_;  // before pool_: the pool is to run the same plan (see docs/architecture.md)
   ThreadPool pool_;
   ParallelFor pack_threads_;  // pool_ lent to the packers while weights load

@@ -196,6 +196,7 @@ void ThreadPool::quiesce() {
 }
 
 void ThreadPool::publish(uint64_t state) {
+  park_.store(false, std::memory_order_relaxed);
   hot_.state.store(state, std::memory_order_seq_cst);  // publishes the region; Dekker pair with sleepers_
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard<std::mutex> lock(mu_);  // pairs with the sleeper's re-check under the mutex
@@ -507,7 +508,8 @@ void ThreadPool::worker_loop(int thread) {
       gen = s >> kGenShift;
       if (gen != seen) break;
       cpu_relax();
-      if ((i & 255) == 255 && std::chrono::steady_clock::now() - spin_start > kSpinTime) {
+      if ((i & 255) == 255 &&
+          (park_.load(std::memory_order_relaxed) || std::chrono::steady_clock::now() - spin_start > kSpinTime)) {
         std::unique_lock<std::mutex> lock(mu_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         cv_.wait(lock, [&] { return (hot_.state.load(std::memory_order_seq_cst) >> kGenShift) != seen; });

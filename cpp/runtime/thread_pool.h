@@ -186,6 +186,10 @@ class alignas(64) ThreadPool {  // whole lines: nothing around it shares the lin
   // compute() reads, and before destroying it.
   void quiesce();
 
+  // Workers stop spinning for the next region and sleep at once: another pool (a speculative draft
+  // model's) is about to run on the same cores. The next region wakes them as usual.
+  void park() { park_.store(true, std::memory_order_relaxed); }
+
  private:
   // What a chunked region's threads copy (the task and how to run it), trivially copyable.
   struct Region {
@@ -304,6 +308,7 @@ class alignas(64) ThreadPool {  // whole lines: nothing around it shares the lin
   // The sleep path, off the hot line.
   alignas(64) std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> park_{false};
   std::mutex mu_;
   std::condition_variable cv_;
 };

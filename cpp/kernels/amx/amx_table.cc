@@ -90,6 +90,7 @@ const KernelTable* table() {
     k.pack = pack<Native>;
     k.matmul = matmul<Native>;
     k.row_to_f32 = row_to_f32<Native>;
+    k.row_exact = nullptr;  // the base table cannot read the AMX layout
     return k;
   }();
   return &t;

@@ -29,7 +29,7 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 // Weight layout: [rows/8][K/32][8][32], see kernels_avx512_bf16.h.
 constexpr int kPrefetchBytes = 1024;  // decode's software prefetch distance, when on:
 const bool kPrefetch = decode_prefetch(false);  // off by default (kernel_util.h)
-constexpr int64_t kSmallBatch = 32;  // up to this many rows of x, stream weights like GEMV (measured: faster than panels through 32 rows)
+constexpr int64_t kSmallBatch = kRowExactRows;  // up to this many rows of x, stream weights like GEMV (measured: faster than panels through 32 rows)
 #ifndef CORELM_PREFILL_GROUPS
 #define CORELM_PREFILL_GROUPS 2
 #endif  // ahead of the hardware prefetcher, measured best of 512..2048
@@ -122,31 +122,65 @@ void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n
   }
 }
 
-// Small batches (a few sequences decoding together): the GEMV stream, with each 8-row group reused for
-// MR activation rows at a time while it is still in L1/L2, so weights come from memory once per step.
+// Small batches (a few sequences decoding together, a sequence checking speculated tokens): the GEMV
+// stream, with each half group (4 weight rows) reused for MR activation rows at a time while it is in
+// L1, so weights come from memory once per step. Each row is summed exactly as gemv sums it (the same
+// two chains, the same order), so a row's result does not depend on how many rows came with it.
 template <bool BF16, int MR>
-void gemv_rows(const float* x, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t g) {
+void gemv_rows(const float* x, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t g, int half) {
+  constexpr int kHalf = kGroup / 2;
   const size_t esz = BF16 ? 2 : 4;
   const int64_t K = w.cols, nchunks = w.ld / kChunk, full = K / kChunk;
   const __mmask16 m_lo = K % kChunk >= 16 ? (__mmask16)0xffff : tail_mask(K % 16);
   const __mmask16 m_hi = K % kChunk > 16 ? tail_mask(K % kChunk - 16) : (__mmask16)0;
-  const char* p = static_cast<const char*>(w.data()) + (size_t)g * nchunks * kGroup * kChunk * esz;
-  __m512 acc[MR][kGroup];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  const char* p = static_cast<const char*>(w.data()) + ((size_t)g * nchunks * kGroup + half * kHalf) * kChunk * esz;
+  __m512 acc[MR][kHalf], acc2[MR][kHalf];
+#pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < kGroup; j++) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nchunks; c++) {
-    __m512 x0[MR], x1[MR];
+#pragma GCC unroll 4
+    for (int j = 0; j < kHalf; j++) acc[i][j] = acc2[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nchunks; c++, p += kGroup * kChunk * esz) {
+    __m512 xa[MR], xb[MR];  // bf16: the chunk's even and odd elements (as gemv); fp32: its two halves
+#pragma GCC unroll 2
     for (int i = 0; i < MR; i++) {
       const float* xr = x + i * ldx + c * kChunk;
-      x0[i] = c < full ? _mm512_loadu_ps(xr) : _mm512_maskz_loadu_ps(m_lo, xr);
-      x1[i] = c < full ? _mm512_loadu_ps(xr + 16) : _mm512_maskz_loadu_ps(m_hi, xr + 16);
+      const __m512 x0 = c < full ? _mm512_loadu_ps(xr) : _mm512_maskz_loadu_ps(m_lo, xr);
+      const __m512 x1 = c < full ? _mm512_loadu_ps(xr + 16) : _mm512_maskz_loadu_ps(m_hi, xr + 16);
+      if constexpr (BF16) {
+        xa[i] = _mm512_permutex2var_ps(x0, even, x1), xb[i] = _mm512_permutex2var_ps(x0, odd, x1);
+      } else {
+        xa[i] = x0, xb[i] = x1;
+      }
     }
-    for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
-      __m512 w0 = load16<BF16>(p), w1 = load16<BF16>(p + 16 * esz);
-      for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(x1[i], w1, _mm512_fmadd_ps(x0[i], w0, acc[i][j]));
+#pragma GCC unroll 4
+    for (int j = 0; j < kHalf; j++) {
+      const char* pj = p + j * kChunk * esz;
+      __m512 wa, wb;
+      if constexpr (BF16) {
+        const __m512i v = _mm512_loadu_si512((const void*)pj);
+        wa = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), wb = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+      } else {
+        wa = load16<BF16>(pj), wb = load16<BF16>(pj + 16 * esz);
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < MR; i++) {
+        acc[i][j] = _mm512_fmadd_ps(xa[i], wa, acc[i][j]);
+        acc2[i][j] = _mm512_fmadd_ps(xb[i], wb, acc2[i][j]);
+      }
     }
   }
-  for (int i = 0; i < MR; i++) store_group(acc[i], y + i * ldy, g * kGroup, 0, w.rows);
+  const int64_t r0 = g * kGroup + half * kHalf;
+  float sums[MR][kHalf];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < kHalf; j++) sums[i][j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], acc2[i][j]));
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < kHalf; j++)
+      if (r0 + j < w.rows) y[i * ldy + r0 + j] = sums[i][j];
 }
 
 template <bool BF16>
@@ -163,9 +197,11 @@ void gemv_batch(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, f
       out = tmp.data();
       ld = w.rows + kGroup;
     }
-    int64_t i = 0;
-    for (; i + 2 <= m; i += 2) gemv_rows<BF16, 2>(x + i * ldx, ldx, w, out + i * ld, ld, g);
-    if (i < m) gemv_rows<BF16, 1>(x + i * ldx, ldx, w, out + i * ld, ld, g);
+    for (int half = 0; half < 2; half++) {
+      int64_t i = 0;
+      for (; i + 2 <= m; i += 2) gemv_rows<BF16, 2>(x + i * ldx, ldx, w, out + i * ld, ld, g, half);
+      if (i < m) gemv_rows<BF16, 1>(x + i * ldx, ldx, w, out + i * ld, ld, g, half);
+    }
     if (!whole)
       for (int64_t r = std::max(g * kGroup, n0); r < std::min((g + 1) * kGroup, n1); r++)
         for (int64_t k = 0; k < m; k++) y[k * ldy + r] = tmp[k * ld + r];
@@ -220,7 +256,8 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
     bf16 ? gemm<true>(x, m, ldx, w, y, ldy, n0, n1) : gemm<false>(x, m, ldx, w, y, ldy, n0, n1);
 }
 
-// The AVX512_BF16 table: bf16 weights with m >= 2 go through VDPBF16PS; everything else as above.
+// The AVX512_BF16 table: bf16 weights with m >= 2 go through VDPBF16PS (activations rounded to bf16);
+// everything else as above. Its row_exact table is the plain one (fp32 activations, decode's sums).
 void matmul_bf16dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
   if (w.type != WeightType::BF16 || m == 1) return matmul(x, m, ldx, w, y, ldy, n0, n1);
@@ -392,6 +429,6 @@ const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout 
 const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
                                         kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
-                                        quant::avx512_matmul_quant};
+                                        quant::avx512_matmul_quant, &kAvx512Kernels};
 
 }  // namespace corelm
