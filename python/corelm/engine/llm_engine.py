@@ -75,13 +75,18 @@ def is_single_prompt(prompts) -> bool:
 class LLMEngine:
     """See the module docstring. Options (all keyword): threads, dtype, max_seq_len, revision, progress,
     kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
-    activations; README.md and corelm.options describe each."""
+    activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
+    speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format, or
+    "[ngram]" for prompt lookup), num_speculative_tokens (the most proposed per step), speculative_weights
+    (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
                  kv_cache_dtype: str = "auto", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
-                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
+                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
+                 speculative_model: Optional[str] = None, num_speculative_tokens: Optional[int] = None,
+                 speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         self.model_name = served_model_name(model)
@@ -111,8 +116,42 @@ class LLMEngine:
         self.kv_cache_dtype = self.core.kv_type
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
-        self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)
+        self.speculator = self._speculator(speculative_model, num_speculative_tokens, speculative_weights,
+                                           prompt_lookup_max, prompt_lookup_min, threads=threads, progress=progress,
+                                           pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations,
+                                           kv_cache_gb=kv_cache_gb)
+        self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                                   speculator=self.speculator)
         self.load_time_s = time.perf_counter() - t0
+
+    def _speculator(self, model: Optional[str], k: Optional[int], weights: Optional[str], n_max: int, n_min: int,
+                    **build):
+        """The proposer the options ask for (None: plain decoding)."""
+        from . import speculative
+        if model is None:
+            if k is not None or weights is not None:
+                raise ValueError("num_speculative_tokens and speculative_weights need speculative_model "
+                                 "(a draft model, \"[self]\" or \"[ngram]\").")
+            return None
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_model must be a path, \"[self]\" or \"[ngram]\", got {model!r}.")
+        if model == "[ngram]":
+            if weights is not None:
+                raise ValueError("speculative_weights is for a draft model; prompt lookup ([ngram]) has none.")
+            return speculative.PromptLookup(4 if k is None else k, n_max, n_min)
+        if model == "[self]":
+            model, weights = self.model_path, weights or "q4"
+        if weights is not None:
+            from ..convert import cached_conversion
+            model = cached_conversion(model, choose("weights", weights), progress=True)
+        draft = load_model(model)
+        speculative.check_same_vocabulary(self.tokenizer, draft.tokenizer, self.vocab_size, draft.spec.vocab_size)
+        dtype = "auto"
+        if draft.source_format == "corelm":
+            from ..convert import folder_dtype
+            dtype = folder_dtype(draft.source)
+        core = build_core_model(draft, dtype=dtype, max_seq_len=self.max_seq_len, **build)
+        return speculative.DraftModel(core, self.core, 4 if k is None else k, vocab_limit=self.vocab_size)
 
     def _eos_ids(self) -> List[int]:
         ids = list(self.spec.eos_token_ids or [])

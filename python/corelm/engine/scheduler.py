@@ -110,8 +110,14 @@ class Scheduler:
     prompt never stalls the streams already running. When the KV budget runs out, the newest running
     sequence is preempted (its blocks freed) and recomputed later."""
 
-    def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256):
+    def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256, speculator=None,
+                 spec_rows: int = 8):
         self.core = core
+        # speculation (engine/speculative.py): proposed tokens ride along while a step's decoding rows
+        # (one per sequence plus its proposal) stay within spec_rows, where a pass still costs about
+        # what one row does; a batch already that wide runs plain.
+        self.speculator = speculator
+        self.spec_rows = spec_rows
         self.block_size = self.core.kv_block_size
         self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
         self.max_num_seqs = max_num_seqs
@@ -172,6 +178,8 @@ class Scheduler:
         return (n_tokens + self.block_size - 1) // self.block_size
 
     def _finish(self, r: _Running) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(r.key)
         self.blocks.release(r.blocks)
         r.blocks = []
         left = self._ids.get(r.rid, 0) - 1
@@ -186,6 +194,8 @@ class Scheduler:
         log.warning("KV cache full: a sequence of request %s preempted, it will be recomputed (raise kv_cache_gb to avoid this)",
                     r.rid)
         self._running.remove(r)
+        if self.speculator is not None:
+            self.speculator.forget(r.key)
         self.blocks.release(r.blocks)
         r.blocks, r.hashes, r.n_computed = [], [], 0
         self._waiting.appendleft(r)
@@ -267,25 +277,77 @@ class Scheduler:
                 out.append((r.rid, StreamChunk("", None, "abort", index=r.seq.index)))
         if not plan:
             return out
+        drafts = self._speculate(plan) if self.speculator is not None else {}
         tokens, slices = [], []
         for r, n in plan:
+            d = drafts.get(r.key, ())
             tokens.extend(r.tokens[r.n_computed:r.n_computed + n])
-            slices.append((n, r.n_computed, np.asarray(r.blocks, dtype=np.int32), False))
+            tokens.extend(d)
+            slices.append((n + len(d), r.n_computed, np.asarray(r.blocks, dtype=np.int32), bool(d)))
         self.last_step_tokens = len(tokens)
         logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
-        for i, (r, n) in enumerate(plan):
+        row = 0
+        for r, n in plan:
+            d = drafts.get(r.key, ())
+            first, row = row, row + (1 + len(d) if d else 1)
             r.n_computed += n
             self._register_full_blocks(r)
             if r.n_computed < len(r.tokens):
                 continue  # still reading its prompt
-            chunk = r.seq.step(logits[i])
-            r.tokens.append(chunk.token_id)
-            out.append((r.rid, chunk))
+            n_before = len(r.tokens)
+            accepted = 0
+            for j in range(len(d) + 1):
+                chunk = r.seq.step(logits[first + j])
+                r.tokens.append(chunk.token_id)
+                out.append((r.rid, chunk))
+                if r.seq.finished or j == len(d) or chunk.token_id != d[j]:
+                    break
+                accepted += 1   # the draft's token was sampled: its keys and values are already cached
+            if d:
+                self.speculator.verified(r.key, n_before, len(d), accepted)
+                r.n_computed += accepted
+                self._register_full_blocks(r)
+                self._trim(r)
             if r.seq.finished:
                 with self._lock:  # add (another thread) reads the id set
                     self._running.remove(r)
                     self._finish(r)
         return out
+
+    def _speculate(self, plan: List[Tuple[_Running, int]]) -> Dict[Tuple[str, int], List[int]]:
+        """Proposals for the decoding sequences of this step (their one pending token plus k guesses)."""
+        spec = self.speculator
+        decoding = [r for r, n in plan if n == 1 and r.n_computed + 1 == len(r.tokens)]
+        room = self.spec_rows - len(decoding)
+        if room <= 0:
+            return {}
+        budget = self.max_batch_tokens - sum(n for _, n in plan)
+        items = []
+        for r in decoding:
+            # no guesses past max_tokens (the last token of a pass is free) or the context
+            k = min(spec.want(r.key), r.seq.max_new - len(r.seq.output_ids) - 1,
+                    self.core.max_seq_len - len(r.tokens), room, budget)
+            if k > 0:
+                items.append((r.key, r.tokens, k))
+                room -= k
+                budget -= k
+        if not items:
+            return {}
+        drafts = spec.propose(items)
+        by_key = {r.key: r for r in decoding}
+        for key, d in list(drafts.items()):
+            r = by_key[key]
+            if not d or not self._grow(r, r.n_computed + 1 + len(d)):
+                del drafts[key]
+                self._trim(r)
+        return drafts
+
+    def _trim(self, r: _Running) -> None:
+        """Frees blocks that only held rejected guesses."""
+        keep = self._blocks_needed(len(r.tokens))
+        if len(r.blocks) > keep:
+            self.blocks.release(r.blocks[keep:])
+            del r.blocks[keep:]
 
     def _register_full_blocks(self, r: _Running) -> None:
         while len(r.hashes) < r.n_computed // self.block_size:

@@ -1,0 +1,193 @@
+"""Speculative decoding (engine/speculative.py): prompt lookup, a draft model and a self-draft are lossless.
+Greedy and seeded sampled output, logprobs, stop strings, max/min tokens and chat are token-for-token what
+plain decoding gives; rejected guesses never reach the prefix cache and leave no KV blocks behind; the
+sampled distribution passes a two-sample chi-square test against plain decoding."""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import DEFAULT_GGUF, MODELS
+
+import corelm
+from corelm import SamplingParams
+from corelm.engine.scheduler import BlockManager
+from corelm.engine.speculative import PromptLookup, _Adaptive
+
+STORIES = os.path.join(MODELS, "stories260K")
+STORIES_GGUF = os.path.join(STORIES, "stories260K.gguf")
+QWEN = os.path.join(MODELS, "tiny-qwen2")
+OLMOE = os.path.join(MODELS, "tiny-olmoe")
+# a prompt whose continuation repeats itself, so prompt lookup has something to copy
+STORY = "Once upon a time, there was a little girl named Lily. Lily liked to play. Once upon a time, there was"
+
+
+# --- the proposers alone -------------------------------------------------------------------------------
+
+def test_prompt_lookup_copies_what_followed_the_latest_match():
+    p = PromptLookup(k_max=3, n_max=3, n_min=1)
+    toks = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7]
+    # the trigram (5, 6, 7) occurred at 0 (then 8 9 5) and at 5 (then 1 2 5): the latest wins
+    assert p.propose([("a", toks, 3)]) == {"a": [1, 2, 5]}
+    assert p.propose([("a", toks + [1], 2)]) == {"a": [2, 5]}        # the index grows with the tokens
+    assert p.propose([("b", [1, 2, 3, 4], 3)]) == {}                  # nothing repeats: no proposal
+    assert p.propose([("c", [4, 4], 3)]) == {"c": [4]}               # only what exists after the match
+    p.forget("a")
+    assert p.propose([("a", [9, 9, 9], 2)]) == {"a": [9]}            # a new sequence under an old key
+
+
+def test_adaptive_length_and_backoff():
+    a = _Adaptive(k_max=6, k_start=4, patience=2)
+    assert a.want() == 4
+    a.update(4, 4)
+    assert a.want() == 5
+    a.update(5, 2)
+    assert a.want() == 3
+    a.update(3, 0)
+    a.update(1, 0)             # two misses in a row: pause 4 steps, then try again
+    assert [a.want() for _ in range(5)] == [0, 0, 0, 0, 1]
+    a.update(1, 0)
+    a.update(1, 0)             # the next pause is twice as long
+    assert [a.want() for _ in range(9)] == [0] * 8 + [1]
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.5, "4", True])
+def test_bad_proposal_lengths_are_refused(bad):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        PromptLookup(k_max=bad)
+
+
+# --- lossless through the engine ----------------------------------------------------------------------
+
+def run(llm, prompts, params):
+    llm.reset()
+    out = llm.generate(prompts, params)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs]) for c in o.outputs] for o in out]
+
+
+# Several sequences at once: q8 weights, whose kernels give a row the same bits in a batch of any size.
+# (bf16 batches of 2+ rows round activations to bf16 where AVX512_BF16 runs them, decode does not: the
+# plain baseline itself then depends on the batch, so float models are compared one sequence at a time.)
+Q8 = dict(threads=2, dtype="q8")
+
+
+@pytest.fixture(scope="module")
+def plain_stories():
+    return corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8)
+
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=7, max_tokens=60, n=2, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=80, stop=["Lily liked"], include_stop_str_in_output=True),
+    SamplingParams(temperature=1.0, seed=3, top_k=5, repetition_penalty=1.1, max_tokens=40, min_tokens=30),
+]
+
+
+@pytest.mark.parametrize("spec", [dict(speculative_model="[ngram]"),
+                                  dict(speculative_model="[ngram]", num_speculative_tokens=7, prompt_lookup_min=1),
+                                  dict(speculative_model=STORIES_GGUF, num_speculative_tokens=3),
+                                  dict(speculative_model=QWEN),      # another model over the same tokenizer
+                                  dict(speculative_model="[self]", speculative_weights="q4")])
+def test_output_is_unchanged_by_speculation(plain_stories, spec):
+    llm = corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8, **spec)
+    prompts = [STORY, "Tim had a big red ball. Tim had a big"]
+    for params in PARAMS:
+        assert run(llm, prompts, params) == run(plain_stories, prompts, params), params
+    stats = llm.engine.speculator.stats
+    assert stats.proposed > 50 and stats.accepted <= stats.proposed
+    assert stats.accepted > 0 or spec["speculative_model"] == QWEN   # a random-weight draft guesses wrong
+    assert llm.engine.scheduler.blocks.num_free == llm.engine.core.kv_blocks   # every block came back
+
+
+@pytest.mark.parametrize("source, dtype", [(STORIES, "fp32"), (STORIES, "bf16"), (QWEN, "bf16"), (OLMOE, "bf16"),
+                                           (QWEN, "q4")])
+def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
+    """fp32 and bf16 weights take the row-exact kernel table for the check (on AVX512_BF16 CPUs the bf16
+    batch kernel rounds activations to bf16, decode does not)."""
+    plain = corelm.LLM(source, dtype=dtype, threads=2)
+    spec = corelm.LLM(source, dtype=dtype, threads=2, speculative_model="[self]", speculative_weights="q8",
+                      num_speculative_tokens=5)
+    ids = plain.encode_prompt("Once upon a time") if source == STORIES else list(range(5, 30)) * 2
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert run(spec, [ids], params) == run(plain, [ids], params)
+    assert spec.engine.speculator.stats.accepted > 0
+
+
+def test_chat_is_unchanged(plain_stories):
+    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]")
+    messages = [{"role": "user", "content": STORY}]
+    params = SamplingParams(temperature=0, max_tokens=50)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    a = llm.chat(messages, params, chat_template=template)[0].outputs[0]
+    b = plain_stories.chat(messages, params, chat_template=template)[0].outputs[0]
+    assert (a.token_ids, a.text) == (b.token_ids, b.text)
+
+
+def test_batched_speculation_keeps_cache_clean():
+    """Several sequences speculate in one pass; the prefix cache only ever holds blocks of tokens that
+    were kept, and every block is free again at the end."""
+    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]", max_num_seqs=3)
+    plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=3)
+    prompts = [STORY, STORY + " a", "Tim had a big red ball. Tim had a big", "The cat sat. The cat sat. The"]
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    sched = llm.engine.scheduler
+    kept = set()
+    for o in got:
+        toks, h = list(o.prompt_token_ids) + list(o.outputs[0].token_ids), 0
+        for i in range(len(toks) // sched.block_size):
+            h = BlockManager.chain_hash(h, tuple(toks[i * sched.block_size:(i + 1) * sched.block_size]))
+            kept.add(h)
+    assert sched.blocks.cached and set(sched.blocks.cached) <= kept
+    assert sched.blocks.num_free == llm.engine.core.kv_blocks
+    assert llm.engine.speculator.stats.accepted > 20
+
+
+def test_sampled_distribution_matches_plain_decoding():
+    """Two-sample chi-square test (homogeneity) of the 2nd and 3rd sampled tokens, 600 samples each, plain
+    vs a draft that always proposes its argmax (so many guesses are rejected at temperature 1): with the
+    test at alpha = 0.001, a correct sampler fails it once in a thousand seed sets; these seeds are fixed,
+    so the test is deterministic."""
+    n = 600
+    params = SamplingParams(temperature=1.0, seed=11, n=n, max_tokens=3, ignore_eos=True)
+    params_b = SamplingParams(temperature=1.0, seed=50_000, n=n, max_tokens=3, ignore_eos=True)
+    plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=4)
+    spec = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=2, speculative_model=STORIES_GGUF,
+                      num_speculative_tokens=2)
+    prompt = "Once upon a time, there was a"
+    a = [c.token_ids for c in plain.generate([prompt], params)[0].outputs]
+    b = [c.token_ids for c in spec.generate([prompt], params_b)[0].outputs]
+    assert spec.engine.speculator.stats.proposed > 300 and spec.engine.speculator.stats.accepted > 50
+    for pos in (1, 2):
+        cats = sorted({t[pos] for t in a + b})
+        table = np.array([[sum(t[pos] == c for t in a) for c in cats], [sum(t[pos] == c for t in b) for c in cats]])
+        big = table.sum(0) >= 10          # pool rare tokens so expected counts are not tiny
+        table = np.column_stack([table[:, big], table[:, ~big].sum(1)]) if (~big).any() else table[:, big]
+        stat, critical = chi_square(table)
+        assert stat < critical, (pos, stat, critical, table)
+
+
+def chi_square(table):
+    """Pearson's statistic for a 2 x k contingency table and its critical value at alpha = 0.001 for
+    (k - 1) degrees of freedom (the Wilson-Hilferty approximation, within 1% from 3 degrees on)."""
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    df = table.shape[1] - 1
+    z = 3.0902   # the standard normal's 0.999 quantile
+    return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+# --- options ------------------------------------------------------------------------------------------
+
+def test_speculation_options_are_checked():
+    with pytest.raises(ValueError, match="need speculative_model"):
+        corelm.LLM(STORIES_GGUF, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="vocabulary differs"):
+        corelm.LLM(STORIES_GGUF, speculative_model=DEFAULT_GGUF)   # SmolLM2's 49152 tokens
+    with pytest.raises(ValueError, match="prompt lookup"):
+        corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", speculative_weights="q4")
