@@ -191,3 +191,57 @@ def test_speculation_options_are_checked():
         corelm.LLM(STORIES_GGUF, speculative_model=DEFAULT_GGUF)   # SmolLM2's 49152 tokens
     with pytest.raises(ValueError, match="prompt lookup"):
         corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", speculative_weights="q4")
+
+
+# --- every entry point --------------------------------------------------------------------------------
+
+def test_cli_generate_and_chat_take_draft_flags(tmp_path):
+    import subprocess
+    import sys
+    base = [sys.executable, "-m", "corelm.entrypoints.cli"]
+    env = dict(os.environ)
+    for cmd in (["generate", STORIES_GGUF, "-p", STORY, "-n", "40", "--temp", "0", "--ignore-eos", "-v"],):
+        plain = subprocess.run(base + cmd, capture_output=True, text=True, env=env, timeout=300)
+        spec = subprocess.run(base + cmd + ["--draft-model", "[ngram]", "--draft-tokens", "5"], capture_output=True,
+                              text=True, env=env, timeout=300)
+        assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+        assert spec.stdout == plain.stdout and "draft:" in spec.stderr and "draft:" not in plain.stderr
+    chat = subprocess.run(base + ["chat", STORIES_GGUF, "--draft-model", STORIES_GGUF, "--temp", "0", "-n", "20",
+                                  "-v"], input="Once upon a time\n/bye\n", capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert chat.returncode == 0 and "draft:" in chat.stderr, chat.stderr
+    bad = subprocess.run(base + ["generate", STORIES_GGUF, "-p", "x", "--draft-tokens", "3"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "--draft-model" in bad.stderr
+
+
+def test_server_metrics_count_draft_tokens():
+    from test_server import running_server
+    httpx = pytest.importorskip("httpx")
+    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]")
+    with running_server(lambda: llm, api_key=None) as s:
+        assert s.state.wait_ready(60)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": STORY, "max_tokens": 40, "temperature": 0,
+                                                        "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        plain = corelm.LLM(STORIES_GGUF, **Q8).generate([STORY], SamplingParams(temperature=0, max_tokens=40,
+                                                                               ignore_eos=True))[0].outputs[0].text
+        assert r.json()["choices"][0]["text"] == plain
+        text = httpx.get(s.url + "/metrics").text
+        drafted = int(next(line.split()[1] for line in text.splitlines()
+                           if line.startswith("corelm_spec_decode_draft_tokens_total")))
+        accepted = int(next(line.split()[1] for line in text.splitlines()
+                            if line.startswith("corelm_spec_decode_accepted_tokens_total")))
+        assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_batch_worker_speculates():
+    from corelm.entrypoints.batch.worker import BatchWorker
+    from test_server import batch_answer
+    body = {"prompt": STORY, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain, err = batch_answer(BatchWorker(STORIES_GGUF, 2, {"dtype": "q8"}), "/v1/completions", body)
+    worker = BatchWorker(STORIES_GGUF, 2, {"dtype": "q8", "speculative_model": "[ngram]"})
+    spec, err2 = batch_answer(worker, "/v1/completions", body)
+    assert err is None and err2 is None
+    assert spec["response"]["body"]["choices"] == plain["response"]["body"]["choices"]
+    assert worker.engine.spec_counts()["accepted_tokens"] > 0

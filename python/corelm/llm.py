@@ -120,8 +120,16 @@ class LLM:
         prompt_ids = self.engine.add_request(rid, prompt, params)   # validates before the generator starts
         return self._stream_request(rid, len(prompt_ids))
 
+    def _spec_since(self, before: Optional[Dict[str, int]], m: Dict[str, Any]) -> None:
+        """Adds the draft tokens proposed and accepted since `before` (engine.spec_counts()) to m."""
+        now = self.engine.spec_counts()
+        if before is not None and now is not None:
+            for k in now:
+                m[k] = now[k] - before[k]
+
     def _stream_request(self, rid: str, n_prompt: int) -> Iterator[StreamChunk]:
         m = self.last_metrics = {"prompt_tokens": n_prompt, "generated_tokens": 0}
+        spec0 = self.engine.spec_counts()
         t0 = time.perf_counter()
         t1, finish = None, None
         try:
@@ -145,6 +153,7 @@ class LLM:
             m.setdefault("prompt_time_s", time.perf_counter() - t0)
             m["generation_time_s"] = time.perf_counter() - (t1 or t0)
             m["finish_reason"] = finish
+            self._spec_since(spec0, m)
 
     def chat_stream(self, messages: List[Dict[str, Any]], sampling_params: Optional[SamplingParams] = None,
                     chat_template: Optional[str] = None) -> Iterator[StreamChunk]:
@@ -178,6 +187,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             progress = tqdm(total=len(rids), desc="generating", unit="req")
+        spec0 = self.engine.spec_counts()
         t0 = time.perf_counter()
         try:
             for rid, ids, params in zip(rids, encoded, params_list):
@@ -219,6 +229,7 @@ class LLM:
                              "cached_prompt_tokens": sum(r.metrics["cached_prompt_tokens"] for r in results),
                              "generated_tokens": sum(r.metrics["generated_tokens"] for r in results),
                              "generation_time_s": elapsed}
+        self._spec_since(spec0, self.last_metrics)
         return results
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

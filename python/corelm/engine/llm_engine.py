@@ -256,6 +256,12 @@ class LLMEngine:
         """Tokens the last step ran through the model (prompt chunks plus one per decoding sequence)."""
         return self.scheduler.last_step_tokens
 
+    def spec_counts(self) -> Optional[Dict[str, int]]:
+        """Speculative decoding so far: {"draft_tokens": proposed, "accepted_tokens": kept}; None without it."""
+        if self.speculator is None:
+            return None
+        return {"draft_tokens": self.speculator.stats.proposed, "accepted_tokens": self.speculator.stats.accepted}
+
     def cached_prompt_tokens(self, request_id: str) -> int:
         """How many of the request's prompt tokens came from the prefix cache (asked once)."""
         return self.scheduler.cached_prompt_tokens(request_id)

@@ -54,6 +54,15 @@ def add_engine_flags(p: argparse.ArgumentParser,
                         "pages are reserved, and memory is used only as the cache fills)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own, at most 4096)")
+    g = p.add_argument_group("speculative decoding (lossless: the output is what plain decoding gives)")
+    g.add_argument("--draft-model", default=None, metavar="DRAFT",
+                   help="a smaller model over the same vocabulary that proposes tokens (HF folder, .gguf, corelm "
+                        "folder or hub id); [self]: this model in --draft-weights (default q4); [ngram]: prompt "
+                        "lookup, proposals copied from the prompt and the text so far")
+    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="the most tokens proposed per step; each sequence adapts below it (default: 4)")
+    g.add_argument("--draft-weights", default=None, metavar="FORMAT",
+                   help="convert the draft to this format first (cached), e.g. q4")
 
 
 def add_verbose_flag(p: argparse.ArgumentParser) -> None:
@@ -107,6 +116,11 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
+    if args.draft_model is not None or args.draft_tokens is not None or args.draft_weights is not None:
+        if args.draft_model is None:
+            raise ValueError("--draft-tokens and --draft-weights need --draft-model.")
+        options.update(speculative_model=args.draft_model, num_speculative_tokens=args.draft_tokens,
+                       speculative_weights=args.draft_weights)
     return options
 
 

@@ -31,8 +31,12 @@ def format_stats(m: Dict[str, Any]) -> str:
     prompt = f"prompt: {pt} tokens"
     if cached:
         prompt += f" ({cached} cached)"
-    return (f"{prompt}, {_rate(pt - cached, m.get('prompt_time_s', 0.0))} tok/s | "
-            f"generation: {gt} tokens, {_rate(gt, m.get('generation_time_s', 0.0))} tok/s")
+    out = (f"{prompt}, {_rate(pt - cached, m.get('prompt_time_s', 0.0))} tok/s | "
+           f"generation: {gt} tokens, {_rate(gt, m.get('generation_time_s', 0.0))} tok/s")
+    if "draft_tokens" in m:   # speculative decoding
+        d, a = int(m["draft_tokens"]), int(m.get("accepted_tokens", 0))
+        out += f" | draft: {a} of {d} accepted" + (f" ({100 * a / d:.0f}%)" if d else "")
+    return out
 
 
 def print_stats(llm) -> None:

@@ -217,7 +217,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         authorize(request)
         runner = state.runner
         text = metrics.render(runner.num_waiting if runner else 0, runner.num_running if runner else 0,
-                              state.status == "ready")
+                              state.status == "ready", runner.spec_counts() if runner else None)
         metrics.count_request("/metrics", 200)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

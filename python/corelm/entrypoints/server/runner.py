@@ -55,7 +55,7 @@ class Metrics:
                 self.window.popleft()
             return sum(n for _, n in self.window) / self.window_s
 
-    def render(self, waiting: int, running: int, model_loaded: bool) -> str:
+    def render(self, waiting: int, running: int, model_loaded: bool, spec: Optional[Dict[str, int]] = None) -> str:
         tps = self.tokens_per_second()
         lines: List[str] = []
 
@@ -81,6 +81,11 @@ class Metrics:
         metric("generation_tokens_per_second", "gauge",
                f"Tokens generated per second over the last {self.window_s:g} s.", [("", round(tps, 3))])
         metric("model_loaded", "gauge", "1 once the model is loaded.", [("", int(model_loaded))])
+        if spec is not None:   # speculative decoding (vLLM's spec_decode counters)
+            metric("spec_decode_draft_tokens_total", "counter", "Tokens proposed by the draft or prompt lookup.",
+                   [("", spec["draft_tokens"])])
+            metric("spec_decode_accepted_tokens_total", "counter", "Proposed tokens the model kept.",
+                   [("", spec["accepted_tokens"])])
         return "\n".join(lines) + "\n"
 
 
@@ -122,6 +127,10 @@ class EngineRunner:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    def spec_counts(self) -> Optional[Dict[str, int]]:
+        counts = getattr(self.engine, "spec_counts", None)   # test doubles of the engine may have none
+        return counts() if counts else None
 
     @property
     def num_choices(self) -> int:
