@@ -12,7 +12,7 @@ from conftest import DEFAULT_GGUF, MODELS
 import corelm
 from corelm import SamplingParams
 from corelm.engine.scheduler import BlockManager
-from corelm.engine.speculative import PromptLookup, _Adaptive
+from corelm.engine.speculative import Acceptance, PromptLookup, StepCosts, plan_lengths
 
 STORIES = os.path.join(MODELS, "stories260K")
 STORIES_GGUF = os.path.join(STORIES, "stories260K.gguf")
@@ -36,19 +36,40 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
     assert p.propose([("a", [9, 9, 9], 2)]) == {"a": [9]}            # a new sequence under an old key
 
 
-def test_adaptive_length_and_backoff():
-    a = _Adaptive(k_max=6, k_start=4, patience=2)
-    assert a.want() == 4
-    a.update(4, 4)
-    assert a.want() == 5
-    a.update(5, 2)
-    assert a.want() == 3
-    a.update(3, 0)
-    a.update(1, 0)             # two misses in a row: pause 4 steps, then try again
-    assert [a.want() for _ in range(5)] == [0, 0, 0, 0, 1]
-    a.update(1, 0)
-    a.update(1, 0)             # the next pause is twice as long
-    assert [a.want() for _ in range(9)] == [0] * 8 + [1]
+def test_acceptance_estimate_learns_and_drifts_back():
+    a = Acceptance(prior=0.6)
+    for _ in range(20):
+        a.update(4, 0)            # every first guess missed
+    assert a.rate < 0.05
+    for _ in range(100):
+        a.idle()                  # not asked: the estimate drifts back toward the prior, to be probed again
+    assert 0.5 < a.rate < 0.6
+    for _ in range(20):
+        a.update(4, 4)
+    assert a.rate > 0.95
+
+
+def test_plan_gives_rows_only_where_they_pay():
+    costs = StepCosts()
+    assert plan_lengths([0.9], [8], 1, costs) == [0]           # nothing measured yet: measure plain first
+    costs.record(1, 0.030)
+    for rows in range(2, 10):
+        costs.record(rows, 0.030 * (1 + 0.15 * (rows - 1)))  # each row costs 15% of a plain pass
+    k = plan_lengths([0.9], [8], 1, costs)[0]
+    assert 3 <= k <= 8
+    assert plan_lengths([0.1], [8], 1, costs) == [0]           # guesses that miss are not worth a row
+    assert plan_lengths([0.9], [2], 1, costs) == [2]           # no more than what there is
+    # a draft model's passes cost too: a slow draft gets fewer tokens, a hopeless one none
+    assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.006)[0] < k
+    assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.05) == [0]
+    # two sequences share the extra rows, the better guesser first
+    a, b = plan_lengths([0.95, 0.5], [8, 8], 2, costs)
+    assert a > b
+    # a batch whose pass costs as much per row as it saves gets none
+    flat = StepCosts()
+    for rows in range(1, 30):
+        flat.record(rows, 0.01 * rows)
+    assert plan_lengths([0.9] * 16, [8] * 16, 16, flat) == [0] * 16
 
 
 @pytest.mark.parametrize("bad", [0, 17, 2.5, "4", True])
@@ -70,6 +91,8 @@ def run(llm, prompts, params):
 # (bf16 batches of 2+ rows round activations to bf16 where AVX512_BF16 runs them, decode does not: the
 # plain baseline itself then depends on the batch, so float models are compared one sequence at a time.)
 Q8 = dict(threads=2, dtype="q8")
+FIXED = dict(speculative_adaptive=False)   # tiny models: a draft pass costs what a target pass does, so the
+                                           # planner would rightly never speculate; these tests make it
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +109,13 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("spec", [dict(speculative_model="[ngram]"),
+                                  dict(speculative_model="[ngram]", speculative_adaptive=True),
                                   dict(speculative_model="[ngram]", num_speculative_tokens=7, prompt_lookup_min=1),
                                   dict(speculative_model=STORIES_GGUF, num_speculative_tokens=3),
                                   dict(speculative_model=QWEN),      # another model over the same tokenizer
                                   dict(speculative_model="[self]", speculative_weights="q4")])
 def test_output_is_unchanged_by_speculation(plain_stories, spec):
-    llm = corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8, **spec)
+    llm = corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8, **{**FIXED, **spec})
     prompts = [STORY, "Tim had a big red ball. Tim had a big"]
     for params in PARAMS:
         assert run(llm, prompts, params) == run(plain_stories, prompts, params), params
@@ -107,7 +131,7 @@ def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
     """fp32 and bf16 weights take the row-exact kernel table for the check (on AVX512_BF16 CPUs the bf16
     batch kernel rounds activations to bf16, decode does not)."""
     plain = corelm.LLM(source, dtype=dtype, threads=2)
-    spec = corelm.LLM(source, dtype=dtype, threads=2, speculative_model="[self]", speculative_weights="q8",
+    spec = corelm.LLM(source, dtype=dtype, threads=2, speculative_model="[self]", speculative_weights="q8", **FIXED,
                       num_speculative_tokens=5)
     ids = plain.encode_prompt("Once upon a time") if source == STORIES else list(range(5, 30)) * 2
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -116,7 +140,7 @@ def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
 
 
 def test_chat_is_unchanged(plain_stories):
-    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]")
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]")
     messages = [{"role": "user", "content": STORY}]
     params = SamplingParams(temperature=0, max_tokens=50)
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -128,7 +152,7 @@ def test_chat_is_unchanged(plain_stories):
 def test_batched_speculation_keeps_cache_clean():
     """Several sequences speculate in one pass; the prefix cache only ever holds blocks of tokens that
     were kept, and every block is free again at the end."""
-    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]", max_num_seqs=3)
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]", max_num_seqs=3)
     plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=3)
     prompts = [STORY, STORY + " a", "Tim had a big red ball. Tim had a big", "The cat sat. The cat sat. The"]
     params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
@@ -155,7 +179,7 @@ def test_sampled_distribution_matches_plain_decoding():
     params = SamplingParams(temperature=1.0, seed=11, n=n, max_tokens=3, ignore_eos=True)
     params_b = SamplingParams(temperature=1.0, seed=50_000, n=n, max_tokens=3, ignore_eos=True)
     plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=4)
-    spec = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=2, speculative_model=STORIES_GGUF,
+    spec = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, max_num_seqs=2, speculative_model=STORIES_GGUF,
                       num_speculative_tokens=2)
     prompt = "Once upon a time, there was a"
     a = [c.token_ids for c in plain.generate([prompt], params)[0].outputs]
@@ -218,7 +242,7 @@ def test_cli_generate_and_chat_take_draft_flags(tmp_path):
 def test_server_metrics_count_draft_tokens():
     from test_server import running_server
     httpx = pytest.importorskip("httpx")
-    llm = corelm.LLM(STORIES_GGUF, **Q8, speculative_model="[ngram]")
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]")
     with running_server(lambda: llm, api_key=None) as s:
         assert s.state.wait_ready(60)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": STORY, "max_tokens": 40, "temperature": 0,
@@ -240,7 +264,7 @@ def test_batch_worker_speculates():
     from test_server import batch_answer
     body = {"prompt": STORY, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     plain, err = batch_answer(BatchWorker(STORIES_GGUF, 2, {"dtype": "q8"}), "/v1/completions", body)
-    worker = BatchWorker(STORIES_GGUF, 2, {"dtype": "q8", "speculative_model": "[ngram]"})
+    worker = BatchWorker(STORIES_GGUF, 2, {"dtype": "q8", "speculative_model": "[ngram]", **FIXED})
     spec, err2 = batch_answer(worker, "/v1/completions", body)
     assert err is None and err2 is None
     assert spec["response"]["body"]["choices"] == plain["response"]["body"]["choices"]

@@ -78,7 +78,9 @@ class LLMEngine:
     activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
     speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format, or
     "[ngram]" for prompt lookup), num_speculative_tokens (the most proposed per step), speculative_weights
-    (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min."""
+    (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min, and
+    speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
+    False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -86,7 +88,8 @@ class LLMEngine:
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
                  numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
                  speculative_model: Optional[str] = None, num_speculative_tokens: Optional[int] = None,
-                 speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2):
+                 speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
+                 speculative_adaptive: bool = True):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         self.model_name = served_model_name(model)
@@ -120,6 +123,10 @@ class LLMEngine:
                                            prompt_lookup_max, prompt_lookup_min, threads=threads, progress=progress,
                                            pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations,
                                            kv_cache_gb=kv_cache_gb)
+        if self.speculator is not None:
+            if not isinstance(speculative_adaptive, bool):
+                raise ValueError(f"speculative_adaptive must be True or False, got {speculative_adaptive!r}.")
+            self.speculator.adaptive = speculative_adaptive
         self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
                                    speculator=self.speculator)
         self.load_time_s = time.perf_counter() - t0
@@ -138,7 +145,7 @@ class LLMEngine:
         if model == "[ngram]":
             if weights is not None:
                 raise ValueError("speculative_weights is for a draft model; prompt lookup ([ngram]) has none.")
-            return speculative.PromptLookup(4 if k is None else k, n_max, n_min)
+            return speculative.PromptLookup(8 if k is None else k, n_max, n_min)
         if model == "[self]":
             model, weights = self.model_path, weights or "q4"
         if weights is not None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .sequence import Sequence, StreamChunk
+from .speculative import StepCosts, plan_lengths
 
 log = logging.getLogger("corelm")
 
@@ -111,13 +113,13 @@ class Scheduler:
     sequence is preempted (its blocks freed) and recomputed later."""
 
     def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256, speculator=None,
-                 spec_rows: int = 8):
+                 spec_rows: int = 24):
         self.core = core
-        # speculation (engine/speculative.py): proposed tokens ride along while a step's decoding rows
-        # (one per sequence plus its proposal) stay within spec_rows, where a pass still costs about
-        # what one row does; a batch already that wide runs plain.
+        # speculation (engine/speculative.py): proposed tokens ride along in a step of at most spec_rows
+        # tokens, as many as the measured costs say pay off; a batch already that wide runs plain.
         self.speculator = speculator
         self.spec_rows = spec_rows
+        self.step_costs = StepCosts()
         self.block_size = self.core.kv_block_size
         self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
         self.max_num_seqs = max_num_seqs
@@ -285,7 +287,14 @@ class Scheduler:
             tokens.extend(d)
             slices.append((n + len(d), r.n_computed, np.asarray(r.blocks, dtype=np.int32), bool(d)))
         self.last_step_tokens = len(tokens)
+        t0 = time.perf_counter()
         logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
+        if self.speculator is not None:
+            self.step_costs.record(len(tokens), time.perf_counter() - t0)
+            # a draft model reads a prompt when the model has (prompt time, not the first proposal's)
+            done = [(r.key, r.tokens) for r, n in plan if n > 1 and r.n_computed + n == len(r.tokens)]
+            if done:
+                self.speculator.read_prompts(done)
         row = 0
         for r, n in plan:
             d = drafts.get(r.key, ())
@@ -315,25 +324,32 @@ class Scheduler:
         return out
 
     def _speculate(self, plan: List[Tuple[_Running, int]]) -> Dict[Tuple[str, int], List[int]]:
-        """Proposals for the decoding sequences of this step (their one pending token plus k guesses)."""
+        """Proposals for the decoding sequences of this step (their one pending token plus k guesses), as
+        many as pay off by the measured acceptance and pass costs (speculative.plan_lengths)."""
         spec = self.speculator
         decoding = [r for r, n in plan if n == 1 and r.n_computed + 1 == len(r.tokens)]
-        room = self.spec_rows - len(decoding)
-        if room <= 0:
+        base_rows = sum(n for _, n in plan)
+        room = min(self.spec_rows, self.max_batch_tokens) - base_rows
+        if not decoding or room <= 0:
             return {}
-        budget = self.max_batch_tokens - sum(n for _, n in plan)
-        items = []
-        for r in decoding:
-            # no guesses past max_tokens (the last token of a pass is free) or the context
-            k = min(spec.want(r.key), r.seq.max_new - len(r.seq.output_ids) - 1,
-                    self.core.max_seq_len - len(r.tokens), room, budget)
-            if k > 0:
-                items.append((r.key, r.tokens, k))
-                room -= k
-                budget -= k
-        if not items:
-            return {}
-        drafts = spec.propose(items)
+        # no guesses past max_tokens (the last token of a pass is free) or the context
+        limits = [max(0, min(spec.k_max, r.seq.max_new - len(r.seq.output_ids) - 1,
+                             self.core.max_seq_len - len(r.tokens), room)) for r in decoding]
+        found = {}
+        if spec.cheap:   # prompt lookup: what there is to copy decides the lengths too
+            found = spec.propose([(r.key, r.tokens, k) for r, k in zip(decoding, limits) if k > 0])
+            limits = [len(found.get(r.key, ())) for r in decoding]
+        accept = [spec.acceptance(r.key) for r in decoding]
+        lengths = plan_lengths([a.rate for a in accept], limits, base_rows, self.step_costs,
+                               spec.pass_seconds) if spec.adaptive else limits
+        for a, k, lim in zip(accept, lengths, limits):
+            if k == 0 and lim > 0:
+                a.idle()
+        if spec.cheap:
+            drafts = {r.key: found[r.key][:k] for r, k in zip(decoding, lengths) if k > 0}
+        else:
+            items = [(r.key, r.tokens, k) for r, k in zip(decoding, lengths) if k > 0]
+            drafts = spec.propose(items) if items else {}
         by_key = {r.key: r for r in decoding}
         for key, d in list(drafts.items()):
             r = by_key[key]

@@ -13,13 +13,15 @@ a proposal that puts all its probability on one token: the token kept at every p
 target's distribution exactly as without speculation, so the output is unchanged (with a seed, token for
 token, wherever the kernels give a row of a multi-row pass the bits of a one-row pass).
 
-Each sequence adapts its own proposal length to what it gets accepted (longer while every guess is
-taken, shorter after a miss), and prompt lookup backs off for a growing number of steps after repeated
-misses, so a prompt with nothing to copy costs next to nothing.
+How many tokens each sequence is proposed is the scheduler's plan (scheduler.SpecPlanner): from each
+sequence's measured acceptance and the measured cost of a pass by its rows, the lengths that give the
+most tokens per second, none where speculation would not pay (a batch already compute-bound, a sequence
+whose guesses keep missing).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence as Seq, Tuple
+import time
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
@@ -38,75 +40,76 @@ class SpecStats:
                 "acceptance_rate": round(rate, 4), "verify_steps": self.steps}
 
 
-class _Adaptive:
-    """One sequence's proposal length: +1 after a fully accepted proposal, down to what was accepted + 1
-    after a miss; after `patience` proposals in a row with nothing accepted, a pause of a doubling number
-    of steps (up to 64) before the next try."""
+class Acceptance:
+    """One sequence's chance that a proposed token is taken, given the ones before it were (the geometric
+    model of the speculative-sampling papers): positions tried and taken, older ones forgotten. While the
+    planner gives the sequence no proposals, the estimate drifts back toward the prior, so a sequence that
+    once guessed badly is tried again now and then (a probe costs one row)."""
 
-    def __init__(self, k_max: int, k_start: int, patience: int):
-        self.k_max = k_max
-        self.k = max(1, min(k_start, k_max))
-        self.patience = patience
-        self.misses = 0
-        self.pause = 0
-        self.backoff = 4
+    def __init__(self, prior: float = 0.6, weight: float = 2.0, keep: float = 0.85, drift: float = 0.97):
+        self.prior, self.keep, self.drift = prior, keep, drift
+        self.tried, self.taken = weight, prior * weight
 
-    def want(self) -> int:
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        return self.k
+    @property
+    def rate(self) -> float:
+        return min(0.98, self.taken / self.tried)
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return
-        if accepted == proposed:
-            self.k = min(self.k_max, self.k + 1)
-        else:
-            self.k = max(1, accepted + 1) if accepted else max(1, self.k // 2)
-        if accepted:
-            self.misses, self.backoff = 0, 4
-            return
-        self.misses += 1
-        if self.misses >= self.patience:
-            self.pause, self.backoff, self.misses = self.backoff, min(64, self.backoff * 2), 0
+        tried = accepted + (accepted < proposed)   # the first miss was tried too; later guesses were not
+        self.tried = self.tried * self.keep + tried
+        self.taken = self.taken * self.keep + accepted
+
+    def idle(self) -> None:
+        """A step with a proposal at hand but none asked for."""
+        rate = self.rate + (self.prior - self.rate) * (1 - self.drift)
+        self.taken = rate * self.tried
 
 
 class Proposer:
-    """What the scheduler needs of a proposer. Keys name running sequences (the scheduler's)."""
+    """What the scheduler needs of a proposer. Keys name running sequences (the scheduler's). `cheap`
+    proposers (prompt lookup) are asked first and their proposals trimmed by the planner; a draft model is
+    asked only for the lengths the planner chose, and reports the seconds a drafting pass takes."""
     name = "none"
+    cheap = False
 
-    def __init__(self, k_max: int, k_start: int, patience: int):
+    def __init__(self, k_max: int):
         if not isinstance(k_max, int) or isinstance(k_max, bool) or not 1 <= k_max <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k_max!r}.")
         self.k_max = k_max
-        self._k_start = k_start
-        self._patience = patience
-        self._adapt: Dict[Hashable, _Adaptive] = {}
+        self.adaptive = True      # False: always k_max tokens where there are any (vLLM's and llama.cpp's way)
+        self._acceptance: Dict[Hashable, Acceptance] = {}
         self.stats = SpecStats()
+        self.pass_seconds = 0.0   # a drafting pass, measured (0: no passes, e.g. prompt lookup)
 
-    def want(self, key: Hashable) -> int:
-        """How many tokens this sequence should be proposed this step (0: none)."""
-        a = self._adapt.get(key)
+    def acceptance(self, key: Hashable) -> Acceptance:
+        """The sequence's acceptance estimate for what it is proposed now."""
+        k = self._estimate_key(key)
+        a = self._acceptance.get(k)
         if a is None:
-            a = self._adapt[key] = _Adaptive(self.k_max, self._k_start, self._patience)
-        return a.want()
+            a = self._acceptance[k] = Acceptance()
+        return a
+
+    def _estimate_key(self, key: Hashable) -> Hashable:
+        return key
 
     def propose(self, items: List[Tuple[Hashable, List[int], int]]) -> Dict[Hashable, List[int]]:
         """items: (key, the sequence's tokens so far, at most k); returns key -> proposed tokens."""
         raise NotImplementedError
 
+    def read_prompts(self, items: List[Tuple[Hashable, List[int]]]) -> None:
+        """The model has just read these sequences' prompts (key, tokens): a draft reads them too."""
+
     def verified(self, key: Hashable, n_before: int, proposed: int, accepted: int) -> None:
         """The sequence had n_before tokens, `proposed` were proposed and the first `accepted` taken."""
-        a = self._adapt.get(key)
-        if a is not None:
-            a.update(proposed, accepted)
+        self.acceptance(key).update(proposed, accepted)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
+        self.stats.steps += 1
 
     def forget(self, key: Hashable) -> None:
         """The sequence finished, was aborted or preempted (its state, if any, is dropped)."""
-        self._adapt.pop(key, None)
+        for k in [k for k in self._acceptance if k == key or (isinstance(k, tuple) and k[:1] == (key,))]:
+            del self._acceptance[k]
 
 
 class PromptLookup(Proposer):
@@ -114,13 +117,19 @@ class PromptLookup(Proposer):
     that occurred before, and the tokens that followed it there. An index per sequence maps each n-gram to
     where its latest earlier occurrence ended, kept up to date as tokens arrive, so a lookup is O(n_max)."""
     name = "ngram"
+    cheap = True
 
-    def __init__(self, k_max: int = 4, n_max: int = 4, n_min: int = 2):
-        super().__init__(k_max, k_start=k_max, patience=2)
+    def __init__(self, k_max: int = 8, n_max: int = 4, n_min: int = 2):
+        super().__init__(k_max)
         if not 1 <= n_min <= n_max <= 16:
             raise ValueError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 16, got {n_min}, {n_max}.")
         self.n_max, self.n_min = n_max, n_min
         self._index: Dict[Hashable, Tuple[int, Dict[Tuple[int, ...], int]]] = {}
+        self._matched: Dict[Hashable, int] = {}   # key -> the n-gram size of its latest match
+
+    def _estimate_key(self, key):
+        # a longer match is a better guess: each sequence keeps an estimate per n-gram size
+        return (key, self._matched.get(key, 0))
 
     def _indexed(self, key: Hashable, tokens: List[int]) -> Dict[Tuple[int, ...], int]:
         done, index = self._index.get(key, (0, None))
@@ -144,12 +153,14 @@ class PromptLookup(Proposer):
                 start = index.get(tuple(tokens[L - n:]))
                 if start is not None:
                     out[key] = tokens[start:start + k]
+                    self._matched[key] = n
                     break
         return out
 
     def forget(self, key):
         super().forget(key)
         self._index.pop(key, None)
+        self._matched.pop(key, None)
 
 
 class DraftModel(Proposer):
@@ -159,7 +170,7 @@ class DraftModel(Proposer):
     name = "draft"
 
     def __init__(self, core, target_core, k_max: int = 4, vocab_limit: Optional[int] = None):
-        super().__init__(k_max, k_start=k_max, patience=4)
+        super().__init__(k_max)
         from .scheduler import BlockManager
         self.core = core
         self.target_core = target_core
@@ -176,6 +187,25 @@ class DraftModel(Proposer):
             st[0].append(b)
         return True
 
+    def read_prompts(self, items):
+        """All but each prompt's last token (which the first proposal feeds, for its logits), in one pass."""
+        feed = []
+        for key, tokens in items:
+            st = self._state.setdefault(key, [[], 0])
+            n = len(tokens) - 1 - st[1]
+            if n < 1 or not self._grow(st, len(tokens)):
+                continue
+            feed.append((tokens[st[1]:len(tokens) - 1], st))
+        if not feed:
+            return
+        self.target_core.park_threads()
+        ids = np.asarray([t for toks, _ in feed for t in toks], dtype=np.int32)
+        slices = [(len(toks), st[1], np.asarray(st[0], dtype=np.int32), False) for toks, st in feed]
+        self.core.forward_batch(ids, slices)
+        self.core.park_threads()
+        for toks, st in feed:
+            st[1] += len(toks)
+
     def propose(self, items):
         live = []   # [key, tokens, k, state, proposal]
         for key, tokens, k in items:
@@ -190,6 +220,7 @@ class DraftModel(Proposer):
         if not live:
             return {}
         self.target_core.park_threads()
+        timed = []   # seconds of the passes of one or two tokens a sequence (not a first catch-up on a prompt)
         # first pass: every sequence's tokens the draft has not seen, logits of the last
         feed = live
         ids = np.asarray([t for e in feed for t in e[1][e[3][1]:]], dtype=np.int32)
@@ -197,7 +228,10 @@ class DraftModel(Proposer):
         for e in feed:
             e[3][1] = len(e[1])
         while True:
+            t0 = time.perf_counter()
             logits = self.core.forward_batch(ids, slices)
+            if max(sl[0] for sl in slices) <= 2:
+                timed.append(time.perf_counter() - t0)
             nxt = np.argmax(logits, axis=1)
             for e, t in zip(feed, nxt):
                 e[4].append(int(t))
@@ -209,6 +243,9 @@ class DraftModel(Proposer):
             for e in feed:
                 e[3][1] += 1
         self.core.park_threads()
+        if timed:
+            seconds = sum(timed) / len(timed)
+            self.pass_seconds = seconds if not self.pass_seconds else 0.7 * self.pass_seconds + 0.3 * seconds
         limit = self.vocab_limit
         out = {}
         for key, _, _, _, prop in live:
@@ -247,3 +284,57 @@ def check_same_vocabulary(target_tok, draft_tok, target_vocab: int, draft_vocab:
         i, a, b = diffs[0]
         raise ValueError(f"the draft model's vocabulary differs from the target's (token {i} is {b!r} in the draft, "
                          f"{a!r} in the target); a draft must share the target's tokenizer.")
+
+
+class StepCosts:
+    """Seconds a forward pass takes by its rows (tokens), measured as passes run (moving averages). Rows
+    never measured are estimated from the nearest measured count below at +10% a row: optimistic, so
+    the planner tries them once and from then on knows."""
+
+    def __init__(self, max_rows: int = 64, extra_row: float = 0.1, alpha: float = 0.3):
+        self.max_rows, self.extra_row, self.alpha = max_rows, extra_row, alpha
+        self.seconds: Dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        if rows <= self.max_rows:
+            old = self.seconds.get(rows)
+            self.seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def cost(self, rows: int) -> Optional[float]:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = [r for r in self.seconds if r < rows]
+        if not below:
+            return None
+        r = max(below)
+        return self.seconds[r] * (1 + self.extra_row * (rows - r))
+
+
+def plan_lengths(rates: List[float], limits: List[int], base_rows: int, costs: StepCosts,
+                 pass_seconds: float = 0.0) -> List[int]:
+    """How many proposed tokens each decoding sequence gets: the lengths that maximise expected tokens per
+    second. Sequence s's j-th proposed token adds rates[s] ** j expected tokens (it is kept only if the
+    ones before it were); the pass costs costs.cost(base_rows + proposed), plus pass_seconds per drafting
+    pass (a draft model drafts one token per pass for every sequence, so max(lengths) passes). Zeros when
+    nothing pays, or before the plain pass was ever measured."""
+    n = len(rates)
+    base = costs.cost(base_rows)
+    if base is None or n == 0:
+        return [0] * n
+    gains = sorted(((rates[s] ** j, s) for s in range(n) for j in range(1, limits[s] + 1)), reverse=True)
+    best_x, best_rate = 0, n / base
+    lengths = [0] * n
+    total = float(n)
+    for x, (g, s) in enumerate(gains, 1):
+        lengths[s] += 1
+        total += g
+        c = costs.cost(base_rows + x)
+        if c is None:
+            break
+        rate = total / (c + max(lengths) * pass_seconds)
+        if rate > best_rate * 1.01:   # 1%: a plan no better than plain within noise is not worth a row
+            best_x, best_rate = x, rate
+    out = [0] * n
+    for g, s in gains[:best_x]:
+        out[s] += 1
+    return out
