@@ -95,9 +95,12 @@ FIXED = dict(speculative_adaptive=False)   # tiny models: a draft pass costs wha
                                            # planner would rightly never speculate; these tests make it
 
 
+PLAIN = dict(speculative_model=None)
+
+
 @pytest.fixture(scope="module")
 def plain_stories():
-    return corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8)
+    return corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8, **PLAIN)
 
 
 PARAMS = [
@@ -130,7 +133,7 @@ def test_output_is_unchanged_by_speculation(plain_stories, spec):
 def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
     """fp32 and bf16 weights take the row-exact kernel table for the check (on AVX512_BF16 CPUs the bf16
     batch kernel rounds activations to bf16, decode does not)."""
-    plain = corelm.LLM(source, dtype=dtype, threads=2)
+    plain = corelm.LLM(source, dtype=dtype, threads=2, **PLAIN)
     spec = corelm.LLM(source, dtype=dtype, threads=2, speculative_model="[self]", speculative_weights="q8", **FIXED,
                       num_speculative_tokens=5)
     ids = plain.encode_prompt("Once upon a time") if source == STORIES else list(range(5, 30)) * 2
@@ -153,7 +156,7 @@ def test_batched_speculation_keeps_cache_clean():
     """Several sequences speculate in one pass; the prefix cache only ever holds blocks of tokens that
     were kept, and every block is free again at the end."""
     llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]", max_num_seqs=3)
-    plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=3)
+    plain = corelm.LLM(STORIES_GGUF, **Q8, **PLAIN, max_num_seqs=3)
     prompts = [STORY, STORY + " a", "Tim had a big red ball. Tim had a big", "The cat sat. The cat sat. The"]
     params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
     got = llm.generate(prompts, params)
@@ -178,7 +181,7 @@ def test_sampled_distribution_matches_plain_decoding():
     n = 600
     params = SamplingParams(temperature=1.0, seed=11, n=n, max_tokens=3, ignore_eos=True)
     params_b = SamplingParams(temperature=1.0, seed=50_000, n=n, max_tokens=3, ignore_eos=True)
-    plain = corelm.LLM(STORIES_GGUF, **Q8, max_num_seqs=4)
+    plain = corelm.LLM(STORIES_GGUF, **Q8, **PLAIN, max_num_seqs=4)
     spec = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, max_num_seqs=2, speculative_model=STORIES_GGUF,
                       num_speculative_tokens=2)
     prompt = "Once upon a time, there was a"
@@ -208,7 +211,7 @@ def chi_square(table):
 
 def test_speculation_options_are_checked():
     with pytest.raises(ValueError, match="need speculative_model"):
-        corelm.LLM(STORIES_GGUF, num_speculative_tokens=3)
+        corelm.LLM(STORIES_GGUF, speculative_model=None, num_speculative_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="vocabulary differs"):
@@ -225,7 +228,8 @@ def test_cli_generate_and_chat_take_draft_flags(tmp_path):
     base = [sys.executable, "-m", "corelm.entrypoints.cli"]
     env = dict(os.environ)
     for cmd in (["generate", STORIES_GGUF, "-p", STORY, "-n", "40", "--temp", "0", "--ignore-eos", "-v"],):
-        plain = subprocess.run(base + cmd, capture_output=True, text=True, env=env, timeout=300)
+        plain = subprocess.run(base + cmd + ["--draft-model", "[none]"], capture_output=True, text=True, env=env,
+                               timeout=300)
         spec = subprocess.run(base + cmd + ["--draft-model", "[ngram]", "--draft-tokens", "5"], capture_output=True,
                               text=True, env=env, timeout=300)
         assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
@@ -234,9 +238,9 @@ def test_cli_generate_and_chat_take_draft_flags(tmp_path):
                                   "-v"], input="Once upon a time\n/bye\n", capture_output=True, text=True, env=env,
                           timeout=300)
     assert chat.returncode == 0 and "draft:" in chat.stderr, chat.stderr
-    bad = subprocess.run(base + ["generate", STORIES_GGUF, "-p", "x", "--draft-tokens", "3"], capture_output=True,
+    bad = subprocess.run(base + ["generate", STORIES_GGUF, "-p", "x", "--draft-weights", "q4"], capture_output=True,
                          text=True, env=env, timeout=300)
-    assert bad.returncode != 0 and "--draft-model" in bad.stderr
+    assert bad.returncode != 0 and "prompt lookup" in bad.stderr
 
 
 def test_server_metrics_count_draft_tokens():
@@ -248,7 +252,7 @@ def test_server_metrics_count_draft_tokens():
         r = httpx.post(s.url + "/v1/completions", json={"prompt": STORY, "max_tokens": 40, "temperature": 0,
                                                         "ignore_eos": True}, timeout=60)
         assert r.status_code == 200
-        plain = corelm.LLM(STORIES_GGUF, **Q8).generate([STORY], SamplingParams(temperature=0, max_tokens=40,
+        plain = corelm.LLM(STORIES_GGUF, **Q8, speculative_model=None).generate([STORY], SamplingParams(temperature=0, max_tokens=40,
                                                                                ignore_eos=True))[0].outputs[0].text
         assert r.json()["choices"][0]["text"] == plain
         text = httpx.get(s.url + "/metrics").text
@@ -263,7 +267,8 @@ def test_batch_worker_speculates():
     from corelm.entrypoints.batch.worker import BatchWorker
     from test_server import batch_answer
     body = {"prompt": STORY, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    plain, err = batch_answer(BatchWorker(STORIES_GGUF, 2, {"dtype": "q8"}), "/v1/completions", body)
+    plain, err = batch_answer(BatchWorker(STORIES_GGUF, 2, {"dtype": "q8", "speculative_model": None}),
+                              "/v1/completions", body)
     worker = BatchWorker(STORIES_GGUF, 2, {"dtype": "q8", "speculative_model": "[ngram]", **FIXED})
     spec, err2 = batch_answer(worker, "/v1/completions", body)
     assert err is None and err2 is None

@@ -76,8 +76,8 @@ class LLMEngine:
     """See the module docstring. Options (all keyword): threads, dtype, max_seq_len, revision, progress,
     kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
     activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
-    speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format, or
-    "[ngram]" for prompt lookup), num_speculative_tokens (the most proposed per step), speculative_weights
+    speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format,
+    "[ngram]" for prompt lookup, the default, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
     (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min, and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
@@ -87,7 +87,7 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
                  max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
                  numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
-                 speculative_model: Optional[str] = None, num_speculative_tokens: Optional[int] = None,
+                 speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True):
         t0 = time.perf_counter()
@@ -135,7 +135,7 @@ class LLMEngine:
                     **build):
         """The proposer the options ask for (None: plain decoding)."""
         from . import speculative
-        if model is None:
+        if model is None or model == "[none]":
             if k is not None or weights is not None:
                 raise ValueError("num_speculative_tokens and speculative_weights need speculative_model "
                                  "(a draft model, \"[self]\" or \"[ngram]\").")

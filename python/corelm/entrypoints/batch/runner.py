@@ -216,7 +216,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
               schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
-              kv_cache_gb: Optional[float] = None, speculative_model: Optional[str] = None,
+              kv_cache_gb: Optional[float] = None, speculative_model: Optional[str] = "[ngram]",
               num_speculative_tokens: Optional[int] = None, speculative_weights: Optional[str] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb and the speculative_*
@@ -237,9 +237,8 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     choose("kv_cache_dtype", kv_cache_dtype)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
                "activations": activations, "kv_cache_dtype": kv_cache_dtype, "kv_cache_gb": kv_cache_gb}
-    if speculative_model is not None:
-        options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
-                       speculative_weights=speculative_weights)
+    options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                   speculative_weights=speculative_weights)
     if not os.path.exists(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     if os.path.isdir(input_path):

@@ -58,7 +58,8 @@ def add_engine_flags(p: argparse.ArgumentParser,
     g.add_argument("--draft-model", default=None, metavar="DRAFT",
                    help="a smaller model over the same vocabulary that proposes tokens (HF folder, .gguf, corelm "
                         "folder or hub id); [self]: this model in --draft-weights (default q4); [ngram]: prompt "
-                        "lookup, proposals copied from the prompt and the text so far")
+                        "lookup, proposals copied from the prompt and the text so far (the default, used where "
+                        "it pays); [none]: no speculation")
     g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                    help="the most tokens proposed per step; each sequence adapts below it (default: 4)")
     g.add_argument("--draft-weights", default=None, metavar="FORMAT",
@@ -116,11 +117,10 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
-    if args.draft_model is not None or args.draft_tokens is not None or args.draft_weights is not None:
-        if args.draft_model is None:
-            raise ValueError("--draft-tokens and --draft-weights need --draft-model.")
-        options.update(speculative_model=args.draft_model, num_speculative_tokens=args.draft_tokens,
-                       speculative_weights=args.draft_weights)
+    for flag, key in (("draft_model", "speculative_model"), ("draft_tokens", "num_speculative_tokens"),
+                      ("draft_weights", "speculative_weights")):
+        if getattr(args, flag) is not None:   # else the engine's default: prompt lookup where it pays
+            options[key] = getattr(args, flag)
     return options
 
 
