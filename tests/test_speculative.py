@@ -12,7 +12,7 @@ from conftest import DEFAULT_GGUF, MODELS
 import corelm
 from corelm import SamplingParams
 from corelm.engine.scheduler import BlockManager
-from corelm.engine.speculative import Acceptance, PromptLookup, StepCosts, plan_lengths
+from corelm.engine.speculative import Acceptance, PromptLookup, SpecGuard, StepCosts, plan_lengths
 
 STORIES = os.path.join(MODELS, "stories260K")
 STORIES_GGUF = os.path.join(STORIES, "stories260K.gguf")
@@ -70,6 +70,20 @@ def test_plan_gives_rows_only_where_they_pay():
     for rows in range(1, 30):
         flat.record(rows, 0.01 * rows)
     assert plan_lengths([0.9] * 16, [8] * 16, 16, flat) == [0] * 16
+
+
+def test_guard_pauses_speculation_that_does_not_pay():
+    g = SpecGuard(min_steps=4, pause=10)
+    for _ in range(5):
+        g.record(1, False, 1, 0.030)          # plain: 33 tokens/s
+    for _ in range(4):
+        assert g.allowed(1)
+        g.record(1, True, 1.2, 0.045)         # with proposals: 27 tokens/s
+    assert [g.allowed(1) for _ in range(11)] == [False] * 10 + [True]
+    assert g.allowed(2)                       # other batch sizes are judged on their own
+    for _ in range(6):
+        g.record(1, True, 3, 0.050)           # retried, and now it pays
+    assert g.allowed(1)
 
 
 @pytest.mark.parametrize("bad", [0, 17, 2.5, "4", True])
@@ -274,3 +288,19 @@ def test_batch_worker_speculates():
     assert err is None and err2 is None
     assert spec["response"]["body"]["choices"] == plain["response"]["body"]["choices"]
     assert worker.engine.spec_counts()["accepted_tokens"] > 0
+
+
+def test_real_pair_is_unchanged():
+    """Qwen2.5-Coder-1.5B (Q4_K_M) with the 0.5B drafting in q4, and with prompt lookup: greedy chat
+    answers are token for token the plain ones (real GGUFs; skipped without them)."""
+    from conftest import real_model
+    target = real_model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    draft = real_model("qwen2.5-coder-0.5b-instruct.gguf")
+    messages = [{"role": "user", "content": "Rename `count` to `n` in: def f(count):\n    return count * count\n"}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = corelm.LLM(target, threads=2, max_seq_len=1024, **PLAIN).chat(messages, params)[0].outputs[0]
+    for spec in (dict(speculative_model=draft, speculative_weights="q4"), dict(speculative_model="[ngram]")):
+        llm = corelm.LLM(target, threads=2, max_seq_len=1024, **FIXED, **spec)
+        got = llm.chat(messages, params)[0].outputs[0]
+        assert (got.token_ids, got.text) == (plain.token_ids, plain.text), spec
+        assert llm.engine.spec_counts()["accepted_tokens"] > 0

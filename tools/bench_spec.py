@@ -79,7 +79,7 @@ TASKS = {
 
 def corelm_engines(a, threads):
     import corelm
-    base = dict(threads=threads, max_seq_len=2048)
+    base = dict(threads=threads, max_seq_len=2048, dtype=a.dtype)
     engines = {"corelm plain": corelm.LLM(a.model, speculative_model=None, **base),
                "corelm prompt lookup": corelm.LLM(a.model, speculative_model="[ngram]", **base)}
     if a.draft:
@@ -104,6 +104,16 @@ def run_corelm(llm, prompt, tokens):
     m = llm.last_metrics
     acc = m["accepted_tokens"] / m["draft_tokens"] if m.get("draft_tokens") else None
     return (n - 1) / dt if n > 1 else 0.0, n, acc
+
+
+def run_streams(llm, n, tokens):
+    """Generated tok/s of n concurrent greedy requests (the tasks' prompts in turn), wall time of the batch."""
+    from corelm import SamplingParams
+    llm.reset()
+    prompts = [[{"role": "user", "content": TASKS[t]}] for t in (list(TASKS) * n)[:n]]
+    t0 = time.perf_counter()
+    outs = llm.chat(prompts, SamplingParams(max_tokens=tokens, temperature=0))
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def prompt_file(model, prompt):
@@ -139,6 +149,7 @@ def run_llama(a, tool, threads, path, depth, tokens):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="auto", help="the target's dtype in corelm (llama.cpp runs the file as it is)")
     ap.add_argument("--draft", default=None, help="a draft model over the same vocabulary")
     ap.add_argument("--draft-weights", default=None, help="convert the draft to this format first (e.g. q4)")
     ap.add_argument("--self-draft", default=None, help="also the target drafting for itself in this format (e.g. q4)")
@@ -149,9 +160,30 @@ def main():
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's bin folder (llama-bench, llama-lookup, ...)")
     ap.add_argument("--llama-tools", nargs="+", default=["llama-bench", "llama-lookup", "llama-speculative"],
                     help="which llama.cpp tools run (llama-lookahead too if named; llama-speculative needs --draft)")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="instead: N concurrent requests, plain against prompt lookup (total generated tok/s)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     results = []
+    if a.streams:
+        import corelm
+        for threads in a.threads:
+            llms = {"plain": corelm.LLM(a.model, speculative_model=None, threads=threads, dtype=a.dtype),
+                    "prompt lookup": corelm.LLM(a.model, speculative_model="[ngram]", threads=threads, dtype=a.dtype)}
+            runs = {k: [] for k in llms}
+            for rnd in range(a.rounds):
+                for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):
+                    runs[name].append(run_streams(llms[name], a.streams, a.tokens))
+                    print(f"threads {threads} round {rnd} {a.streams} streams {name}: {runs[name][-1]:.1f} tok/s", flush=True)
+            p, q = statistics.median(runs["plain"]), statistics.median(runs["prompt lookup"])
+            results.append({"threads": threads, "streams": a.streams, "plain_tok_s": round(p, 2),
+                            "prompt_lookup_tok_s": round(q, 2), "ratio": round(q / p, 3), "runs": runs})
+            print(f"| {threads} | {a.streams} | {p:.1f} | {q:.1f} | {q / p:.2f}x |")
+            del llms
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"model": a.model, "dtype": a.dtype, "tokens": a.tokens, "results": results}, f, indent=1)
+        return
     for threads in a.threads:
         engines = corelm_engines(a, threads)
         llama = []
@@ -192,7 +224,7 @@ def main():
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "draft": a.draft, "draft_weights": a.draft_weights, "self_draft": a.self_draft,
+            json.dump({"model": a.model, "dtype": a.dtype, "draft": a.draft, "draft_weights": a.draft_weights, "self_draft": a.self_draft,
                        "tokens": a.tokens, "rounds": a.rounds, "results": results}, f, indent=1)
 
 

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .sequence import Sequence, StreamChunk
-from .speculative import StepCosts, plan_lengths
+from .speculative import SpecGuard, StepCosts, plan_lengths
 
 log = logging.getLogger("corelm")
 
@@ -120,6 +120,7 @@ class Scheduler:
         self.speculator = speculator
         self.spec_rows = spec_rows
         self.step_costs = StepCosts()
+        self.spec_guard = SpecGuard()
         self.block_size = self.core.kv_block_size
         self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
         self.max_num_seqs = max_num_seqs
@@ -279,7 +280,9 @@ class Scheduler:
                 out.append((r.rid, StreamChunk("", None, "abort", index=r.seq.index)))
         if not plan:
             return out
+        t_step = time.perf_counter()
         drafts = self._speculate(plan) if self.speculator is not None else {}
+        t_drafted = time.perf_counter()
         tokens, slices = [], []
         for r, n in plan:
             d = drafts.get(r.key, ())
@@ -287,14 +290,14 @@ class Scheduler:
             tokens.extend(d)
             slices.append((n + len(d), r.n_computed, np.asarray(r.blocks, dtype=np.int32), bool(d)))
         self.last_step_tokens = len(tokens)
-        t0 = time.perf_counter()
         logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
+        pure_decode = all(n == 1 for _, n in plan)
         if self.speculator is not None:
-            self.step_costs.record(len(tokens), time.perf_counter() - t0)
             # a draft model reads a prompt when the model has (prompt time, not the first proposal's)
             done = [(r.key, r.tokens) for r, n in plan if n > 1 and r.n_computed + n == len(r.tokens)]
             if done:
                 self.speculator.read_prompts(done)
+        emitted = 0
         row = 0
         for r, n in plan:
             d = drafts.get(r.key, ())
@@ -309,6 +312,7 @@ class Scheduler:
                 chunk = r.seq.step(logits[first + j])
                 r.tokens.append(chunk.token_id)
                 out.append((r.rid, chunk))
+                emitted += 1
                 if r.seq.finished or j == len(d) or chunk.token_id != d[j]:
                     break
                 accepted += 1   # the draft's token was sampled: its keys and values are already cached
@@ -321,6 +325,13 @@ class Scheduler:
                 with self._lock:  # add (another thread) reads the id set
                     self._running.remove(r)
                     self._finish(r)
+        if self.speculator is not None:
+            now = time.perf_counter()
+            # the pass and the sampling of its rows, by rows; and, for steps of decoding only, what the
+            # step gave per second with and without proposals (SpecGuard)
+            self.step_costs.record(len(tokens), now - t_drafted)
+            if pure_decode:
+                self.spec_guard.record(len(plan), bool(drafts), emitted, now - t_step)
         return out
 
     def _speculate(self, plan: List[Tuple[_Running, int]]) -> Dict[Tuple[str, int], List[int]]:
@@ -328,6 +339,8 @@ class Scheduler:
         many as pay off by the measured acceptance and pass costs (speculative.plan_lengths)."""
         spec = self.speculator
         decoding = [r for r, n in plan if n == 1 and r.n_computed + 1 == len(r.tokens)]
+        if not self.spec_guard.allowed(len(plan) if all(n == 1 for _, n in plan) else 0):
+            return {}
         base_rows = sum(n for _, n in plan)
         room = min(self.spec_rows, self.max_batch_tokens) - base_rows
         if not decoding or room <= 0:

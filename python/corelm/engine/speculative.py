@@ -338,3 +338,40 @@ def plan_lengths(rates: List[float], limits: List[int], base_rows: int, costs: S
     for g, s in gains[:best_x]:
         out[s] += 1
     return out
+
+
+class SpecGuard:
+    """What the plans give, measured: tokens per second of decode-only steps with proposals against
+    those without, per batch size (moving averages of whole steps: proposing, the pass, sampling). Costs
+    the plan does not model (a draft catching up after idle steps, waking thread pools, sampling the
+    extra rows) show up here; when steps with proposals fall behind, speculation pauses at that batch
+    size for `pause` steps, then is tried again."""
+
+    def __init__(self, alpha: float = 0.2, margin: float = 0.98, min_steps: int = 8, pause: int = 64):
+        self.alpha, self.margin, self.min_steps, self.pause = alpha, margin, min_steps, pause
+        self.rate: Dict[Tuple[int, bool], float] = {}
+        self.count: Dict[Tuple[int, bool], int] = {}
+        self.paused: Dict[int, int] = {}   # batch size -> steps left
+
+    def allowed(self, batch: int) -> bool:
+        """batch: decoding sequences of a decode-only step (0: a step that also reads prompts)."""
+        left = self.paused.get(batch, 0)
+        if left > 0:
+            self.paused[batch] = left - 1
+            if left == 1:   # try again from scratch
+                self.rate.pop((batch, True), None)
+                self.count.pop((batch, True), None)
+            return False
+        return True
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        key, r = (batch, speculated), tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else old + self.alpha * (r - old)
+        self.count[key] = self.count.get(key, 0) + 1
+        plain = self.rate.get((batch, False))
+        if (speculated and plain is not None and self.count[key] >= self.min_steps
+                and self.rate[key] < plain * self.margin):
+            self.paused[batch] = self.pause
