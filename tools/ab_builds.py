@@ -25,7 +25,7 @@ N_PROMPT, N_GEN = 128, 64
 def worker(dtype, threads, reps):
     import corelm
     dtype, _, act = dtype.partition("+")   # q8+i8 / q8+i16: int8 / int16 activations (else "auto")
-    llm = corelm.LLM(MODEL, threads=threads, dtype=dtype, max_seq_len=512,
+    llm = corelm.LLM(MODEL, threads=threads, dtype=dtype, max_seq_len=512, speculative_model=None,
                      **({"activations": {"i8": "int8", "i16": "int16"}[act]} if act else {}))
     rng = random.Random(1)
     vocab = llm.spec.vocab_size

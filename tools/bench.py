@@ -204,7 +204,7 @@ def worker_main(engine, path, T, prompt_file):
     kw = {"weights": var[5:]} if var.startswith("file-") else {"dtype": var}
     if act:
         kw["activations"] = {"i8": "int8", "i16": "int16"}[act]
-    llm = corelm.LLM(path, threads=T, max_seq_len=512, **kw)
+    llm = corelm.LLM(path, threads=T, max_seq_len=512, speculative_model=None, **kw)  # plain decode
     t_load = time.perf_counter() - t_load
 
     def run(prompt, n):

@@ -36,6 +36,7 @@ def corelm_worker(model, threads, n, npp, ntg, kv, weights):
     per_token = None
     # a converted folder keeps its format; "auto" loads the model as it is (a GGUF's blocks kept)
     wkw = {"dtype": "bf16"} if weights == "bf16" else {} if weights == "auto" else {"weights": weights}
+    wkw["speculative_model"] = None   # plain batched decode (llama-batched-bench's)
     llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
                      kv_cache_gb=None, max_num_seqs=max(n, 1), max_batch_tokens=512, **wkw)
     needed_blocks = n * -(-(npp + ntg + 1) // llm.engine.core.kv_block_size)

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     rows = []
     try:
         for n in args.threads:
-            llm = LLM(args.model, threads=n, dtype=args.dtype, max_seq_len=args.tokens + 16)
+            llm = LLM(args.model, threads=n, dtype=args.dtype, max_seq_len=args.tokens + 16, speculative_model=None)
             core = llm.engine.core
             cells = {(noisy, s): [] for noisy in (False, True) for s in ("static", "dynamic")}
             order = list(cells)

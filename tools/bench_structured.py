@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     a = ap.parse_args()
     import corelm
-    llm = corelm.LLM(a.model, threads=a.threads) if a.model else corelm.LLM(threads=a.threads)
+    llm = corelm.LLM(a.model, threads=a.threads, speculative_model=None)  # None: the embedded model
     print(f"model {a.model or 'embedded SmolLM2-135M-Instruct Q4_1'}, {a.threads} threads, at most {a.tokens} tokens, "
           f"{a.rounds} rounds")
     print("| streams | tokens per request | unconstrained tok/s | json_schema tok/s | ratio |")

@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--name", default=None, help="fixture name for the prompts (default: from the path)")
     a = ap.parse_args()
     name = a.name or os.path.basename(a.model.rstrip("/"))
-    kw = dict(dtype=a.dtype, threads=a.threads, max_seq_len=1024)
+    kw = dict(dtype=a.dtype, threads=a.threads, max_seq_len=1024, speculative_model=None)
     ref = corelm.LLM(a.model, kv_cache_dtype="fp32", **kw)
     others = {kv: corelm.LLM(a.model, kv_cache_dtype=kv, **kw) for kv in a.kv}
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)

@@ -1,9 +1,9 @@
 """Speculative decoding: proposers that guess a sequence's next tokens cheaply, so that one forward pass
-of the model checks several of them at once (decode reads every weight once per pass, and a pass over a
-few rows costs about what a pass over one does).
+of the model checks several of them at once (decode reads every weight once per token; a pass over a few
+rows reads them once for all, and costs less than that many passes where the rows' arithmetic is cheap).
 
-    PromptLookup(k_max=4)            # n-gram copy from the prompt and the text so far (LLMA)
-    DraftModel(core, k_max=4)        # a smaller model (or the same one in fewer bits), greedy
+    PromptLookup(k_max=8)                  # n-gram copy from the prompt and the text so far (LLMA)
+    DraftModel(core, target_core, k_max=4) # a smaller model (or the same one in fewer bits), greedy
 
 The scheduler asks `propose` for the running sequences, runs each sequence's last token plus its proposal
 through the model with logits for every row, lets the sequence sample each row in turn (Sequence.step,
@@ -13,10 +13,11 @@ a proposal that puts all its probability on one token: the token kept at every p
 target's distribution exactly as without speculation, so the output is unchanged (with a seed, token for
 token, wherever the kernels give a row of a multi-row pass the bits of a one-row pass).
 
-How many tokens each sequence is proposed is the scheduler's plan (scheduler.SpecPlanner): from each
-sequence's measured acceptance and the measured cost of a pass by its rows, the lengths that give the
+How many tokens each sequence is proposed is planned every step (plan_lengths): from each sequence's
+measured acceptance and the measured cost of a pass by its rows (StepCosts), the lengths that give the
 most tokens per second, none where speculation would not pay (a batch already compute-bound, a sequence
-whose guesses keep missing).
+whose guesses keep missing). SpecGuard checks the plans against what steps actually gave and pauses
+speculation where steps with proposals fall behind steps without.
 """
 from __future__ import annotations
 
