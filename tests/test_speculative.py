@@ -72,6 +72,16 @@ def test_plan_gives_rows_only_where_they_pay():
     assert plan_lengths([0.9] * 16, [8] * 16, 16, flat) == [0] * 16
 
 
+def test_stale_costs_are_measured_again():
+    costs = StepCosts(max_age=5)
+    costs.record(1, 0.030)
+    costs.record(4, 0.300)                   # measured once while the host was slow
+    assert costs.cost(4) == 0.300
+    for _ in range(6):
+        costs.record(1, 0.020)               # plain passes only since
+    assert abs(costs.cost(4) - costs.cost(1) * 1.3) < 1e-12   # stale: estimated again, so it gets tried
+
+
 def test_guard_pauses_speculation_that_does_not_pay():
     g = SpecGuard(min_steps=4, pause=10)
     for _ in range(5):

@@ -120,7 +120,8 @@ class Scheduler:
         self.speculator = speculator
         self.spec_rows = spec_rows
         self.step_costs = StepCosts()
-        self.spec_guard = SpecGuard()
+        # a paused draft falls behind and reads the skipped tokens when resumed: pause it for longer
+        self.spec_guard = SpecGuard(pause=256 if speculator is not None and not speculator.cheap else 64)
         self.block_size = self.core.kv_block_size
         self.blocks = BlockManager(self.core.kv_blocks, self.block_size)
         self.max_num_seqs = max_num_seqs
@@ -339,7 +340,7 @@ class Scheduler:
         many as pay off by the measured acceptance and pass costs (speculative.plan_lengths)."""
         spec = self.speculator
         decoding = [r for r, n in plan if n == 1 and r.n_computed + 1 == len(r.tokens)]
-        if not self.spec_guard.allowed(len(plan) if all(n == 1 for _, n in plan) else 0):
+        if spec.adaptive and not self.spec_guard.allowed(len(plan) if all(n == 1 for _, n in plan) else 0):
             return {}
         base_rows = sum(n for _, n in plan)
         room = min(self.spec_rows, self.max_batch_tokens) - base_rows

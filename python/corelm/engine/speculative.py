@@ -288,23 +288,31 @@ def check_same_vocabulary(target_tok, draft_tok, target_vocab: int, draft_vocab:
 
 
 class StepCosts:
-    """Seconds a forward pass takes by its rows (tokens), measured as passes run (moving averages). Rows
-    never measured are estimated from the nearest measured count below at +10% a row: optimistic, so
-    the planner tries them once and from then on knows."""
+    """Seconds a pass takes by its rows (tokens), measured as passes run (moving averages). Rows never
+    measured, or not for the last `max_age` passes (the host's speed drifts, and a count the planner stopped
+    choosing would keep its old figure), are estimated from the nearest fresh count below at +10% a row:
+    optimistic, so the planner tries them and from then on knows."""
 
-    def __init__(self, max_rows: int = 64, extra_row: float = 0.1, alpha: float = 0.3):
-        self.max_rows, self.extra_row, self.alpha = max_rows, extra_row, alpha
+    def __init__(self, max_rows: int = 64, extra_row: float = 0.1, alpha: float = 0.3, max_age: int = 256):
+        self.max_rows, self.extra_row, self.alpha, self.max_age = max_rows, extra_row, alpha, max_age
         self.seconds: Dict[int, float] = {}
+        self._when: Dict[int, int] = {}
+        self._passes = 0
 
     def record(self, rows: int, seconds: float) -> None:
+        self._passes += 1
         if rows <= self.max_rows:
-            old = self.seconds.get(rows)
+            old = self.seconds.get(rows) if self._fresh(rows) else None
             self.seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+            self._when[rows] = self._passes
+
+    def _fresh(self, rows: int) -> bool:
+        return rows in self.seconds and self._passes - self._when[rows] <= self.max_age
 
     def cost(self, rows: int) -> Optional[float]:
-        if rows in self.seconds:
+        if self._fresh(rows):
             return self.seconds[rows]
-        below = [r for r in self.seconds if r < rows]
+        below = [r for r in self.seconds if r < rows and self._fresh(r)]
         if not below:
             return None
         r = max(below)
