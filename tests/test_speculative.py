@@ -244,6 +244,23 @@ def test_speculation_options_are_checked():
         corelm.LLM(STORIES_GGUF, speculative_model=DEFAULT_GGUF)   # SmolLM2's 49152 tokens
     with pytest.raises(ValueError, match="prompt lookup"):
         corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", speculative_weights="q4")
+    for lo, hi in ((0, 4), (3, 2), ("2", 4), (2, 17)):
+        with pytest.raises(ValueError, match="n-gram sizes"):
+            corelm.LLM(STORIES_GGUF, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    with pytest.raises(ValueError, match="speculative_adaptive"):
+        corelm.LLM(STORIES_GGUF, speculative_adaptive="yes")
+
+
+def test_draft_reads_a_long_prompt_in_chunks(monkeypatch):
+    """A prompt longer than READ_CHUNK reaches the draft in several passes, and output is still plain's."""
+    from corelm.engine import speculative
+    monkeypatch.setattr(speculative, "READ_CHUNK", 7)
+    ids = list(range(5, 45))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = corelm.LLM(STORIES_GGUF, **Q8, **PLAIN)
+    spec = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model=STORIES_GGUF)
+    assert run(spec, [ids], params) == run(plain, [ids], params)
+    assert spec.engine.spec_counts()["accepted_tokens"] > 0
 
 
 # --- every entry point --------------------------------------------------------------------------------

@@ -28,17 +28,11 @@ import numpy as np
 
 
 class SpecStats:
-    """Counters for /metrics and /stats: proposed (drafted) and accepted tokens, verification passes."""
+    """Counters for /metrics and /stats: tokens proposed (drafted) and tokens accepted."""
 
     def __init__(self):
         self.proposed = 0
         self.accepted = 0
-        self.steps = 0
-
-    def as_dict(self) -> Dict[str, float]:
-        rate = self.accepted / self.proposed if self.proposed else 0.0
-        return {"proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
-                "acceptance_rate": round(rate, 4), "verify_steps": self.steps}
 
 
 class Acceptance:
@@ -105,7 +99,6 @@ class Proposer:
         self.acceptance(key).update(proposed, accepted)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
-        self.stats.steps += 1
 
     def forget(self, key: Hashable) -> None:
         """The sequence finished, was aborted or preempted (its state, if any, is dropped)."""
@@ -122,7 +115,7 @@ class PromptLookup(Proposer):
 
     def __init__(self, k_max: int = 8, n_max: int = 4, n_min: int = 2):
         super().__init__(k_max)
-        if not 1 <= n_min <= n_max <= 16:
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (n_min, n_max)) or not 1 <= n_min <= n_max <= 16:
             raise ValueError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 16, got {n_min}, {n_max}.")
         self.n_max, self.n_min = n_max, n_min
         self._index: Dict[Hashable, Tuple[int, Dict[Tuple[int, ...], int]]] = {}
@@ -164,6 +157,9 @@ class PromptLookup(Proposer):
         self._matched.pop(key, None)
 
 
+READ_CHUNK = 256   # the most prompt tokens a draft reads in one pass
+
+
 class DraftModel(Proposer):
     """A smaller model over the same vocabulary proposes greedily (argmax), each step in one batched pass
     per proposed token over every speculating sequence. Its KV cache is its own paged pool; a sequence's
@@ -189,23 +185,23 @@ class DraftModel(Proposer):
         return True
 
     def read_prompts(self, items):
-        """All but each prompt's last token (which the first proposal feeds, for its logits), in one pass."""
+        """All but each prompt's last token (which the first proposal feeds, for its logits), in passes of
+        at most READ_CHUNK tokens, so a long prompt costs the draft no more memory than the model's chunks."""
         feed = []
         for key, tokens in items:
             st = self._state.setdefault(key, [[], 0])
-            n = len(tokens) - 1 - st[1]
-            if n < 1 or not self._grow(st, len(tokens)):
-                continue
-            feed.append((tokens[st[1]:len(tokens) - 1], st))
+            if len(tokens) - 1 - st[1] >= 1 and self._grow(st, len(tokens)):
+                feed.append((tokens, st))
         if not feed:
             return
         self.target_core.park_threads()
-        ids = np.asarray([t for toks, _ in feed for t in toks], dtype=np.int32)
-        slices = [(len(toks), st[1], np.asarray(st[0], dtype=np.int32), False) for toks, st in feed]
-        self.core.forward_batch(ids, slices)
+        for tokens, st in feed:
+            while st[1] < len(tokens) - 1:
+                toks = tokens[st[1]:min(len(tokens) - 1, st[1] + READ_CHUNK)]
+                self.core.forward_batch(np.asarray(toks, dtype=np.int32),
+                                        [(len(toks), st[1], np.asarray(st[0], dtype=np.int32), False)])
+                st[1] += len(toks)
         self.core.park_threads()
-        for toks, st in feed:
-            st[1] += len(toks)
 
     def propose(self, items):
         live = []   # [key, tokens, k, state, proposal]
