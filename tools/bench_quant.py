@@ -35,6 +35,20 @@ SPEC = ModelSpec(arch="qwen2", vocab_size=32000, hidden_size=896, intermediate_s
                  attention_bias=True)
 
 
+def time_prompt_and_steps(model, prompt, tokens):
+    """Seconds of the prompt's prefill, then the median seconds of `tokens` decode steps after it."""
+    t0 = time.perf_counter()
+    core_forward(model, prompt, 0, False)
+    prefill = time.perf_counter() - t0
+    pos, ts = len(prompt), []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        core_forward(model, np.array([5], np.int32), pos, False)
+        ts.append(time.perf_counter() - t0)
+        pos += 1
+    return prefill, float(np.median(ts))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -67,16 +81,9 @@ def main():
     prefill = {k: [] for k in keys}
     for r in range(a.rounds):
         for k, m in models.items():
-            t0 = time.perf_counter()
-            core_forward(m, prompt, 0, False)
-            prefill[k].append(time.perf_counter() - t0)
-            pos, ts = len(prompt), []
-            for _ in range(a.tokens):
-                t0 = time.perf_counter()
-                core_forward(m, np.array([5], np.int32), pos, False)
-                ts.append(time.perf_counter() - t0)
-                pos += 1
-            times[k].append(np.median(ts))
+            pre, step = time_prompt_and_steps(m, prompt, a.tokens)
+            prefill[k].append(pre)
+            times[k].append(step)
     for k, m in models.items():
         med = float(np.median(times[k]))
         pre = len(prompt) / float(np.median(prefill[k]))

@@ -31,9 +31,9 @@ auto without_gil(F&& f) {
 
 void register_testing_bench(py::module_& m) {
   m.def("bench_gemm", [](const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads,
-                         const std::string& activations) {
+                         const std::string& activations, double sparsity) {
     const ActType act = parse_act_type(activations);
-    const GemmBenchResult r = without_gil([&] { return bench_gemm(kind, M, N, K, seconds, threads, act); });
+    const GemmBenchResult r = without_gil([&] { return bench_gemm(kind, M, N, K, seconds, threads, act, sparsity); });
     py::dict d;
     d["kind"] = kind;
     d["ms"] = r.ms;
@@ -43,16 +43,17 @@ void register_testing_bench(py::module_& m) {
     d["weight_bytes"] = r.weight_bytes;  // the packed matrix one call reads (0: AMX kinds)
     return d;
   }, py::arg("kind"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("seconds") = 1.0, py::arg("threads") = 1,
-     py::arg("activations") = "int8",
+     py::arg("activations") = "int8", py::arg("sparsity") = 0.0,
      "One GEMM y = x . W^T timed over repeated calls: kind amx_bf16, amx_int8, amx_bf16_emulated or "
-     "'<table>_<weight type>' (fp32, bf16, q8, q4, q4m). Returns ms per call, GFLOP/s, iterations, threads "
+     "'<table>_<weight type>' (fp32, bf16, q8, q4, q4m, sbf16, ...), with `sparsity` of the weights zeroed at random. Returns ms per call, GFLOP/s, iterations, threads "
      "and the packed weight bytes.");
 
   m.def("bench_gemv_stream", [](const std::string& kind, std::vector<std::pair<int64_t, int64_t>> shapes,
-                                int64_t layers, int reps, int threads, bool sync, const std::string& activations) {
+                                int64_t layers, int reps, int threads, bool sync, const std::string& activations,
+                                double sparsity) {
     const ActType act = parse_act_type(activations);
     const StreamBenchResult r =
-        without_gil([&] { return bench_gemv_stream(kind, shapes, layers, reps, threads, sync, act); });
+        without_gil([&] { return bench_gemv_stream(kind, shapes, layers, reps, threads, sync, act, sparsity); });
     auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
     py::dict d;
     d["kind"] = kind;
@@ -63,10 +64,10 @@ void register_testing_bench(py::module_& m) {
     d["read_samples"] = r.read_GBps;
     return d;
   }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9, py::arg("threads") = 1,
-     py::arg("sync") = true, py::arg("activations") = "int8",
+     py::arg("sync") = true, py::arg("activations") = "int8", py::arg("sparsity") = 0.0,
      "Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes` "
      "[(N, K), ...] end to end, each times one activation row, against a plain read of as many bytes, "
-     "alternated `reps` times; the median GB/s of each and the samples.");
+     "alternated `reps` times (`sparsity` of the weights zeroed at random); the median GB/s of each and the samples.");
 
   m.def("bench_parallel_regions", [](int n_threads, int n_regions, int work, bool pin, bool pin_caller,
                                      double idle_us) {

@@ -121,6 +121,7 @@ static CpuFeatures detect() {
     f.avx512vl = b & (1u << 31);
     f.avx512_vbmi2 = c & (1u << 6);
     f.avx512_vnni = c & (1u << 11);
+    f.avx512_bitalg = c & (1u << 12);
     f.amx_bf16 = d & (1u << 22);
     f.amx_tile = d & (1u << 24);
     f.amx_int8 = d & (1u << 25);
@@ -158,6 +159,7 @@ std::vector<std::string> CpuFeatures::names() const {
   add(os_avx512 && avx512_vnni, "avx512_vnni");
   add(os_avx512 && avx512_bf16, "avx512_bf16");
   add(os_avx512 && avx512_vbmi2, "avx512_vbmi2");
+  add(os_avx512 && avx512_bitalg, "avx512_bitalg");
   add(os_amx && amx_tile, "amx_tile");
   add(os_amx && amx_int8, "amx_int8");
   add(os_amx && amx_bf16, "amx_bf16");

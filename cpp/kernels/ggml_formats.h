@@ -22,17 +22,19 @@
 #include <cstring>
 
 #include "kernels/quant_formats.h"
+#include "kernels/sparse_layout.h"
 
 namespace corelm {
 namespace quant {
 
-// Every GGUF block type a table takes raw (pack_raw), by ggml's names: Q8_0/Q4_0/Q4_1 are repacked
-// as Q8/Q4/Q4M, the others kept as stored.
+// Every raw type a table takes (pack_raw): GGUF block types by ggml's names (Q8_0/Q4_0/Q4_1 are
+// repacked as Q8/Q4/Q4M, the others kept as stored), and SBF16 as dense bf16 rows, which the packer
+// makes sparse.
 inline constexpr EnumName<WeightType> kGgufRawNames[] = {
     {WeightType::Q8, "Q8_0"},     {WeightType::Q4, "Q4_0"},     {WeightType::Q4M, "Q4_1"},
     {WeightType::Q5_0, "Q5_0"},   {WeightType::Q5_1, "Q5_1"},   {WeightType::Q2_K, "Q2_K"},
     {WeightType::Q3_K, "Q3_K"},   {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
-    {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}};
+    {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}, {WeightType::SBF16, "SBF16"}};
 
 inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
 
@@ -40,14 +42,16 @@ namespace {
 
 // The types multiplied straight from their GGUF blocks.
 inline bool is_ggml_block(WeightType t) { return (int)t >= (int)WeightType::Q5_0 && (int)t <= (int)WeightType::IQ4_XS; }
-inline bool is_raw_type(WeightType t) { return is_quant(t) || is_ggml_block(t); }
+inline bool is_raw_type(WeightType t) { return is_quant(t) || is_ggml_block(t) || sparse::is_sparse(t); }
 
 // Weights per block along a row (a K-quant's super-block is 256) and bytes per block.
 inline int64_t ggml_block_elems(WeightType t) {
+  if (sparse::is_sparse(t)) return 1;
   return is_ggml_block(t) && t != WeightType::Q5_0 && t != WeightType::Q5_1 && t != WeightType::IQ4_NL ? 256 : 32;
 }
 inline size_t ggml_type_block_bytes(WeightType t) {
   switch (t) {
+    case WeightType::SBF16: return 2;  // a dense bf16 weight
     case WeightType::Q5_0: return 22;
     case WeightType::Q5_1: return 24;
     case WeightType::Q2_K: return 84;
@@ -223,6 +227,13 @@ inline void require_packable(WeightType t) {
 
 // Raw GGUF blocks of any raw type, rows x cols, to fp32 row-major (for fusing matrices of different types).
 inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int64_t cols, float* out) {
+  if (sparse::is_sparse(t)) {
+    for (int64_t i = 0; i < rows * cols; i++) {
+      const uint32_t u = (uint32_t)(raw[2 * i] | raw[2 * i + 1] << 8) << 16;
+      std::memcpy(out + i, &u, 4);
+    }
+    return;
+  }
   if (is_ggml_block(t)) {
     for (int64_t r = 0; r < rows; r++) dequantize_ggml_row(t, raw + r * ggml_row_bytes(t, cols), cols, out + r * cols);
     return;

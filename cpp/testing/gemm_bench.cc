@@ -30,13 +30,14 @@ static const KernelTable* table_and_type(const std::string& kind, WeightType* ty
 }
 
 GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads,
-                           ActType act) {
+                           ActType act, double sparsity) {
   if (M < 1 || N < 1 || K < 1 || threads < 1) throw std::invalid_argument("bad shape or thread count");
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   std::vector<float> x(M * K), w(N * K), y(M * N);
   for (auto& v : x) v = nd(rng);
-  for (auto& v : w) v = nd(rng);
+  std::uniform_real_distribution<double> ud(0, 1);
+  for (auto& v : w) v = ud(rng) < sparsity ? 0.f : nd(rng);
   std::vector<int8_t> xq(M * K), wq(N * K);
   for (auto& v : xq) v = (int8_t)(rng() % 255 - 127);
   for (auto& v : wq) v = (int8_t)(rng() % 255 - 127);
@@ -109,7 +110,8 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
 }
 
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
-                                    int64_t layers, int reps, int threads, bool sync, ActType act) {
+                                    int64_t layers, int reps, int threads, bool sync, ActType act,
+                                    double sparsity) {
   WeightType type;
   const KernelTable* kt = table_and_type(kind, &type);
   if (type == WeightType::F32) throw std::invalid_argument("the stream takes bf16 or quantized weights, not " + kind);
@@ -129,7 +131,8 @@ StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<s
       pk = kt->pack_raw(type, raw.data(), n, k, nullptr);
     } else {
       std::vector<float> w((size_t)n * k);
-      for (auto& v : w) v = nd(rng);
+      std::uniform_real_distribution<double> ud(0, 1);
+      for (auto& v : w) v = ud(rng) < sparsity ? 0.f : nd(rng);
       pk = kt->pack(w.data(), n, k, type, nullptr);
     }
     for (int64_t l = 0; l < layers; l++) {  // copies, so no layer finds another's lines in cache

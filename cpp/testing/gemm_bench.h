@@ -22,8 +22,9 @@ struct GemmBenchResult {
 // One GEMM y[m][n] = x[m][k] . W[n][k]^T, weights packed once, timed over repeated calls for at least
 // `seconds` on `threads` threads (each a contiguous range of 16-column tiles). kind: amx_bf16,
 // amx_int8 (real kernels), amx_bf16_emulated, or a kernel table's matmul "<table>_<weight type>".
+// sparsity: the fraction of weights zeroed at random before packing (what sparse weight types drop).
 GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_t K, double seconds, int threads,
-                           ActType act);
+                           ActType act, double sparsity = 0);
 
 struct StreamBenchResult {
   size_t bytes = 0;                  // weight bytes one pass streams
@@ -37,6 +38,7 @@ struct StreamBenchResult {
 // as the model's regions do). kind: "<table>_<weight type>", weight type bf16, a quantized type or a GGUF-block type (q4_k, ...: random blocks). The two
 // passes alternate `reps` times.
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
-                                    int64_t layers, int reps, int threads, bool sync, ActType act);
+                                    int64_t layers, int reps, int threads, bool sync, ActType act,
+                                    double sparsity = 0);
 
 }  // namespace corelm

@@ -12,27 +12,42 @@ bit); q4_1 searches each block's scale and minimum for the least error, weighted
 activations each weight multiplies are on a short calibration text (corelm.calibrate).
 Norms, biases and MoE routers stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP) are copied
 block for block, never through floats.
+
+Sparse bf16 (weights="bf16" only so far): sparsity=0.5 prunes every matrix but the embedding, lm_head and
+those keep_dense names to half zeros per row (prune="wanda": the smallest |W| * sqrt(mean x^2 of the input
+column) on the calibration text; "magnitude": the smallest |W|) and stores them as sbf16 (a bitmap and the
+non-zeros); sparsity="auto" prunes nothing and stores sbf16 the matrices whose zeros already save bytes.
+config.json records each sparse matrix's stored fraction of zeros.
+
+    convert("models/SmolLM2-135M-Instruct", "out/smollm2-s50", weights="bf16", sparsity=0.5,
+            keep_dense="layers.0.*")
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .loader import load_model
-from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, is_corelm_folder,
-                                   spec_to_dict)
+from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, bitmap_nbytes,
+                                   is_corelm_folder, pack_sbf16, spec_to_dict, stored_sparsity)
 from .loader.spec import LoadedModel
 from .options import GGUF_BLOCK_FORMATS, WEIGHT_FORMATS, choose, format_of_gguf
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
-           "quantize_q4_1_search", "to_bf16", "cache_dir"]
+           "quantize_q4_1_search", "to_bf16", "prune_rows", "cache_dir"]
+
+log = logging.getLogger("corelm")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # GGUF block formats copied as they are under each target (4-bit targets keep either 4-bit format).
@@ -141,22 +156,106 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Pruning, for sparse bf16 (sbf16).
+
+# Kept dense under every sparsity, as Wanda and SparseGPT do: a token reads one row of the embedding
+# (nothing to save), and lm_head's errors go straight into the logits.
+ALWAYS_DENSE = ("tok_embeddings", "lm_head")
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """What convert(sparsity=, prune=, keep_dense=) asks for. target None: "auto", nothing pruned, a matrix
+    stored sparse where its zeros save bytes."""
+    target: Optional[float]
+    method: str                     # "wanda", "magnitude" or "auto"
+    keep_dense: Tuple[str, ...]     # fnmatch patterns of internal weight names kept dense, beyond ALWAYS_DENSE
+
+    def dense(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in ALWAYS_DENSE + self.keep_dense)
+
+
+def sparsity_option(sparsity: Union[None, str, float], prune: Optional[str] = None,
+                    keep_dense: Union[None, str, Sequence[str]] = None, weights: str = "bf16") -> Optional[Sparsity]:
+    """convert's sparsity arguments checked (ValueError saying what is wrong); None: dense."""
+    patterns = tuple(p.strip() for p in (keep_dense.split(",") if isinstance(keep_dense, str) else keep_dense or ())
+                     if p.strip())
+    if sparsity is None:
+        if prune is not None or patterns:
+            raise ValueError("prune and keep_dense choose how a sparse conversion prunes; give a sparsity too")
+        return None
+    if weights != "bf16":
+        raise ValueError(f"sparse storage exists for bf16 weights only so far: use weights bf16 (--weights bf16) "
+                         f"with a sparsity, not {weights}")
+    if isinstance(sparsity, str) and sparsity.strip().lower() == "auto":
+        if prune is not None:
+            raise ValueError("sparsity auto prunes nothing (it stores the zeros the weights already have); "
+                             "drop prune or give a fraction")
+        return Sparsity(None, "auto", patterns)
+    try:
+        target = float(sparsity)
+    except (TypeError, ValueError):
+        target = math.nan
+    if not 0 <= target < 1 or isinstance(sparsity, bool):
+        raise ValueError(f"sparsity must be a fraction in [0, 1) or auto, got {sparsity!r}")
+    return Sparsity(target, choose("prune", prune or "wanda"), patterns)
+
+
+def prune_rows(w: np.ndarray, sparsity: float, importance: Optional[np.ndarray] = None) -> np.ndarray:
+    """w [rows, cols] with the floor(sparsity * cols) lowest-scoring weights of every row set to 0: score
+    |W| (magnitude), or |W| * sqrt(importance[col]) with importance the mean square of the activation each
+    column multiplies (Wanda, Sun et al. 2023). Ties go to the lower column, so the mask is deterministic."""
+    w = np.array(w, dtype=np.float32)
+    # floor of the product, with the float noise of e.g. 0.29 * 100 = 28.999999999999996 taken off
+    k = int(math.floor(sparsity * w.shape[1] + 1e-9))
+    if k == 0:
+        return w
+    scale = None if importance is None else np.sqrt(np.asarray(importance, np.float32))
+    for r in range(0, w.shape[0], _ROWS_PER_CHUNK):
+        part = w[r:r + _ROWS_PER_CHUNK]
+        score = np.abs(part) if scale is None else np.abs(part) * scale
+        np.put_along_axis(part, np.argsort(score, axis=1, kind="stable")[:, :k], 0, axis=1)
+    return w
+
+
+def _zeros_save_bytes(loaded: LoadedModel, name: str) -> bool:
+    """Whether a matrix's bf16 zeros (sparsity auto) make sbf16 smaller than dense bf16."""
+    bits = to_bf16(loaded.get_weight(name))
+    loaded.release_weight(name)
+    return bitmap_nbytes(bits.shape) + 2 * np.count_nonzero(bits & 0x7FFF) < 2 * bits.size
+
+
+def sparsity_summary(fractions: Iterable[float]) -> str:
+    """"N matrices sparse: z% zeros on average (a-b% per matrix)" for the stored fractions of zeros."""
+    f = list(fractions)
+    if not f:
+        return "no matrix sparse"
+    return (f"{len(f)} matri{'x' if len(f) == 1 else 'ces'} sparse (sbf16): {100 * sum(f) / len(f):.1f}% zeros on "
+            f"average ({100 * min(f):.1f}-{100 * max(f):.1f}% per matrix)")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Conversion.
 
-def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
+def _plan(loaded: LoadedModel, weights: str,
+          sparse: Optional[Sparsity] = None) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
     """internal name -> (storage type, shape, copied raw from the source)."""
+    from .engine.model_builder import stored_raw_type
     from .loader.spec import kept_float, weight_shapes
     plan = {}
-    get_raw = loaded.get_raw_weight
     for name, shape in weight_shapes(loaded.spec).items():
         if len(shape) == 1 or weights == "fp32" or kept_float(name) or (weights in RAW_KEEP and shape[1] % 32):
             # norms, biases, MoE routers, and rows that are not whole blocks (the engine pads those when it
             # quantizes)
             plan[name] = ("fp32", shape, False)
             continue
+        if sparse is not None and not sparse.dense(name) and \
+                (sparse.target is not None or _zeros_save_bytes(loaded, name)):
+            plan[name] = ("sbf16", shape, False)
+            continue
         embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")
-        raw = get_raw(name) if get_raw is not None and weights in RAW_KEEP else None
-        raw_format = format_of_gguf(raw[0]) if raw is not None else None
+        raw_type = stored_raw_type(loaded, name) if weights in RAW_KEEP else None
+        raw_format = format_of_gguf(raw_type) if raw_type is not None else None
         if raw_format is not None and raw_format.name in RAW_KEEP.get(weights, ()) + (("q8_0",) if embedding else ()):
             plan[name] = (raw_format.name, shape, True)
         else:
@@ -165,7 +264,7 @@ def _plan(loaded: LoadedModel, weights: str) -> Dict[str, Tuple[str, Tuple[int, 
 
 
 def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
-                  importance: Dict[str, np.ndarray]) -> np.ndarray:
+                  importance: Dict[str, np.ndarray], sparse: Optional[Sparsity]) -> np.ndarray:
     if from_raw:
         return loaded.get_raw_weight(name)[1]
     w = loaded.get_weight(name)
@@ -173,21 +272,34 @@ def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
         return np.ascontiguousarray(w, dtype=np.float32)
     if type_ == "bf16":
         return to_bf16(w)
+    if type_ == "sbf16":
+        if sparse.target is not None:     # an expert no calibration token reached has no importance: magnitude
+            w = prune_rows(w, sparse.target, importance.get(name) if sparse.method == "wanda" else None)
+        return pack_sbf16(to_bf16(w))
     if type_ == "q4_1":
         return quantize_q4_1_search(w, importance.get(name))
     return {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}[type_](w)
 
 
-def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, overwrite: bool = False) -> str:
+def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, overwrite: bool = False,
+            sparsity: Union[None, str, float] = None, prune: Optional[str] = None,
+            keep_dense: Union[None, str, Sequence[str]] = None) -> str:
     """Converts `src` (HF folder, .gguf file or corelm folder) to the corelm folder `out`; returns `out`.
-    The folder appears complete or not at all (written beside it, then renamed)."""
+    The folder appears complete or not at all (written beside it, then renamed). sparsity (with weights
+    "bf16"): a fraction in [0, 1) of each row to prune (prune "wanda", the default, or "magnitude"), or
+    "auto"; keep_dense: fnmatch patterns of internal names (a list or "a,b") kept dense besides the
+    embedding and lm_head."""
     weights = choose("weights", weights)
+    sparse = sparsity_option(sparsity, prune, keep_dense, weights)
     out = os.path.abspath(os.path.expanduser(out))
     _check_replaceable(out, overwrite)        # before the (long) conversion, and again before the rename
     loaded = load_model(src)
-    plan = _plan(loaded, weights)
+    if sparse is not None:
+        _check_patterns(sparse.keep_dense, loaded)
+    plan = _plan(loaded, weights, sparse)
     importance = {}
-    if any(t == "q4_1" and not from_raw for t, _, from_raw in plan.values()):
+    if any((t == "q4_1" and not from_raw) or (t == "sbf16" and sparse.method == "wanda")
+           for t, _, from_raw in plan.values()):
         from .calibrate import activation_importance, calibration_ids
         importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
     parent = os.path.dirname(out) or "."
@@ -202,15 +314,24 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=f"converting to {weights}", unit="tensor")
-        for name, (type_, _, from_raw) in items:
-            writer.add(name, _tensor_bytes(loaded, name, type_, from_raw, importance))
+        zeros = {}      # sparse matrix -> its stored fraction of zeros
+        for name, (type_, shape, from_raw) in items:
+            nbytes = writer.add(name, _tensor_bytes(loaded, name, type_, from_raw, importance, sparse))
+            if type_ == "sbf16":
+                zeros[name] = stored_sparsity(shape, nbytes)
             loaded.release_weight(name)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
         writer.close()
-        _write_side_files(loaded, tmp, weights, plan)
+        extra = {}
+        if sparse is not None:
+            log.info("%s: %s", out, sparsity_summary(zeros.values()))
+            extra["sparsity"] = {"method": sparse.method, "target": sparse.target,
+                                 "keep_dense": list(sparse.keep_dense),
+                                 "matrices": {n: round(z, 6) for n, z in zeros.items()}}
+        _write_side_files(loaded, tmp, weights, plan, extra)
         os.chmod(tmp, 0o755)
         _check_replaceable(out, overwrite)    # another process may have written `out` meanwhile
         _move_into_place(tmp, out)
@@ -281,13 +402,23 @@ def _move_into_place(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan) -> None:
+def _check_patterns(patterns: Sequence[str], loaded: LoadedModel) -> None:
+    """A keep_dense pattern that matches no weight is a typo: say so rather than prune what it meant."""
+    from .loader.spec import weight_shapes
+    names = list(weight_shapes(loaded.spec))
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            raise ValueError(f"keep_dense pattern {p!r} matches no weight of this model (names look like "
+                             f"{', '.join(n for n in names if n.startswith('layers.0.'))})")
+
+
+def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan, extra: Dict) -> None:
     from . import __version__ as corelm_version
     counts: Dict[str, int] = {}
     for t, _, _ in plan.values():
         counts[WEIGHT_FORMATS[t].file_type] = counts.get(WEIGHT_FORMATS[t].file_type, 0) + 1
     config = {"format": "corelm", "format_version": FORMAT_VERSION, "weights": weights,
-              "tensor_types": counts, "spec": spec_to_dict(loaded.spec),
+              "tensor_types": counts, **extra, "spec": spec_to_dict(loaded.spec),
               "source": {"path": loaded.source, "format": loaded.source_format, "description": loaded.description},
               "converted_by": f"corelm {corelm_version}"}
     _write_json(os.path.join(folder, CONFIG_FILE), config)

@@ -1,7 +1,7 @@
 """Every option name corelm accepts, spelled once: weight formats, KV-cache types, activation precision,
-work schedules and NUMA policies. The Python API, every CLI command, convert, the loaders and the
-calls into the C++ core (`corelm._core`, whose own name tables `_core.option_names()` must agree, see
-tests/test_options.py) read them from here.
+work schedules, NUMA policies and convert's pruning methods. The Python API, every CLI command, convert,
+the loaders and the calls into the C++ core (`corelm._core`, whose own name tables `_core.option_names()`
+must agree, see tests/test_options.py) read them from here.
 
     fmt = weight_format("q8")        # -> WEIGHT_FORMATS["q8_0"]
     choose("kv_cache_dtype", "i8")   # -> "int8"
@@ -20,20 +20,33 @@ class WeightFormat:
     core: str                   # the C++ core's name (WeightType) and the packed type `Model.weight_type` reports
     file_type: str              # the tensor type in a corelm weights file (docs/model-format.md)
     gguf: Optional[str]         # the GGUF block type with the same bytes, kept as stored when loading GGUF
-    block: int                  # weights per block (1: plain floats)
+    block: int                  # weights per block (1: plain floats); a sparse format's: per stored value
     block_bytes: int            # bytes per block, scales included
     description: str
     from_floats: bool = True    # the core quantizes float weights into it (else: only a GGUF's own blocks)
+    # Exact zeros are dropped, so a matrix's bytes follow its sparsity: a bitmap of 1 bit per weight plus
+    # block_bytes per non-zero (docs/model-format.md).
+    sparse: bool = False
+    raw_name: Optional[str] = None  # Model.set_weight_raw's name for it where that is not a GGUF type
 
     @property
-    def bits(self) -> float:
-        """Bits per weight, scales included."""
-        return 8 * self.block_bytes / self.block
+    def raw(self) -> Optional[str]:
+        """The name `Model.set_weight_raw` takes this format's matrices under (`_core.option_names()
+        ["gguf_raw"]`): the GGUF block type, or for sbf16 "SBF16" (dense bf16 bytes the core stores sparse)."""
+        return self.raw_name or self.gguf
+
+    @property
+    def bits(self) -> Optional[float]:
+        """Bits per weight, scales included; None for a sparse format (16 per non-zero + 1 per weight)."""
+        return None if self.sparse else 8 * self.block_bytes / self.block
 
 
 WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp32", ("f32", "float32"), "fp32", "f32", None, 1, 4, "32-bit floats"),
     WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, 1, 2, "bfloat16 (half the bytes of fp32)"),
+    WeightFormat("sbf16", ("sparse_bf16", "bf16_sparse"), "sbf16", "sbf16", None, 1, 2,
+                 "unstructured-sparse bfloat16: a bitmap of the non-zeros and their values (SparAMX); zeros "
+                 "cost 1 bit", sparse=True, raw_name="SBF16"),
     WeightFormat("q8_0", ("q8",), "q8", "q8", "Q8_0", 32, 34, "blocks of 32 int8 with an fp16 scale, as ggml's Q8_0"),
     WeightFormat("q4_0", ("q4",), "q4", "q4", "Q4_0", 32, 18,
                  "blocks of 32 4-bit codes with an fp16 scale, as ggml's Q4_0"),
@@ -53,16 +66,23 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
 # Formats that exist only as a GGUF's own blocks, multiplied as stored (kernels/ggml_formats.h).
 GGUF_BLOCK_FORMATS = tuple(f.name for f in WEIGHT_FORMATS.values() if not f.from_floats)
-# The formats a float matrix can be quantized into at load or by convert.
+# Formats that drop exact zeros (a bitmap of the non-zeros, then their values).
+SPARSE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.sparse)
+# The formats a float matrix can be packed into at load (dtype=).
 PACKABLE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.from_floats)
+# What `corelm convert --weights` stores: sparse storage is bf16 with --sparsity, not a weights kind of its
+# own (so the LLM(path, weights=...) cache has one folder per kind).
+CONVERT_TARGETS = tuple(n for n in PACKABLE if n not in SPARSE)
 
-# GGUF blocks that loading keeps as stored (repacked, never dequantized) under each dtype: "auto" keeps
-# every quantized type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized tensor again,
-# and every quantized dtype keeps the formats that exist only as GGUF blocks (the core cannot quantize
-# into them); fp32 and bf16 dequantize everything.
-KEEP_GGUF_BLOCKS: Dict[str, Tuple[str, ...]] = {
-    "auto": QUANTIZED + GGUF_BLOCK_FORMATS, "q8_0": ("q8_0",) + GGUF_BLOCK_FORMATS,
-    "q4_0": QUANTIZED + GGUF_BLOCK_FORMATS, "q4_1": QUANTIZED + GGUF_BLOCK_FORMATS,
+# Stored formats that loading keeps as they are (repacked, never dequantized) under each dtype: "auto"
+# keeps every quantized GGUF type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized
+# tensor again, and every quantized dtype keeps the formats that exist only as GGUF blocks (the core
+# cannot quantize into them). Sparse matrices stay sparse under every dtype but fp32 (their zeros were
+# chosen; quantizing or densifying them would undo that); fp32 expands everything to floats.
+KEEP_AS_STORED: Dict[str, Tuple[str, ...]] = {
+    "auto": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE, "bf16": SPARSE, "sbf16": SPARSE,
+    "q8_0": ("q8_0",) + GGUF_BLOCK_FORMATS + SPARSE,
+    "q4_0": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE, "q4_1": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE,
 }
 
 
@@ -84,8 +104,13 @@ CHOICES: Dict[str, Choice] = {c.option: c for c in (
     Choice("dtype", ("auto",) + PACKABLE, _formats_aliases(),
            "matrix weights at load: auto (a GGUF's quantized blocks as stored, else bf16 where the CPU has "
            "AVX512_BF16, else fp32), or a weight format to convert to"),
-    Choice("weights", PACKABLE, _formats_aliases(),
+    Choice("weights", CONVERT_TARGETS,
+           {a: n for a, n in _formats_aliases().items() if n in CONVERT_TARGETS},
            "what `corelm convert` stores matrices as"),
+    Choice("prune", ("wanda", "magnitude"), {},
+           "how `corelm convert --sparsity` picks the weights to zero in each row: the smallest |W| * "
+           "sqrt(mean square of the activation each multiplies on a calibration text) (wanda), or the "
+           "smallest |W| (magnitude)"),
     Choice("kv_cache_dtype", ("auto", "fp32", "bf16", "int8"), {"f32": "fp32", "i8": "int8"},
            "precision of the KV cache: auto is bf16 where the matrices are bf16 or quantized, fp32 where "
            "they are fp32 (the model's own precision, as vLLM and llama.cpp do)"),
@@ -121,6 +146,7 @@ def choose_optional(option: str, value) -> Optional[str]:
 def weight_format(name: str) -> WeightFormat:
     """The WeightFormat for a canonical name or alias (ValueError otherwise)."""
     key = name.strip().lower() if isinstance(name, str) else name
+    key = _formats_aliases().get(key, key)
     if key in WEIGHT_FORMATS:
         return WEIGHT_FORMATS[key]
     return WEIGHT_FORMATS[choose("weights", name)]
@@ -137,6 +163,11 @@ def format_of_core(core_name: str) -> WeightFormat:
 def format_of_gguf(gguf_type: str) -> Optional[WeightFormat]:
     """The WeightFormat whose blocks are this GGUF type's, or None."""
     return next((f for f in WEIGHT_FORMATS.values() if f.gguf == gguf_type), None)
+
+
+def format_of_raw(raw_name: str) -> Optional[WeightFormat]:
+    """The WeightFormat `Model.set_weight_raw` calls `raw_name` (a GGUF type or "SBF16"), or None."""
+    return next((f for f in WEIGHT_FORMATS.values() if f.raw == raw_name), None)
 
 
 def format_of_file_type(file_type: str) -> WeightFormat:

@@ -9,6 +9,7 @@
 
 #include "kernels/amx/amx.h"
 #include "kernels/kernels.h"
+#include "kernels/sparse_layout.h"
 
 namespace corelm {
 namespace amx {
@@ -57,7 +58,12 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
 template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
-  if (w.type != WeightType::BF16) return base_table()->matmul(x, m, ldx, w, y, ldy, n0, n1);
+  if (w.type != WeightType::BF16) {
+    // sparse bf16: a small batch through the base table's row-exact kernels, whose bits decode has
+    const KernelTable* t = base_table();
+    if (sparse::is_sparse(w.type) && m <= kRowExactRows && t->row_exact) t = t->row_exact;
+    return t->matmul(x, m, ldx, w, y, ldy, n0, n1);
+  }
   if (m <= 0 || n0 >= n1) return;
   const AmxMatrix a = tiles_of(w);
   // The kernels start at a 16-row panel: a range that starts inside one gets that panel's part

@@ -15,6 +15,7 @@
 #include "kernels/kernels.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
+#include "kernels/sparse_layout.h"
 
 namespace corelm {
 namespace {
@@ -56,6 +57,7 @@ struct Scratch {
 };
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx2Kernels);
   if (quant::is_raw_type(type)) return quant::avx2_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
@@ -291,6 +293,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
             int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
+  if (sparse::is_sparse(w.type)) return sparse::matmul_avx2(x, m, ldx, w, y, ldy, n0, n1, matmul);
   if (quant::is_raw_type(w.type)) return quant::avx2_matmul(x, m, ldx, w, y, ldy, n0, n1);
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
@@ -304,6 +307,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (sparse::is_sparse(w.type)) return sparse::row_to_f32(w, row, out);
   if (quant::is_grouped_ggml(w.type)) return quant::grouped_ggml_row_to_f32(w, row, out);
   if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);

@@ -491,6 +491,7 @@ PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType 
 }
 
 PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_grouped_ggml(type)) return grouped_ggml_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx2Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);

@@ -14,6 +14,7 @@
 #include "kernels/kernels.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
+#include "kernels/sparse_layout.h"
 
 namespace corelm {
 namespace {
@@ -37,6 +38,7 @@ constexpr int64_t kSmallBatch = kRowExactRows;  // up to this many rows of x, st
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx512Kernels);
   if (quant::is_raw_type(type)) return quant::avx512_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
@@ -84,33 +86,28 @@ inline void store_group(__m512 acc[kGroup], float* y, int64_t row0, int64_t lo, 
 template <bool BF16>
 void gemv(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
   const size_t esz = BF16 ? 2 : 4;
-  const int64_t K = w.cols, nchunks = w.ld / kChunk, full = K / kChunk;
+  const int64_t nchunks = w.ld / kChunk;
   const char* base = static_cast<const char*>(w.data());
-  const __mmask16 m_lo = K % kChunk >= 16 ? (__mmask16)0xffff : tail_mask(K % 16);
-  const __mmask16 m_hi = K % kChunk > 16 ? tail_mask(K % kChunk - 16) : (__mmask16)0;
-  // bf16: a row's 32 weights of a chunk are one 64-byte load; the even elements widen with a shift,
-  // the odd ones with a mask (no shuffles), so x is split once per chunk into its even and odd halves.
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+  const avx512::EvenOddX xs(w.cols);  // x chunk by chunk, masked past K (kernels_avx512_bf16.h)
   for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
     const char* p = base + (size_t)g * nchunks * kGroup * kChunk * esz;
     __m512 acc[kGroup], acc2[kGroup];  // two independent chains per row
     for (int j = 0; j < kGroup; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nchunks; c++) {
-      // The tail chunk masks x: padded weights are zero, but x beyond K is not ours to read.
-      __m512 x0 = c < full ? _mm512_loadu_ps(x + c * kChunk) : _mm512_maskz_loadu_ps(m_lo, x + c * kChunk);
-      __m512 x1 = c < full ? _mm512_loadu_ps(x + c * kChunk + 16) : _mm512_maskz_loadu_ps(m_hi, x + c * kChunk + 16);
       if (kPrefetch)
         for (int b = 0; b < kGroup * kChunk * (int)esz; b += 64) _mm_prefetch(p + kPrefetchBytes + b, _MM_HINT_T0);
       if constexpr (BF16) {
-        const __m512 xe = _mm512_permutex2var_ps(x0, even, x1), xo = _mm512_permutex2var_ps(x0, odd, x1);
+        __m512 xe, xo;
+        xs.split(x, c, xe, xo);
         for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
           const __m512i v = _mm512_loadu_si512((const void*)p);
-          acc[j] = _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), acc[j]);
-          acc2[j] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(v, hi16)), acc2[j]);
+          acc[j] = _mm512_fmadd_ps(xe, avx512::widen_even(v), acc[j]);
+          acc2[j] = _mm512_fmadd_ps(xo, avx512::widen_odd(v), acc2[j]);
         }
       } else {
+        const float* xc = x + c * kChunk;
+        const __m512 x0 = c < xs.full ? _mm512_loadu_ps(xc) : _mm512_maskz_loadu_ps(xs.m_lo, xc);
+        const __m512 x1 = c < xs.full ? _mm512_loadu_ps(xc + 16) : _mm512_maskz_loadu_ps(xs.m_hi, xc + 16);
         for (int j = 0; j < kGroup; j++, p += kChunk * esz) {
           acc[j] = _mm512_fmadd_ps(x0, load16<BF16>(p), acc[j]);
           acc2[j] = _mm512_fmadd_ps(x1, load16<BF16>(p + 16 * esz), acc2[j]);
@@ -246,6 +243,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
             int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
+  if (sparse::is_sparse(w.type)) return sparse::matmul_avx512(x, m, ldx, w, y, ldy, n0, n1, matmul, false);
   if (quant::is_raw_type(w.type)) return quant::avx512_matmul(x, m, ldx, w, y, ldy, n0, n1);
   const bool bf16 = w.type == WeightType::BF16;
   if (m == 1)
@@ -260,6 +258,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 // everything else as above. Its row_exact table is the plain one (fp32 activations, decode's sums).
 void matmul_bf16dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
+  if (sparse::is_sparse(w.type)) return sparse::matmul_avx512(x, m, ldx, w, y, ldy, n0, n1, matmul_bf16dp, true);
   if (w.type != WeightType::BF16 || m == 1) return matmul(x, m, ldx, w, y, ldy, n0, n1);
   n1 = std::min(n1, w.rows);
   if (n0 < n1) avx512::bf16dp_matmul(x, m, ldx, w, y, ldy, n0, n1);
@@ -403,6 +402,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (sparse::is_sparse(w.type)) return sparse::row_to_f32(w, row, out);
   if (quant::is_grouped_ggml(w.type)) return quant::grouped_ggml_row_to_f32(w, row, out);
   if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);

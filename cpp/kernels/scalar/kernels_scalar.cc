@@ -1,15 +1,18 @@
 // The reference kernels: plain loops, the definition every other ISA is tested against.
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels/kernels.h"
 #include "kernels/ggml_formats.h"
+#include "kernels/sparse_layout.h"
 
 namespace corelm {
 namespace {
 
 // Layout: plain row-major, ld = cols.
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kScalarKernels);
   if (quant::is_raw_type(type)) return quant::scalar_pack(src, rows, cols, type, par);
   PackedMatrix m;
   m.type = type;
@@ -34,8 +37,23 @@ inline float weight_at(const PackedMatrix& w, int64_t row, int64_t col) {
   return static_cast<const float*>(w.data())[i];
 }
 
+// Sparse weights: each row expanded, then summed in column order as a dense row is.
+void sparse_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1) {
+  std::vector<float> row(w.cols);
+  for (int64_t n = n0; n < n1 && n < w.rows; n++) {
+    sparse::row_to_f32(w, n, row.data());
+    for (int64_t i = 0; i < m; i++) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < w.cols; k++) acc += x[i * ldx + k] * row[k];
+      y[i * ldy + n] = acc;
+    }
+  }
+}
+
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
+  if (sparse::is_sparse(w.type)) return sparse_matmul(x, m, ldx, w, y, ldy, n0, n1);
   if (quant::is_raw_type(w.type)) return quant::scalar_matmul(x, m, ldx, w, y, ldy, n0, n1);
   for (int64_t i = 0; i < m; i++)
     for (int64_t n = n0; n < n1; n++) {
@@ -100,6 +118,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (sparse::is_sparse(w.type)) return sparse::row_to_f32(w, row, out);
   if (quant::is_raw_type(w.type)) return quant::scalar_row_to_f32(w, row, out);
   for (int64_t k = 0; k < w.cols; k++) out[k] = weight_at(w, row, k);
 }

@@ -54,7 +54,8 @@ PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
   return m;
 }
 
-PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor*) {
+PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kScalarKernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kScalarKernels);
   check_raw(type, (size_t)rows * (cols / kBlock) * ggml_block_bytes(type), rows, cols);
   PackedMatrix m = empty_matrix(type, rows, cols);

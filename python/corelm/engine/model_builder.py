@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ..loader.spec import LoadedModel, ModelLoadError, ModelSpec, kept_float, weight_shapes
-from ..options import KEEP_GGUF_BLOCKS, WEIGHT_FORMATS, choose, choose_optional, format_of_core, format_of_gguf
+from ..options import KEEP_AS_STORED, WEIGHT_FORMATS, choose, choose_optional, format_of_core, format_of_raw
 
 log = logging.getLogger("corelm")
 
@@ -70,7 +70,8 @@ def resolve_schedule(schedule: str) -> str:
 def resolve_dtype(dtype: str) -> str:
     """The weight format matrices without quantized GGUF blocks get, as the core names it. "auto" is
     bf16 where the CPU has AVX512_BF16 (its bf16 weights halve the bytes decode reads), otherwise fp32;
-    a quantized format quantizes matrices at load (blocks of 32 with an fp16 scale)."""
+    a quantized format quantizes matrices at load (blocks of 32 with an fp16 scale); sbf16 keeps them bf16
+    with their exact zeros dropped (for weights already pruned)."""
     from .. import _core
     dtype = choose("dtype", dtype)
     if dtype == "auto":
@@ -184,25 +185,30 @@ def default_max_seq_len(spec) -> int:
 
 
 def _kept_blocks(loaded: LoadedModel, name: str, keep_raw):
-    """(raw, its format) when the weight's GGUF blocks are kept as stored under this dtype, else None."""
+    """(raw, its format) when the weight's stored form (GGUF blocks, sparse bf16) is kept under this dtype,
+    else None."""
+    if getattr(loaded, "raw_weight_type", None) is not None and _kept_format(loaded, name, keep_raw) is None:
+        return None     # the header says so: nothing read (a GGUF's blocks under bf16, which keeps sparse only)
     get_raw = getattr(loaded, "get_raw_weight", None)
     raw = get_raw(name) if get_raw is not None and keep_raw else None
-    raw_format = format_of_gguf(raw[0]) if raw is not None else None
+    raw_format = format_of_raw(raw[0]) if raw is not None else None
     return (raw, raw_format) if raw_format is not None and raw_format.name in keep_raw else None
 
 
-def _kept_format(loaded: LoadedModel, name: str, keep_raw):
-    """The format a weight's GGUF blocks are kept in under this dtype, from the header alone; None when
-    it is not kept as stored."""
-    if not keep_raw:
-        return None
+def stored_raw_type(loaded: LoadedModel, name: str) -> Optional[str]:
+    """The type name loaded.get_raw_weight(name) gives (None: no raw form), from the file's header where the
+    loader can say (raw_weight_type), so deciding how to store a matrix reads none of it."""
     raw_type, get_raw = getattr(loaded, "raw_weight_type", None), getattr(loaded, "get_raw_weight", None)
-    if raw_type is None and get_raw is not None:  # a loader without it: what its getter gives
-        raw_type = lambda n: (get_raw(n) or (None,))[0]  # noqa: E731
-    if raw_type is None:
-        return None
-    t = raw_type(name)
-    fmt = format_of_gguf(t) if t is not None else None
+    if raw_type is not None:
+        return raw_type(name)
+    return (get_raw(name) or (None,))[0] if get_raw is not None else None   # a loader without it: its getter's
+
+
+def _kept_format(loaded: LoadedModel, name: str, keep_raw):
+    """The format a weight's stored form (GGUF blocks, sparse bf16) is kept in under this dtype, from the
+    header alone; None when it is not kept as stored."""
+    t = stored_raw_type(loaded, name) if keep_raw else None
+    fmt = format_of_raw(t) if t is not None else None
     return fmt if fmt is not None and fmt.name in keep_raw else None
 
 
@@ -211,7 +217,7 @@ def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
     without building or reading weights: e.g. "q4_1+q8_0" for a GGUF whose blocks are kept, "bf16" for
     an HF model."""
     dtype = choose("dtype", dtype)
-    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    keep_raw = KEEP_AS_STORED.get(dtype, ())
     dense = format_of_core(resolve_dtype(dtype)).name
     stored = collections.Counter()
     for name in _matrices(loaded.spec):
@@ -234,7 +240,7 @@ def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> st
     dtype = choose("dtype", dtype)
     if resolve_dtype(dtype) != "fp32":
         return "bf16"
-    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    keep_raw = KEEP_AS_STORED.get(dtype, ())
     quantized = keep_raw and any(_kept_format(loaded, name, keep_raw) for name in _matrices(loaded.spec))
     return "bf16" if quantized else "fp32"
 
@@ -275,12 +281,12 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if progress:
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
-    keep_raw = KEEP_GGUF_BLOCKS.get(dtype, ())
+    keep_raw = KEEP_AS_STORED.get(dtype, ())
     stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
         kept = _kept_blocks(loaded, name, keep_raw)
         is_matrix = name in matrices
-        if kept is not None:           # quantized blocks: repacked, no float round trip
+        if kept is not None:           # quantized blocks or sparse bf16: repacked, no float round trip
             raw, raw_format = kept
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
             stored[raw_format.name] += is_matrix

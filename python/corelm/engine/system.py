@@ -140,4 +140,23 @@ def model_info(model: str) -> Dict[str, Any]:
         "default_activations": AUTO_ACTIVATIONS,
         "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_word_embeddings,
         "chat_template": bool(loaded.chat_template),
+        "storage": storage_info(loaded),
     }
+
+
+def storage_info(loaded) -> Optional[Dict[str, Any]]:
+    """A corelm folder's tensors as stored (None for other models, whose storage the dtype decides at load):
+    the bytes a decoded token reads (every tensor but the embedding table, of which it reads one row; MoE
+    experts at the share a token uses), and each sparse matrix's shape, bytes and fraction of zeros."""
+    from ..loader.corelm_format import TYPES, stored_sparsity
+    if loaded.stored_tensors is None:
+        return None
+    spec = loaded.spec
+    per_token = 0.0
+    sparse = {}
+    for name, (type_, shape, nbytes) in loaded.stored_tensors.items():
+        if name != "tok_embeddings" or spec.tie_word_embeddings:
+            per_token += nbytes * (spec.num_experts_used / spec.num_experts if ".experts." in name else 1)
+        if TYPES[type_].sparse:
+            sparse[name] = {"shape": list(shape), "bytes": nbytes, "sparsity": stored_sparsity(shape, nbytes)}
+    return {"bytes_per_token": int(per_token), "sparse": sparse}

@@ -14,10 +14,12 @@ weights.corelm (little-endian):
     32  H bytes  JSON header: {"tensors": [{"name", "type", "shape", "offset", "nbytes"}, ...], "metadata": {...}}
     zero padding to a multiple of the alignment; then the data section. Offsets are relative to its start.
 
-Tensor types: f32, bf16 (raw little-endian elements, row-major) and q8 / q4 / q4m: rows of 32-element
-blocks laid out exactly as GGUF's Q8_0 / Q4_0 / Q4_1, so the engine repacks them with
-`Model.set_weight_raw` and no float round trip. Every count, offset and size is checked against the file
-before use, as the GGUF and safetensors parsers do; failures are ModelLoadError.
+Tensor types: f32, bf16 (raw little-endian elements, row-major), q8 / q4 / q4m (and the other ggml
+types): rows of blocks laid out exactly as GGUF's Q8_0 / Q4_0 / Q4_1 ..., so the engine repacks them with
+`Model.set_weight_raw` and no float round trip, and sbf16 (sparse bf16: a bitmap of the non-zeros, then
+the non-zero values; expanded to dense bf16 rows for `set_weight_raw(..., "SBF16", ...)`). Every count,
+offset and size is checked against the file before use, as the GGUF and safetensors parsers do; failures
+are ModelLoadError.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..options import WEIGHT_FORMATS
+from ..options import CHOICES, WEIGHT_FORMATS, WeightFormat
 from .families import SUPPORTED_ARCHS
 from .spec import (LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, check_finite, check_finite_blocks,
                    release_mapped_range, weight_shapes)
@@ -44,9 +46,8 @@ ALIGNMENT = 64
 PREFIX = struct.Struct("<8sIIQII")          # magic, version, alignment, header length, crc, reserved
 MAX_HEADER_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 1 << 62
-# tensor type in the file -> (elements per block, bytes per block, GGUF type name for the raw path or None)
-TYPES: Dict[str, Tuple[int, int, Optional[str]]] = {
-    f.file_type: (f.block, f.block_bytes, f.gguf) for f in WEIGHT_FORMATS.values()}
+# tensor type in the file -> its weight format (block size and bytes; `raw`: the name set_weight_raw takes)
+TYPES: Dict[str, WeightFormat] = {f.file_type: f for f in WEIGHT_FORMATS.values()}
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,58 @@ class TensorEntry:
 
 
 def tensor_nbytes(type_: str, shape: Tuple[int, ...]) -> int:
-    block, block_bytes, _ = TYPES[type_]
+    """The bytes a tensor of this type and shape takes; for a sparse type, the most it can take (every
+    weight non-zero)."""
+    f = TYPES[type_]
+    if f.sparse:
+        return bitmap_nbytes(shape) + f.block_bytes * shape[0] * shape[1]
     n = 1
     for d in shape:
         n *= d
-    if shape and shape[-1] % block:
-        raise ValueError(f"rows of {shape[-1]} elements are not a multiple of the {type_} block size {block}")
-    return n // block * block_bytes
+    if shape and shape[-1] % f.block:
+        raise ValueError(f"rows of {shape[-1]} elements are not a multiple of the {type_} block size {f.block}")
+    return n // f.block * f.block_bytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# sbf16: a matrix [rows, cols] stored as a bitmap, u32 words [rows][ceil(cols/32)] (bit i of word c of row
+# r set: column 32c+i is non-zero; bits past cols are 0), then the non-zero bf16 values in row-major order.
+
+def bitmap_nbytes(shape: Tuple[int, ...]) -> int:
+    return 4 * shape[0] * -(-shape[1] // 32)
+
+
+def stored_sparsity(shape: Tuple[int, ...], nbytes: int) -> float:
+    """The fraction of zeros in an sbf16 tensor of `nbytes` (its header says as much: 2 bytes per non-zero)."""
+    return 1.0 - (nbytes - bitmap_nbytes(shape)) / 2 / (shape[0] * shape[1])
+
+
+def pack_sbf16(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16 [rows, cols]) -> the sbf16 bytes; +0 and -0 are both dropped."""
+    rows, cols = bits.shape
+    mask = np.zeros((rows, -(-cols // 32) * 32), bool)
+    mask[:, :cols] = (bits & 0x7FFF) != 0
+    bitmap = np.packbits(mask, axis=1, bitorder="little")      # byte j bit i: column 8j+i, so LE u32 words
+    return np.concatenate([bitmap.reshape(-1), bits[mask[:, :cols]].view(np.uint8)])
+
+
+def unpack_sbf16(raw: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """The sbf16 bytes of a [rows, cols] tensor -> its dense bf16 bits (uint16 [rows, cols]). ValueError
+    when the bitmap disagrees with the values (the header check already made nbytes even and at least the
+    bitmap)."""
+    rows, cols = shape
+    nbitmap = bitmap_nbytes(shape)
+    mask = np.unpackbits(raw[:nbitmap].reshape(rows, -1), axis=1, bitorder="little").view(bool)
+    if mask[:, cols:].any():
+        row = int(np.nonzero(mask[:, cols:].any(1))[0][0])
+        raise ValueError(f"bitmap row {row} has bits set past its {cols} columns")
+    mask = mask[:, :cols]
+    values = raw[nbitmap:].view("<u2")
+    if np.count_nonzero(mask) != len(values):
+        raise ValueError(f"bitmap marks {np.count_nonzero(mask)} non-zeros, the tensor holds {len(values)} values")
+    out = np.zeros(shape, np.uint16)
+    out[mask] = values
+    return out
 
 
 def pad(n: int, alignment: int = ALIGNMENT) -> int:
@@ -76,39 +122,56 @@ def pad(n: int, alignment: int = ALIGNMENT) -> int:
 # Writing.
 
 class WeightsWriter:
-    """Writes weights.corelm: add() every tensor's bytes in order, then close() writes the header.
-    The header goes first in the file, so the writer reserves its room from the tensor list given up front."""
+    """Writes weights.corelm: add() every tensor's bytes in the order given, then close() writes the header.
+    The header goes first in the file but a sparse tensor's size is known only once added, so the writer
+    reserves the header's room with every tensor at its largest (offsets and sizes then only shrink) and
+    close() writes the real header there, padded with spaces."""
 
     def __init__(self, path: str, entries: List[Tuple[str, str, Tuple[int, ...]]], metadata: Dict[str, Any]):
+        self._entries = [(n, t, tuple(int(d) for d in s)) for n, t, s in entries]
+        self._metadata = metadata
+        self._tensors: List[Tuple[int, int]] = []     # (offset, nbytes) of the tensors added so far
         offsets, pos = [], 0
-        for name, type_, shape in entries:
+        for _, type_, shape in self._entries:
             offsets.append(pos)
-            pos = pad(pos + tensor_nbytes(type_, tuple(shape)))
-        tensors = [{"name": n, "type": t, "shape": list(map(int, s)), "offset": o, "nbytes": tensor_nbytes(t, tuple(s))}
-                   for (n, t, s), o in zip(entries, offsets)]
-        header = json.dumps({"tensors": tensors, "metadata": metadata}, separators=(",", ":")).encode("utf-8")
-        prefix_wo_crc = struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, ALIGNMENT, len(header))
-        crc = zlib.crc32(header, zlib.crc32(prefix_wo_crc)) & 0xFFFFFFFF
-        self._data_start = pad(PREFIX.size + len(header))
-        self._expected = {t["name"]: t for t in tensors}
+            pos = pad(pos + tensor_nbytes(type_, shape))
+        self._hlen = len(self._header(offsets, [tensor_nbytes(t, s) for _, t, s in self._entries]))
+        self._data_start = pad(PREFIX.size + self._hlen)
+        self._pos = 0
         self._f = open(path, "wb")
-        self._f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, ALIGNMENT, len(header), crc, 0) + header)
-        self._f.write(b"\0" * (self._data_start - self._f.tell()))
-        self._total = self._data_start + pos
+        self._f.write(b"\0" * self._data_start)
 
-    def add(self, name: str, data: np.ndarray) -> None:
-        t = self._expected.pop(name)
+    def _header(self, offsets: List[int], sizes: List[int]) -> bytes:
+        tensors = [{"name": n, "type": t, "shape": list(s), "offset": o, "nbytes": b}
+                   for (n, t, s), o, b in zip(self._entries, offsets, sizes)]
+        return json.dumps({"tensors": tensors, "metadata": self._metadata}, separators=(",", ":")).encode("utf-8")
+
+    def add(self, name: str, data: np.ndarray) -> int:
+        """Writes the next tensor's bytes; returns their count."""
+        if len(self._tensors) == len(self._entries) or self._entries[len(self._tensors)][0] != name:
+            raise ValueError(f"{name}: tensors must be added in the order given")
+        _, type_, shape = self._entries[len(self._tensors)]
         buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        if buf.size != t["nbytes"]:
-            raise ValueError(f"{name}: {buf.size} bytes, header says {t['nbytes']}")
-        here = self._data_start + t["offset"]
-        self._f.write(b"\0" * (here - self._f.tell()))
+        most = tensor_nbytes(type_, shape)
+        if buf.size != most and not (TYPES[type_].sparse and buf.size < most):
+            raise ValueError(f"{name}: {buf.size} bytes, a {type_} tensor of shape {list(shape)} takes {most}")
+        self._f.write(b"\0" * (self._data_start + self._pos - self._f.tell()))
         self._f.write(buf.tobytes())
+        self._tensors.append((self._pos, buf.size))
+        self._pos = pad(self._pos + buf.size)
+        return buf.size
 
     def close(self) -> None:
-        if self._expected:
-            raise ValueError(f"tensors never written: {', '.join(list(self._expected)[:5])}")
-        self._f.write(b"\0" * (self._total - self._f.tell()))
+        if len(self._tensors) != len(self._entries):
+            missing = [n for n, _, _ in self._entries[len(self._tensors):]]
+            raise ValueError(f"tensors never written: {', '.join(missing[:5])}")
+        self._f.write(b"\0" * (self._data_start + self._pos - self._f.tell()))
+        header = self._header([o for o, _ in self._tensors], [b for _, b in self._tensors])
+        header += b" " * (self._hlen - len(header))
+        prefix_wo_crc = struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, ALIGNMENT, len(header))
+        crc = zlib.crc32(header, zlib.crc32(prefix_wo_crc)) & 0xFFFFFFFF
+        self._f.seek(0)
+        self._f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, ALIGNMENT, len(header), crc, 0) + header)
         self._f.close()
 
 
@@ -135,10 +198,20 @@ class CorelmWeights:
             out = raw.view("<f4").reshape(t.shape).copy()
         elif t.type == "bf16":
             out = bf16_to_f32(raw).reshape(t.shape)
+        elif TYPES[t.type].sparse:
+            out = bf16_to_f32(self.dense_bf16(name))
         else:
             n = int(np.prod(t.shape))
-            out = _DECODERS[TYPES[t.type][2]](raw, n).reshape(t.shape)
+            out = _DECODERS[TYPES[t.type].gguf](raw, n).reshape(t.shape)
         return np.ascontiguousarray(out, dtype=np.float32)
+
+    def dense_bf16(self, name: str) -> np.ndarray:
+        """An sbf16 tensor's dense bf16 bits (uint16 [rows, cols]), its bitmap checked against its values."""
+        t = self.tensors[name]
+        try:
+            return unpack_sbf16(self.raw(name), t.shape)
+        except ValueError as e:
+            raise _fail(self.path, f"sbf16 tensor {name!r}: {e}") from None
 
     def release(self, name: str) -> None:
         t = self.tensors.get(name)
@@ -212,13 +285,20 @@ def _parse(buf, path: str) -> Tuple[Dict[str, Any], Dict[str, TensorEntry]]:
         if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or \
                 not all(_is_int(d) and 0 < d <= MAX_TENSOR_BYTES for d in shape):
             raise _fail(path, f"tensor {name!r} has a bad shape {shape!r}")
-        if TYPES[type_][0] > 1 and len(shape) != 2:
-            raise _fail(path, f"tensor {name!r} of block type {type_} must be a matrix")
+        fmt = TYPES[type_]
+        if (fmt.block > 1 or fmt.sparse) and len(shape) != 2:
+            raise _fail(path, f"tensor {name!r} of {'sparse' if fmt.sparse else 'block'} type {type_} must be "
+                              f"a matrix")
         try:
             want = tensor_nbytes(type_, tuple(shape))
         except ValueError as e:
             raise _fail(path, f"tensor {name!r}: {e}") from None
-        if not _is_int(nbytes) or nbytes != want or want > MAX_TENSOR_BYTES:
+        if fmt.sparse:      # a bitmap, then 2 bytes per non-zero
+            least = bitmap_nbytes(tuple(shape))
+            if not _is_int(nbytes) or not least <= nbytes <= want or nbytes % 2 or want > MAX_TENSOR_BYTES:
+                raise _fail(path, f"tensor {name!r} claims {nbytes!r} bytes; a {type_} tensor of shape {shape} "
+                                  f"takes an even count from {least} (its bitmap) to {want}")
+        elif not _is_int(nbytes) or nbytes != want or want > MAX_TENSOR_BYTES:
             raise _fail(path, f"tensor {name!r} claims {nbytes!r} bytes; a {type_} tensor of shape {shape} "
                               f"takes {want}")
         if not _is_int(offset) or offset < 0 or offset % ALIGNMENT:
@@ -297,24 +377,32 @@ def load_corelm_folder(folder: str) -> LoadedModel:
 
     def raw_weight_type(name: str):
         t = w.tensors.get(name)
-        return None if t is None else TYPES[t.type][2]
+        return None if t is None else TYPES[t.type].raw
 
     def get_raw_weight(name: str):
+        """Blocks as stored; an sbf16 matrix as the dense bf16 rows set_weight_raw takes for "SBF16"."""
         t = w.tensors.get(name)
-        if raw_weight_type(name) is None:
+        raw_type = raw_weight_type(name)
+        if raw_type is None:
             return None
-        raw = w.raw(name)
-        check_finite_blocks(TYPES[t.type][2], raw, w.path, name)
-        return TYPES[t.type][2], raw.reshape(t.shape[0], -1), t.shape
+        raw = w.dense_bf16(name).view(np.uint8) if TYPES[t.type].sparse else w.raw(name)
+        check_finite_blocks(raw_type, raw, w.path, name)
+        return raw_type, raw.reshape(t.shape[0], -1), t.shape
 
     kinds: Dict[str, int] = {}
     for t in w.tensors.values():
         kinds[t.type] = kinds.get(t.type, 0) + t.nbytes
     order = sorted(kinds, key=kinds.get, reverse=True)
+    sparsity = config.get("sparsity")       # what convert asked for (the tensors say what was stored)
+    pruned = ""
+    if isinstance(sparsity, dict) and sparsity.get("method") in CHOICES["prune"].values and \
+            isinstance(sparsity.get("target"), (int, float)):
+        pruned = f", pruned to {sparsity['target']:g} by {sparsity['method']}"
     return LoadedModel(
         spec=spec, get_weight=get_weight, get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
         release_weight=w.release,
         tokenizer=load_tokenizer("from_hf_folder", folder, folder), chat_template=_hf_chat_template(folder),
         generation_config=_optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json"),
         source=folder, source_format="corelm",
-        description=f"corelm v{FORMAT_VERSION} {config.get('weights', '?')} ({'/'.join(order)})")
+        description=f"corelm v{FORMAT_VERSION} {config.get('weights', '?')} ({'/'.join(order)}){pruned}",
+        stored_tensors={n: (t.type, t.shape, t.nbytes) for n, t in w.tensors.items()})

@@ -118,12 +118,15 @@ class LoadedModel:
     # process, so peak memory is the packed model, not the packed model plus the mapped file.
     release_weight: Callable[[str], None] = lambda name: None
 
-    # Optional (GGUF): (ggml type name, uint8 bytes, shape) of a matrix stored as quantized blocks
-    # (Q8_0, Q4_0, Q4_1), rows already in get_weight's order; None for anything else.
+    # Optional (GGUF, corelm folders): (the type name Model.set_weight_raw takes, uint8 bytes [rows, row bytes],
+    # shape) of a matrix stored as quantized blocks (Q8_0, Q4_0, Q4_1, ...: rows already in get_weight's
+    # order) or sparse ("SBF16": its dense bf16 rows); None for anything else.
     get_raw_weight: Optional[Callable[[str], Optional[Tuple[str, np.ndarray, Tuple[int, ...]]]]] = None
-    # Optional, with get_raw_weight: the ggml type name get_raw_weight(name) would give (None where it gives
+    # Optional, with get_raw_weight: the type name get_raw_weight(name) would give (None where it gives
     # None), from the file's header alone: deciding how to store a model reads none of its weights.
     raw_weight_type: Optional[Callable[[str], Optional[str]]] = None
+    # corelm folders: name -> (file type, shape, bytes) of every tensor as stored (`corelm info`)
+    stored_tensors: Optional[Dict[str, Tuple[str, Tuple[int, ...], int]]] = None
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
@@ -183,17 +186,24 @@ def _warn(source: str, name: str, what: str) -> None:
                  "wrongly)", source, name, what)
 
 
+def _warn_nonfinite(source: str, name: str, bad: int, what: str = "value") -> None:
+    if bad:
+        _warn(source, name, f"{bad} non-finite {what}{'s' if bad > 1 else ''} (NaN or Inf)")
+
+
 def check_finite(w: np.ndarray, source: str, name: str) -> np.ndarray:
     """Warns (logger corelm.loader) when float array `w` holds NaN or Inf; returns `w`."""
     if w.size and w.dtype.kind == "f" and not np.isfinite(np.add.reduce(w.reshape(-1), dtype=w.dtype)):
-        bad = int(w.size - np.count_nonzero(np.isfinite(w)))
-        if bad:
-            _warn(source, name, f"{bad} non-finite value{'s' if bad > 1 else ''} (NaN or Inf)")
+        _warn_nonfinite(source, name, int(w.size - np.count_nonzero(np.isfinite(w))))
     return w
 
 
 def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str) -> None:
-    """Warns when a quantized tensor's fp16 block scales (or minimums) hold NaN or Inf."""
+    """Warns when a quantized tensor's fp16 block scales (or minimums), or a sparse tensor's bf16 values,
+    hold NaN or Inf."""
+    if type_name == "SBF16":    # dense bf16 rows: exponent all ones
+        _warn_nonfinite(source, name, int(np.count_nonzero((raw.view("<u2") & 0x7F80) == 0x7F80)))
+        return
     layout = _BLOCK_F16_FIELDS.get(type_name)
     if layout is None or raw.size == 0 or raw.size % layout[0]:
         return
@@ -202,5 +212,4 @@ def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str)
     for off in layout[1]:
         f16 = blocks[:, off:off + 2].copy().view("<u2")
         bad += int(np.count_nonzero((f16 & 0x7C00) == 0x7C00))
-    if bad:
-        _warn(source, name, f"{bad} non-finite {type_name} block scale{'s' if bad > 1 else ''} (NaN or Inf)")
+    _warn_nonfinite(source, name, bad, f"{type_name} block scale")

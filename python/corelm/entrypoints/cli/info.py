@@ -19,6 +19,8 @@ def add_parser(commands) -> None:
     add_threads_flag(p, "show the thread plan for this many threads (default: the default count)")
     add_numa_flag(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="with a sparse corelm folder: every sparse matrix's stored fraction of zeros and bytes")
     p.set_defaults(func=run)
 
 
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         info["model"] = model_info(args.model)
         if info.get("topology") and args.numa:
             info["topology"]["numa"]["model_split"] = numa_split(info["model"], info["topology"]["numa"]["shares"])
-    print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
+    print(json.dumps(info, indent=2, default=str) if args.json else format_info(info, verbose=args.verbose))
     return 0
 
 
@@ -53,10 +55,10 @@ def _cpu_ranges(ids: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: int, digits: int = 6) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:g} {unit}"
+            return f"{n / size:.{digits}g} {unit}"
     return f"{n} B"
 
 
@@ -118,7 +120,24 @@ def format_numa(numa: Dict[str, Any], n_nodes: int) -> List[str]:
     return lines
 
 
-def format_info(info: Dict[str, Any]) -> str:
+def format_storage(storage: Dict[str, Any], verbose: bool = False) -> List[str]:
+    """A corelm folder's bytes read per token and its sparse matrices (each one with verbose)."""
+    from ...convert import sparsity_summary
+    lines = [f"Storage:   {_bytes(storage['bytes_per_token'], 3)} read per token (every tensor as stored but the "
+             f"embedding table, of which a token reads one row)"]
+    sparse = storage["sparse"]
+    if sparse:
+        stored = sum(m["bytes"] for m in sparse.values())
+        dense = sum(2 * m["shape"][0] * m["shape"][1] for m in sparse.values())
+        lines.append(f"Sparse:    {sparsity_summary(m['sparsity'] for m in sparse.values())}; "
+                     f"{_bytes(stored, 3)}, dense bf16 {_bytes(dense, 3)}" + ("" if verbose else " (-v: each)"))
+        width = max(map(len, sparse))
+        lines += [f"           {name:<{width}}  {'x'.join(map(str, m['shape']))}: {100 * m['sparsity']:.1f}% zeros, "
+                  f"{_bytes(m['bytes'], 3)}" for name, m in sparse.items()] if verbose else []
+    return lines
+
+
+def format_info(info: Dict[str, Any], verbose: bool = False) -> str:
     cpu, mem = info["cpu"], info["memory"]
     lines = [
         f"corelm {info['corelm_version']} (Python {info['python']}, {info['platform']})",
@@ -161,4 +180,6 @@ def format_info(info: Dict[str, Any]) -> str:
             f"the exact path, the model answers as its file does; int8 reads prompts faster at a fidelity "
             f"cost, docs/quality.md)",
         ]
+        if model.get("storage"):
+            lines += format_storage(model["storage"], verbose)
     return "\n".join(lines)

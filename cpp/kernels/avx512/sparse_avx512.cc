@@ -1,0 +1,221 @@
+// AVX-512 kernels for sparse bf16 weights (kernels/sparse_layout.h). Built with AVX-512 flags; the
+// instructions beyond them (VBMI2, BITALG, AVX512_BF16) run only where CPUID reports them, and other
+// AVX-512 CPUs expand with plain code into the dense kernels.
+//
+// Decode (one activation row) streams the sparse records directly: each row's 32 weights of a chunk
+// are expanded in registers from its non-zeros under its mask, then multiplied as the dense bf16 GEMV
+// multiplies (two fp32 FMAs on the widened weights, in its order), so a sparse matrix gives exactly
+// the dense matrix's bits while memory delivers only the masks and the non-zeros. The expand costs
+// ~3.6 cycles per 32 weights on Zen 4 whichever way it is done (VPEXPANDW, or VPOPCNTW ranks and
+// VPERMW, slightly cheaper there, used where BITALG exists): one Zen 4 core with the memory to itself
+// decodes no faster than dense, one that shares it (two decoding, or a neighbour streaming) faster.
+// The AVX512_BF16 table (bf16_dot) multiplies a small batch (2..kRowExactRows rows) as its dense
+// kernels do, with VDPBF16PS on activations rounded to bf16, straight from the records: one
+// expansion per weight for the whole batch. Everything else expands a few hundred rows at a time into
+// the dense layout in L2 and hands them to the table's dense matmul (panel GEMM, VDPBF16PS), which
+// reuses them across every activation row and gives the dense matrix's bits.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/avx512/kernels_avx512_bf16.h"
+#include "kernels/kernel_util.h"
+#include "kernels/sparse_layout.h"
+
+namespace corelm {
+namespace sparse {
+namespace {
+
+static_assert(kGroup == avx512::kGroup && kChunk == avx512::kChunk, "expanded records are the dense layout");
+
+inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+// What the CPU offers; CORELM_SPARSE_WITHOUT=bf16|bitalg|vbmi2 takes that instruction set away (and
+// the ones before it in this list), so the tests run every path on one machine.
+int without_level() {
+  const char* e = std::getenv("CORELM_SPARSE_WITHOUT");
+  const std::string s = e ? e : "";
+  return s == "vbmi2" ? 3 : s == "bitalg" ? 2 : s == "bf16" ? 1 : 0;
+}
+const int kWithout = without_level();
+const bool kVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && kWithout < 3;
+const bool kBitalg = kVbmi2 && cpu_features().avx512_bitalg && kWithout < 2;
+const bool kBf16 = kVbmi2 && cpu_features().avx512_bf16 && kWithout < 1;
+constexpr int kMaxRows = 3;  // activation rows per pass over a group (VDPBF16PS: 8 x 3 accumulators)
+
+#define CORELM_SPARSE_TARGET __attribute__((target("avx512vbmi2,avx512bitalg,avx512bf16")))
+
+// One row's 32 weights of a chunk from its non-zeros at v under mask. PERM: ranks of the set bits
+// (VPOPCNTW over the bits below each lane) pick the values with VPERMW; else VPEXPANDW. Both read
+// a whole vector at v (the layout keeps slack after the records).
+template <bool PERM>
+CORELM_SPARSE_TARGET inline __m512i expand(uint32_t mask, const uint16_t* v) {
+  __m512i raw = _mm512_loadu_si512((const void*)v);
+  if constexpr (PERM) {
+    const __m512i below = _mm512_set_epi16(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f, 0x1f,
+                                           0xf, 7, 3, 1, 0, 0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff,
+                                           0x7f, 0x3f, 0x1f, 0xf, 7, 3, 1, 0);
+    const __m512i halves = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)(mask & 0xffff)),
+                                                   _mm512_set1_epi16((short)(mask >> 16)));
+    __m512i rank = _mm512_popcnt_epi16(_mm512_and_si512(halves, below));
+    rank = _mm512_mask_add_epi16(rank, 0xffff0000u, rank, _mm512_set1_epi16((short)__builtin_popcount(mask & 0xffff)));
+    return _mm512_maskz_permutexvar_epi16((__mmask32)mask, rank, raw);
+  } else {
+    __asm__("" : "+v"(raw));  // keep the plain load: folded into VPEXPANDW's memory form it is slower
+    return _mm512_maskz_expand_epi16((__mmask32)mask, raw);
+  }
+}
+
+// A chunk's 8 masks and where each row's non-zeros start (the popcounts are independent; only their
+// running sum is a chain). Returns the next chunk.
+struct Chunk {
+  uint32_t mask[kGroup];
+  int start[kGroup];
+  const uint16_t* v;
+};
+inline const uint8_t* read_chunk(const uint8_t* p, Chunk& ch) {
+  std::memcpy(ch.mask, p, sizeof ch.mask);
+  ch.v = reinterpret_cast<const uint16_t*>(p + kGroup * 4);
+  int s = 0;
+  for (int j = 0; j < kGroup; j++) ch.start[j] = s, s += __builtin_popcount(ch.mask[j]);
+  return reinterpret_cast<const uint8_t*>(ch.v + s);
+}
+
+// Group g's rows of MR activation rows through VDPBF16PS: y[i * ldy + r] for the group's rows r in
+// [n0, n1).
+template <bool PERM, int MR>
+CORELM_SPARSE_TARGET void group_dp(const float* x, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                                   int64_t g, int64_t n0, int64_t n1) {
+  const int64_t K = w.cols, nc = nchunks(K), full = K / kChunk;
+  const __mmask16 m_lo = K % kChunk >= 16 ? (__mmask16)0xffff : tail_mask(K % 16);
+  const __mmask16 m_hi = K % kChunk > 16 ? tail_mask(K % kChunk - 16) : (__mmask16)0;
+  const uint8_t* p = record(w, g);
+  __m512 acc[MR][kGroup];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < kGroup; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; c++) {
+    __m512bh xb[MR];
+    for (int i = 0; i < MR; i++) {
+      const float* xr = x + i * ldx + c * kChunk;
+      const __m512 x0 = c < full ? _mm512_loadu_ps(xr) : _mm512_maskz_loadu_ps(m_lo, xr);
+      const __m512 x1 = c < full ? _mm512_loadu_ps(xr + 16) : _mm512_maskz_loadu_ps(m_hi, xr + 16);
+      xb[i] = _mm512_cvtne2ps_pbh(x1, x0);
+    }
+    Chunk ch;
+    p = read_chunk(p, ch);
+#pragma GCC unroll 8
+    for (int j = 0; j < kGroup; j++) {
+      const __m512bh wv = (__m512bh)expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
+      for (int i = 0; i < MR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xb[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < kGroup; j++) {
+      const int64_t r = g * kGroup + j;
+      if (r >= n0 && r < n1) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+}
+
+template <bool PERM>
+void gemv_dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+             int64_t n1) {
+  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+    int64_t i = 0;
+    for (; i + kMaxRows <= m; i += kMaxRows) group_dp<PERM, kMaxRows>(x + i * ldx, ldx, w, y + i * ldy, ldy, g, n0, n1);
+    if (m - i == 2) group_dp<PERM, 2>(x + i * ldx, ldx, w, y + i * ldy, ldy, g, n0, n1);
+    if (m - i == 1) group_dp<PERM, 1>(x + i * ldx, ldx, w, y + i * ldy, ldy, g, n0, n1);
+  }
+}
+
+// Decode without AVX512_BF16: the dense bf16 gemv (kernels_avx512.cc) on expanded weights, in its order.
+template <bool PERM>
+CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  const int64_t nc = nchunks(w.cols);
+  const avx512::EvenOddX xs(w.cols);
+  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+    const uint8_t* p = record(w, g);
+    __m512 acc[kGroup], acc2[kGroup];
+    for (int j = 0; j < kGroup; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+      __m512 xe, xo;
+      xs.split(x, c, xe, xo);
+      Chunk ch;
+      p = read_chunk(p, ch);
+#pragma GCC unroll 8
+      for (int j = 0; j < kGroup; j++) {
+        const __m512i wv = expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
+        acc[j] = _mm512_fmadd_ps(xe, avx512::widen_even(wv), acc[j]);
+        acc2[j] = _mm512_fmadd_ps(xo, avx512::widen_odd(wv), acc2[j]);
+      }
+    }
+    for (int j = 0; j < kGroup; j++) {
+      const int64_t r = g * kGroup + j;
+      if (r >= n0 && r < n1) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], acc2[j]));
+    }
+  }
+}
+
+// Group g expanded into dst ([nchunks][8][32] bf16, the dense layout).
+template <bool PERM>
+CORELM_SPARSE_TARGET void expand_group_simd(const PackedMatrix& w, int64_t g, uint16_t* dst) {
+  const int64_t nc = nchunks(w.cols);
+  const uint8_t* p = record(w, g);
+  for (int64_t c = 0; c < nc; c++, dst += kGroup * kChunk) {
+    Chunk ch;
+    p = read_chunk(p, ch);
+    for (int j = 0; j < kGroup; j++) _mm512_store_si512((void*)(dst + j * kChunk), expand<PERM>(ch.mask[j], ch.v + ch.start[j]));
+  }
+}
+
+// Rows expanded at a time for the dense kernels: as many whole groups as fit in ~512 KiB (L2), at
+// least one panel GEMM panel (32 rows). Each dense call sets up its activations anew (the VDPBF16PS
+// GEMM rounds them to bf16), so few large calls beat many small ones.
+constexpr int64_t kExpandBytes = 512 << 10;
+inline int64_t rows_per_expand(int64_t cols) {
+  return std::max<int64_t>(32, kExpandBytes / (nchunks(cols) * kChunk * 2) / 32 * 32);
+}
+
+void expand_panels(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1, DenseMatmul dense) {
+  const int64_t nc = nchunks(w.cols), group_elems = nc * kGroup * kChunk, step = rows_per_expand(w.cols);
+  thread_local std::vector<uint16_t, AlignedAlloc<uint16_t>> buf;
+  if ((int64_t)buf.size() < step / kGroup * group_elems) buf.resize(step / kGroup * group_elems);
+  for (int64_t p0 = n0 / kGroup * kGroup; p0 < n1; p0 += step) {
+    const int64_t rows = std::min({step, w.rows - p0, (n1 - p0 + kGroup - 1) / kGroup * kGroup}), groups = ngroups(rows);
+    for (int64_t i = 0; i < groups; i++) {
+      uint16_t* dst = buf.data() + i * group_elems;
+      const int64_t g = p0 / kGroup + i;
+      if (kBitalg) expand_group_simd<true>(w, g, dst);
+      else if (kVbmi2) expand_group_simd<false>(w, g, dst);
+      else expand_group(w, g, dst);
+    }
+    PackedMatrix view;  // the rows as a dense bf16 matrix of the table that packed w
+    view.type = WeightType::BF16;
+    view.rows = std::min(rows, w.rows - p0);
+    view.cols = w.cols;
+    view.ld = nc * kChunk;
+    view.nbytes = (size_t)groups * group_elems * 2;
+    view.packed_by = w.packed_by;
+    view.storage = std::shared_ptr<void>(std::shared_ptr<void>(), buf.data());  // not owned
+    dense(x, m, ldx, view, y + p0, ldy, std::max(n0, p0) - p0, std::min(n1, p0 + rows) - p0);
+  }
+}
+
+}  // namespace
+
+void matmul_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1, DenseMatmul dense, bool bf16_dot) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+  if (m == 1 && kVbmi2) return kBitalg ? gemv_fma<true>(x, w, y, n0, n1) : gemv_fma<false>(x, w, y, n0, n1);
+  if (bf16_dot && kBf16 && m <= kRowExactRows)
+    return kBitalg ? gemv_dp<true>(x, m, ldx, w, y, ldy, n0, n1) : gemv_dp<false>(x, m, ldx, w, y, ldy, n0, n1);
+  expand_panels(x, m, ldx, w, y, ldy, n0, n1, dense);
+}
+
+}  // namespace sparse
+}  // namespace corelm

@@ -1,0 +1,62 @@
+// Unstructured-sparse weights (SparAMX's idea, docs/model-format.md): a bitmap of the non-zeros and
+// the non-zeros themselves, in the order the kernels consume them, so decode reads about
+// (1 - s) * 16 + 1 bits per bf16 weight at sparsity s instead of 16. One layout for every table
+// (plain C++ here; each ISA file reads it with its own instructions):
+//
+//   u64 offsets[groups + 1]   byte offset from the storage start to each group's record (the last:
+//                             the end of the records), padded to 64 bytes
+//   records, 64-byte aligned  rows in groups of 8; per 32-column chunk c of the group,
+//     u32 mask[8]             bit i of mask[j]: column 32c + i of row 8g + j is non-zero
+//     the non-zeros (bf16)    row 0's in column order, then row 1's, ..., row 7's
+//   64 zero bytes             kernels may load a whole vector at the last non-zeros
+//
+// Expanding a record chunk by chunk gives the AVX-512 table's dense bf16 layout ([group][chunk][8][32]),
+// so that table multiplies expanded rows with its dense arithmetic and gets the dense matrix's bits.
+// A sparse matrix comes from floats (pack: rounded to bf16, exact zeros dropped) or raw as dense bf16
+// rows (pack_raw, what the loader expands a sparse file tensor into).
+#pragma once
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace corelm {
+namespace sparse {
+
+constexpr int64_t kGroup = 8;   // rows per record
+constexpr int64_t kChunk = 32;  // columns per mask word
+constexpr int64_t kSlack = 64;  // zero bytes after the records
+
+inline bool is_sparse(WeightType t) { return t == WeightType::SBF16; }
+inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
+inline int64_t nchunks(int64_t cols) { return (cols + kChunk - 1) / kChunk; }
+inline const uint64_t* offsets(const PackedMatrix& w) { return static_cast<const uint64_t*>(w.data()); }
+inline const uint8_t* record(const PackedMatrix& w, int64_t g) {
+  return static_cast<const uint8_t*>(w.data()) + offsets(w)[g];
+}
+
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par,
+                  const KernelTable* by);
+PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par,
+                      const KernelTable* by);
+// Group g's rows as dense bf16 in the AVX-512 layout, [nchunks][8][32] (columns past the matrix and
+// rows past it zero).
+void expand_group(const PackedMatrix& w, int64_t g, uint16_t* dst);
+void row_to_f32(const PackedMatrix& w, int64_t row, float* out);
+// The non-zeros stored (for reports and tests).
+int64_t count_nonzeros(const PackedMatrix& w);
+
+#if defined(CORELM_HAVE_X86)
+// The tables' matmuls for sparse weights. dense: the table's own matmul, which takes bf16 panels
+// expanded from the sparse layout (the AVX-512 table's layout for matmul_avx512, the AVX2 table's for
+// matmul_avx2) wherever the sparse kernel does not multiply directly. bf16_dot: the table multiplies
+// bf16 weights of a small batch by activations rounded to bf16 (VDPBF16PS), as the sparse kernel may.
+using DenseMatmul = void (*)(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy,
+                             int64_t n0, int64_t n1);
+void matmul_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1, DenseMatmul dense, bool bf16_dot);
+void matmul_avx2(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                 int64_t n1, DenseMatmul dense);
+#endif
+
+}  // namespace sparse
+}  // namespace corelm

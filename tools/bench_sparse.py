@@ -1,0 +1,154 @@
+"""Decode and prefill with sparse bf16 weights (sbf16) against dense bf16, on a Qwen2.5-0.5B-shaped model
+of random weights pruned by magnitude per row (embedding and lm_head kept dense, as convert keeps them).
+
+    python tools/bench_sparse.py [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
+    python tools/bench_sparse.py --stream [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
+
+Every model is built once; the measurements alternate between them round by round (medians reported,
+with the ratio to dense bf16 at the same thread count). --stream times decode's weight stream alone
+(the kernel table's matmul over 24 layers of the model's matrices, _core.testing.bench_gemv_stream):
+ms per pass over the same matrices, so the ratio is the speedup. --hog adds runs with one thread while
+another process streams memory on another core: a core that gets a share of the memory bandwidth, as
+each core of a many-core server does when all of them decode."""
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from corelm import _core  # noqa: E402
+from corelm.engine.model_builder import core_config  # noqa: E402
+from corelm.loader.spec import weight_shapes  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_quant import SPEC, time_prompt_and_steps  # noqa: E402
+
+
+def hog(stop):
+    """Streams 256 MB over and over on the last CPU this process may use (the benchmark keeps the first)."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    a = np.ones(32 << 20)
+    while not stop.is_set():
+        a.sum()
+
+
+class Hog:
+    def __enter__(self):
+        self.stop = mp.Event()
+        self.p = mp.Process(target=hog, args=(self.stop,), daemon=True)
+        self.p.start()
+        time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.p.join(5)
+
+
+def prune(w, s):
+    """w with the fraction s of each row's smallest magnitudes zeroed."""
+    if s <= 0:
+        return w
+    k = int(s * w.shape[1])
+    idx = np.argpartition(np.abs(w), k - 1, axis=1)[:, :k]
+    w = w.copy()
+    np.put_along_axis(w, idx, 0, axis=1)
+    return w
+
+
+def bf16_bytes(w):
+    """w rounded to bf16 (nearest even), as the little-endian bytes set_weight_raw takes."""
+    u = w.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7fff + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8).ravel()
+
+
+def runs_of(a):
+    """(label, weight type, sparsity, threads, hog) for every measurement."""
+    out = []
+    for t in map(int, a.threads.split(",")):
+        for hogged in ((False, True) if a.hog and t == 1 else (False,)):
+            out.append(("bf16", "bf16", 0.0, t, hogged))
+            out += [(f"sbf16@{s:g}", "sbf16", s, t, hogged) for s in map(float, a.sparsity.split(","))]
+    return out
+
+
+def report(runs, values, unit, better_low):
+    for r in runs:
+        med = float(np.median(values[r]))
+        base = float(np.median(values[("bf16", "bf16", 0.0, r[3], r[4])]))
+        ratio = base / med if better_low else med / base
+        print(f"{r[0]:10s} {r[3]}t{' +hog' if r[4] else '     '}  {med:8.2f} {unit}  x{ratio:.2f} vs bf16  "
+              f"(rounds: {', '.join(f'{v:.2f}' for v in values[r])})")
+
+
+def stream(a):
+    h, f = SPEC.hidden_size, SPEC.intermediate_size
+    kv = SPEC.num_kv_heads * SPEC.head_dim
+    shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]
+    runs = runs_of(a)
+    ms = {r: [] for r in runs}
+    table = _core.kernel_tables()[0] if a.table is None else a.table  # the best first
+    for rnd in range(a.rounds):
+        for r in runs if rnd % 2 == 0 else runs[::-1]:
+            with Hog() if r[4] else contextlib.nullcontext():
+                d = _core.testing.bench_gemv_stream(f"{table}_{r[1]}", shapes, SPEC.num_layers, 5, r[3], True,
+                                                    "int8", r[2])
+            ms[r].append(d["bytes"] / d["gemv_GBps"] / 1e6)
+    print(f"kernel table {table}: ms per pass over 24 layers of the model's matrices")
+    report(runs, ms, "ms", True)
+
+
+def decode(a):
+    runs = runs_of(a)
+    models = {}
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+               for name, shape in weight_shapes(SPEC).items()}
+    for r in runs:
+        key = (r[1], r[2], r[3])
+        if key in models:
+            continue
+        m = _core.Model(dict(core_config(SPEC, "bf16", r[3], 1024), pin_threads=False))
+        for name, w in weights.items():
+            if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == "bf16":
+                m.set_weight(name, w)
+            else:  # the matrix pruned, as dense bf16 bytes, which the core stores sparse
+                m.set_weight_raw(name, "SBF16", bf16_bytes(prune(w, r[2])), list(w.shape))
+        m.finalize()
+        models[key] = m
+    prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
+    tok_s = {r: [] for r in runs}
+    pre_s = {r: [] for r in runs}
+    for rnd in range(a.rounds):
+        for r in runs if rnd % 2 == 0 else runs[::-1]:
+            m = models[(r[1], r[2], r[3])]
+            with Hog() if r[4] else contextlib.nullcontext():
+                pre, step = time_prompt_and_steps(m, prompt, a.tokens)
+            pre_s[r].append(len(prompt) / pre)
+            tok_s[r].append(1 / step)
+    for r in runs:
+        m = models[(r[1], r[2], r[3])]
+        print(f"{r[0]:10s} {r[3]}t  {m.weight_bytes / 1e6:6.0f} MB of weights")
+    print("decode (tok/s):")
+    report(runs, tok_s, "tok/s", False)
+    print("prefill, 128-token prompt (tok/s):")
+    report(runs, pre_s, "tok/s", False)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--sparsity", default="0.5,0.7")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--hog", action="store_true", help="also 1 thread beside a memory-streaming process")
+    ap.add_argument("--stream", action="store_true", help="decode's weight stream alone")
+    ap.add_argument("--table", default=None, help="--stream: the kernel table (default: the best one)")
+    a = ap.parse_args()
+    return stream(a) if a.stream else decode(a)
+
+
+if __name__ == "__main__":
+    main()
