@@ -74,13 +74,17 @@ def runs_of(a):
     return out
 
 
-def report(runs, values, unit, better_low):
+def report(runs, values, unit, better_low, out=None):
+    """Prints each run's median and its ratio to dense bf16; with out (a dict), records them there too."""
     for r in runs:
         med = float(np.median(values[r]))
         base = float(np.median(values[("bf16", "bf16", 0.0, r[3], r[4])]))
         ratio = base / med if better_low else med / base
         print(f"{r[0]:10s} {r[3]}t{' +hog' if r[4] else '     '}  {med:8.2f} {unit}  x{ratio:.2f} vs bf16  "
               f"(rounds: {', '.join(f'{v:.2f}' for v in values[r])})")
+        if out is not None:
+            out.setdefault(unit, []).append({"weights": r[0], "threads": r[3], "hog": r[4], "median": med,
+                                             "vs_bf16": ratio, "rounds": values[r]})
 
 
 def stream(a):
@@ -97,7 +101,9 @@ def stream(a):
                                                     "int8", r[2])
             ms[r].append(d["bytes"] / d["gemv_GBps"] / 1e6)
     print(f"kernel table {table}: ms per pass over 24 layers of the model's matrices")
-    report(runs, ms, "ms", True)
+    out = {"mode": "stream", "table": table}
+    report(runs, ms, "ms", True, out)
+    return out
 
 
 def decode(a):
@@ -131,10 +137,12 @@ def decode(a):
     for r in runs:
         m = models[(r[1], r[2], r[3])]
         print(f"{r[0]:10s} {r[3]}t  {m.weight_bytes / 1e6:6.0f} MB of weights")
+    out = {"mode": "decode", "weight_bytes": {r[0]: models[(r[1], r[2], r[3])].weight_bytes for r in runs}}
     print("decode (tok/s):")
-    report(runs, tok_s, "tok/s", False)
+    report(runs, tok_s, "decode tok/s", False, out)
     print("prefill, 128-token prompt (tok/s):")
-    report(runs, pre_s, "tok/s", False)
+    report(runs, pre_s, "prefill tok/s", False, out)
+    return out
 
 
 def main():
@@ -146,8 +154,17 @@ def main():
     ap.add_argument("--hog", action="store_true", help="also 1 thread beside a memory-streaming process")
     ap.add_argument("--stream", action="store_true", help="decode's weight stream alone")
     ap.add_argument("--table", default=None, help="--stream: the kernel table (default: the best one)")
+    ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
-    return stream(a) if a.stream else decode(a)
+    res = stream(a) if a.stream else decode(a)
+    if a.out:
+        import json
+        import subprocess
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        res.update(commit=commit, args=vars(a), cpu=_core.cpu_info().get("brand", ""))
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
