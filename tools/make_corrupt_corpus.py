@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Write tests/data/corrupt/: hostile GGUF and safetensors files, and model folders each broken in one
-field, each named after what is wrong with it.
+field, each named after what is wrong with it. The corelm folders with sparse matrices are written by
+corelm's own convert (tiny_sparse_corelm_folder) and then edited.
 
     python tools/make_corrupt_corpus.py            # (re)writes tests/data/corrupt/
     python tools/make_corrupt_corpus.py --out DIR  # somewhere else
@@ -591,6 +592,70 @@ def folder_cases() -> List[FolderCase]:
     ]
 
 
+def tiny_sparse_corelm_folder() -> Dict[str, bytes]:
+    """file name -> bytes of the tiny HF model converted by corelm itself to a corelm folder whose layer
+    matrices are pruned to 50% and stored sparse (sbf16), its source path made relative so that the bytes
+    do not depend on where the conversion ran."""
+    import tempfile
+    import zlib
+    from corelm.convert import convert
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "valid_tiny_hf")
+        os.makedirs(src)
+        for fname, data in tiny_hf_folder().items():
+            with open(os.path.join(src, fname), "wb") as f:
+                f.write(data)
+        convert(src, os.path.join(tmp, "out"), weights="bf16", sparsity=0.5, prune="magnitude")
+        files = {}
+        for fname in sorted(os.listdir(os.path.join(tmp, "out"))):
+            with open(os.path.join(tmp, "out", fname), "rb") as f:
+                files[fname] = f.read()
+    path = json.dumps(src).encode()
+    files["config.json"] = files["config.json"].replace(path, b'"valid_tiny_hf"')
+    w = bytearray(files["weights.corelm"])  # the header (CRC-checked) names the source too: same length
+    h = struct.unpack_from("<Q", w, 16)[0]
+    header = bytes(w[32:32 + h]).replace(path, b'"valid_tiny_hf"')
+    header += b" " * (h - len(header))
+    w[32:32 + h] = header
+    struct.pack_into("<I", w, 24, zlib.crc32(bytes(w[:24]) + header) & 0xffffffff)
+    files["weights.corelm"] = bytes(w)
+    return files
+
+
+def _sparse_tensor_edit(files: Dict[str, bytes], name: str, edit) -> Dict[str, bytes]:
+    """files with edit(bytearray of tensor `name`'s bytes) applied to its data in weights.corelm."""
+    w = bytearray(files["weights.corelm"])
+    h = struct.unpack_from("<Q", w, 16)[0]
+    entry = next(t for t in json.loads(bytes(w[32:32 + h]))["tensors"] if t["name"] == name)
+    start = (32 + h + 63) // 64 * 64 + entry["offset"]
+    data = bytearray(w[start:start + entry["nbytes"]])
+    edit(data)
+    w[start:start + entry["nbytes"]] = data
+    return dict(files, **{"weights.corelm": bytes(w)})
+
+
+def _mask_word_edit(change):
+    """An edit of a sparse tensor's bytes: row 0's first bitmap word replaced by change(word)."""
+    def edit(data):
+        data[0:4] = struct.pack("<I", change(struct.unpack_from("<I", data, 0)[0]))
+    return edit
+
+
+def sparse_folder_cases() -> List[FolderCase]:
+    """A corelm folder with sparse (sbf16) matrices: valid, and with a bitmap marking one non-zero more or
+    one fewer than the values the tensor holds."""
+    good = tiny_sparse_corelm_folder()
+    one_more = _mask_word_edit(lambda w: w | (~w & (w + 1)))   # the lowest clear bit set
+    one_fewer = _mask_word_edit(lambda w: w & (w - 1))         # the lowest set bit cleared
+    return [
+        FolderCase("valid_corelm_sparse", good, None),
+        FolderCase("corelm_sparse_bitmap_one_more_than_values", _sparse_tensor_edit(good, "layers.0.wq", one_more),
+                   "marks 513 non-zeros, the tensor holds 512 values"),
+        FolderCase("corelm_sparse_bitmap_one_fewer_than_values", _sparse_tensor_edit(good, "layers.0.wq", one_fewer),
+                   "marks 511 non-zeros, the tensor holds 512 values"),
+    ]
+
+
 def write_corpus(out: str) -> List[str]:
     os.makedirs(out, exist_ok=True)
     names = []
@@ -599,7 +664,7 @@ def write_corpus(out: str) -> List[str]:
         with open(os.path.join(out, case.name), "wb") as f:
             f.write(case.data)
         names.append(case.name)
-    for fc in folder_cases():
+    for fc in folder_cases() + sparse_folder_cases():
         d = os.path.join(out, fc.name)
         os.makedirs(d, exist_ok=True)
         for stale in set(os.listdir(d)) - set(fc.files):
