@@ -111,6 +111,7 @@ def four_bit_reference(src, weights):
             return "Q4_0", quantize_q4_0(w), w.shape
         return "Q4_1", quantize_q4_1_search(w, importance[name]), w.shape
     m.get_raw_weight = raw
+    m.raw_weight_type = None    # what each matrix is handed as: ask the getter above, not the source's header
     return m
 
 

@@ -179,7 +179,7 @@ def test_option_names_are_canonical():
                      "kv_type": ["fp32", "bf16", "int8"],
                      "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
                      "numa": ["default", "distribute", "isolate"],
-                     "gguf_raw": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16"],
+                     "raw_weight": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "BF16"],
                      "activation": ["silu", "gelu_tanh"]}
     # agreement with corelm.options: tests/test_options.py
     x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)

@@ -282,6 +282,36 @@ def test_bf16_and_f16_weights_are_converted(tmp_path):
     np.testing.assert_allclose(w, st.get("model.norm.weight"), rtol=1e-2)
 
 
+def test_bf16_matrices_are_packed_as_stored(tmp_path):
+    """Under dtype bf16, a BF16 checkpoint's matrices reach the engine as their stored rows (no float copy
+    of a matrix at load) and compute exactly what the float path computes; other dtypes convert them."""
+    from conftest import core_forward
+    from corelm.engine.model_builder import build_core_model
+    src = _stories_dir()
+    st = SafetensorsFile(os.path.join(src, "model.safetensors"))
+    d = tmp_path / "m"
+    copy_model(src, d)
+    (d / "model.safetensors").write_bytes(tool.safetensors_from_arrays(
+        {n: ("BF16", list(st.get(n).shape), tool.bf16_bytes(st.get(n))) for n in st.keys()}))
+    m = load_model(str(d))
+    raw = m.get_raw_weight("layers.1.wq")
+    assert raw[0] == "BF16" and raw[1].dtype == np.uint8 and tuple(raw[2]) == m.get_weight("layers.1.wq").shape
+    assert m.raw_weight_type("norm") is None and m.get_raw_weight("layers.1.attn_norm") is None
+    ids = np.array([1, 5, 9, 33, 2, 7], np.int32)
+    handed = []
+    get_raw = m.get_raw_weight
+    m.get_raw_weight = lambda n: handed.append(n) or get_raw(n)
+    a = core_forward(build_core_model(m, dtype="bf16", threads=1), ids, 0, True)
+    assert "layers.0.w_down" in handed and "tok_embeddings" in handed
+    floats = load_model(str(d))
+    floats.get_raw_weight = floats.raw_weight_type = None      # every matrix through get_weight (fp32)
+    b = core_forward(build_core_model(floats, dtype="bf16", threads=1), ids, 0, True)
+    assert np.array_equal(a, b)
+    handed.clear()
+    core_forward(build_core_model(m, dtype="q8_0", threads=1), ids, 0, True)
+    assert not handed
+
+
 # ---------------------------------------------------------------------------------------------------
 # Chat templates.
 

@@ -21,7 +21,7 @@ STORIES = os.path.join(MODELS, "stories260K")
 def test_core_name_tables_agree():
     names = _core.option_names()
     assert sorted(names["weight_type"]) == sorted(f.core for f in WEIGHT_FORMATS.values())
-    assert sorted(names["gguf_raw"]) == sorted(f.raw for f in WEIGHT_FORMATS.values() if f.raw)
+    assert sorted(names["raw_weight"]) == sorted(f.raw for f in WEIGHT_FORMATS.values() if f.raw)
     assert sorted(names["kv_type"]) == sorted(v for v in CHOICES["kv_cache_dtype"].values if v != "auto")
     assert sorted(names["activations"]) == sorted(v for v in CHOICES["activations"].values if v != "auto")
     assert sorted(names["schedule"]) == sorted(CHOICES["schedule"].values)

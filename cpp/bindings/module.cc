@@ -123,7 +123,7 @@ PYBIND11_MODULE(_core, m) {
     }
     return out;
   }, py::arg("ggml_type"), py::arg("raw"), py::arg("numel"),
-     "numel weights of raw GGUF blocks of a type the kernels take (option_names()['gguf_raw']) as float32, "
+     "numel weights of raw GGUF blocks of a type the kernels take (option_names()['raw_weight']) as float32, "
      "bit for bit as gguf.quants dequantizes them.");
   m.def("option_names", [] {
     py::dict d;
@@ -132,7 +132,7 @@ PYBIND11_MODULE(_core, m) {
     d["activations"] = names_of(kActTypeNames);
     d["schedule"] = names_of(kScheduleNames);
     d["numa"] = names_of(kNumaPolicyNames);
-    d["gguf_raw"] = names_of(quant::kGgufRawNames);
+    d["raw_weight"] = names_of(quant::kGgufRawNames);
     d["activation"] = names_of(kActivationNames);
     return d;
   }, "The canonical name of every option the core takes by string (its C++ name tables), so the Python "
@@ -150,7 +150,7 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.set_weight_raw(name, quant::type_of_ggml(ggml_type), raw.data(), (size_t)raw.size(), shape);
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
-         "Takes a matrix as raw GGUF blocks (uint8; option_names()['gguf_raw']): Q8_0/Q4_0/Q4_1 repacked, the others multiplied as stored, never dequantized.")
+         "Takes a matrix in a stored form (uint8; option_names()['raw_weight']): GGUF blocks (Q8_0/Q4_0/Q4_1 repacked, the others multiplied as stored, never dequantized), or bf16 rows (BF16; SBF16, stored sparse).")
       .def("finalize", [](PyModel& self) { self.model.finalize(); })
       .def("park_threads", [](PyModel& self) { self.model.park_threads(); },
            "The worker threads sleep at once instead of spinning for the next forward: call it before "

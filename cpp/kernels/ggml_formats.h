@@ -28,13 +28,14 @@ namespace corelm {
 namespace quant {
 
 // Every raw type a table takes (pack_raw): GGUF block types by ggml's names (Q8_0/Q4_0/Q4_1 are
-// repacked as Q8/Q4/Q4M, the others kept as stored), and SBF16 as dense bf16 rows, which the packer
-// makes sparse.
+// repacked as Q8/Q4/Q4M, the others kept as stored), BF16 rows (packed with no float round trip) and
+// SBF16 as dense bf16 rows, which the packer makes sparse.
 inline constexpr EnumName<WeightType> kGgufRawNames[] = {
     {WeightType::Q8, "Q8_0"},     {WeightType::Q4, "Q4_0"},     {WeightType::Q4M, "Q4_1"},
     {WeightType::Q5_0, "Q5_0"},   {WeightType::Q5_1, "Q5_1"},   {WeightType::Q2_K, "Q2_K"},
     {WeightType::Q3_K, "Q3_K"},   {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
-    {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}, {WeightType::SBF16, "SBF16"}};
+    {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}, {WeightType::SBF16, "SBF16"},
+    {WeightType::BF16, "BF16"}};
 
 inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
 
@@ -43,14 +44,18 @@ namespace {
 // The types multiplied straight from their GGUF blocks.
 inline bool is_ggml_block(WeightType t) { return (int)t >= (int)WeightType::Q5_0 && (int)t <= (int)WeightType::IQ4_XS; }
 inline bool is_raw_type(WeightType t) { return is_quant(t) || is_ggml_block(t) || sparse::is_sparse(t); }
+// Raw bf16 rows: SBF16's, and BF16 matrices taken without a float round trip (not a packing type of
+// the quantized code, so not is_raw_type).
+inline bool is_bf16_rows(WeightType t) { return t == WeightType::BF16 || sparse::is_sparse(t); }
 
 // Weights per block along a row (a K-quant's super-block is 256) and bytes per block.
 inline int64_t ggml_block_elems(WeightType t) {
-  if (sparse::is_sparse(t)) return 1;
+  if (is_bf16_rows(t)) return 1;
   return is_ggml_block(t) && t != WeightType::Q5_0 && t != WeightType::Q5_1 && t != WeightType::IQ4_NL ? 256 : 32;
 }
 inline size_t ggml_type_block_bytes(WeightType t) {
   switch (t) {
+    case WeightType::BF16:
     case WeightType::SBF16: return 2;  // a dense bf16 weight
     case WeightType::Q5_0: return 22;
     case WeightType::Q5_1: return 24;
@@ -227,7 +232,7 @@ inline void require_packable(WeightType t) {
 
 // Raw GGUF blocks of any raw type, rows x cols, to fp32 row-major (for fusing matrices of different types).
 inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int64_t cols, float* out) {
-  if (sparse::is_sparse(t)) {
+  if (is_bf16_rows(t)) {
     for (int64_t i = 0; i < rows * cols; i++) {
       const uint32_t u = (uint32_t)(raw[2 * i] | raw[2 * i + 1] << 8) << 16;
       std::memcpy(out + i, &u, 4);
@@ -251,7 +256,7 @@ inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int6
 
 // Validates a raw buffer of type t for rows x cols: whole blocks per row and the exact byte count.
 inline void check_raw(WeightType t, size_t nbytes, int64_t rows, int64_t cols) {
-  if (!is_raw_type(t)) throw std::invalid_argument("not a raw GGUF block type");
+  if (!is_raw_type(t) && !is_bf16_rows(t)) throw std::invalid_argument("not a raw weight type");
   const int64_t be = ggml_block_elems(t);
   if (cols % be != 0)
     throw std::invalid_argument("raw " + std::string(weight_type_name(t)) + " rows must have a multiple of " +

@@ -196,7 +196,8 @@ void Model::raw_partners_to_f32(const WeightName& w) {
 void Model::set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
                            const std::vector<int64_t>& shape) {
   require(!ready_, "weights can't change after finalize()");
-  require(quant::is_raw_type(type), "raw weights must be GGUF blocks of a type the kernels take");
+  require(quant::is_raw_type(type) || quant::is_bf16_rows(type),
+          "raw weights must be GGUF blocks or bf16 rows of a type the kernels take");
   require(shape.size() == 2, "raw weight " + name + " must be a matrix");
   quant::check_raw(type, nbytes, shape[0], shape[1]);
   const WeightName w = parse_weight_name(name, cfg_.n_layers, cfg_.n_experts);
@@ -208,6 +209,8 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
     quant::dequantize_ggml(type, raw, shape[0], shape[1], v.data());
     set_weight(name, v.data(), shape);
   };
+  // bf16 rows for a model whose matrices are not bf16: converted as float weights are
+  if (type == WeightType::BF16 && cfg_.weight_type != WeightType::BF16) return as_f32();
   const std::string& part = w.part;
   const bool model_matrix = w.layer < 0 && (part == "tok_embeddings" || part == "lm_head");
   if (model_matrix || (w.layer >= 0 && (part == "wo" || part == "w_down"))) {  // packed as they come

@@ -32,7 +32,7 @@ class WeightFormat:
     @property
     def raw(self) -> Optional[str]:
         """The name `Model.set_weight_raw` takes this format's matrices under (`_core.option_names()
-        ["gguf_raw"]`): the GGUF block type, or for sbf16 "SBF16" (dense bf16 bytes the core stores sparse)."""
+        ["raw_weight"]`): the GGUF block type, or "BF16" / "SBF16" for bf16 rows (the latter stored sparse)."""
         return self.raw_name or self.gguf
 
     @property
@@ -43,7 +43,8 @@ class WeightFormat:
 
 WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp32", ("f32", "float32"), "fp32", "f32", None, 1, 4, "32-bit floats"),
-    WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, 1, 2, "bfloat16 (half the bytes of fp32)"),
+    WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, 1, 2, "bfloat16 (half the bytes of fp32)",
+                 raw_name="BF16"),
     WeightFormat("sbf16", ("sparse_bf16", "bf16_sparse"), "sbf16", "sbf16", None, 1, 2,
                  "unstructured-sparse bfloat16: a bitmap of the non-zeros and their values (SparAMX); zeros "
                  "cost 1 bit", sparse=True, raw_name="SBF16"),

@@ -80,6 +80,16 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
   if (head_end < n1) gemm<Native>(x, m, ldx, a, y, ldy, head_end, n1);
 }
 
+// bf16 rows into tiles through one fp32 copy of the matrix (the tile packer takes floats); every other
+// raw type is the base table's.
+template <bool Native>
+PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (type != WeightType::BF16) return base_table()->pack_raw(type, raw, rows, cols, par);
+  std::vector<float> f((size_t)rows * cols);
+  for (size_t i = 0; i < f.size(); i++) f[i] = bf16_to_f32((uint16_t)(raw[2 * i] | raw[2 * i + 1] << 8));
+  return pack<Native>(f.data(), rows, cols, type, par);
+}
+
 template <bool Native>
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   if (w.type != WeightType::BF16) return base_table()->row_to_f32(w, row, out);
@@ -94,6 +104,7 @@ const KernelTable* table() {
     KernelTable k = *base_table();
     k.name = Native ? "amx" : "amx_emulated";
     k.pack = pack<Native>;
+    k.pack_raw = pack_raw<Native>;
     k.matmul = matmul<Native>;
     k.row_to_f32 = row_to_f32<Native>;
     k.row_exact = nullptr;  // the base table cannot read the AMX layout

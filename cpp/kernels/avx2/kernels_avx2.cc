@@ -56,9 +56,10 @@ struct Scratch {
   }
 };
 
-PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
-  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx2Kernels);
-  if (quant::is_raw_type(type)) return quant::avx2_pack(src, rows, cols, type, par);
+// The fp32/bf16 panel layout from value(r, c) (a float, or bf16 bits for bf16 rows), panels split over
+// par's threads.
+template <class Value>
+PackedMatrix pack_dense(int64_t rows, int64_t cols, WeightType type, const ParallelFor* par, Value value) {
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -68,20 +69,39 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   m.nbytes = (size_t)round_up(rows, kPanel) * cols * (bf16 ? 2 : 4);
   m.packed_by = &kAvx2Kernels;
   m.storage = aligned_buffer(m.nbytes);  // zeroed
-  for (int64_t r0 = 0; r0 < rows; r0 += kPanel) {
-    const int64_t nr = std::min(kPanel, rows - r0);
-    const size_t panel = (size_t)r0 * cols;  // the panel's first element
-    // 16 row streams at once, each read in order; the panel is written in order
-    for (int64_t k = 0; k < cols; k++)
-      for (int64_t c = 0; c < nr; c++) {
-        const float v = src[(size_t)(r0 + c) * cols + k];
-        if (bf16)
-          static_cast<uint16_t*>(m.storage.get())[panel + k * kPanel + (c % 8) * 2 + c / 8] = f32_to_bf16(v);
-        else
-          static_cast<float*>(m.storage.get())[panel + k * kPanel + c] = v;
-      }
-  }
+  auto fill = [&](int64_t p0, int64_t p1) {
+    for (int64_t r0 = p0 * kPanel; r0 < std::min(rows, p1 * kPanel); r0 += kPanel) {
+      const int64_t nr = std::min(kPanel, rows - r0);
+      const size_t panel = (size_t)r0 * cols;  // the panel's first element
+      // 16 row streams at once, each read in order; the panel is written in order
+      for (int64_t k = 0; k < cols; k++)
+        for (int64_t c = 0; c < nr; c++) {
+          const auto v = value(r0 + c, k);
+          if constexpr (std::is_same_v<decltype(v), const uint16_t>)
+            static_cast<uint16_t*>(m.storage.get())[panel + k * kPanel + (c % 8) * 2 + c / 8] = v;
+          else if (bf16)
+            static_cast<uint16_t*>(m.storage.get())[panel + k * kPanel + (c % 8) * 2 + c / 8] = f32_to_bf16(v);
+          else
+            static_cast<float*>(m.storage.get())[panel + k * kPanel + c] = v;
+        }
+    }
+  };
+  const int64_t panels = (rows + kPanel - 1) / kPanel;
+  if (par && *par) (*par)(panels, fill);
+  else fill(0, panels);
   return m;
+}
+
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx2Kernels);
+  if (quant::is_raw_type(type)) return quant::avx2_pack(src, rows, cols, type, par);
+  return pack_dense(rows, cols, type, par, [&](int64_t r, int64_t c) { return src[(size_t)r * cols + c]; });
+}
+
+PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (type != WeightType::BF16) return quant::avx2_pack_raw(type, raw, rows, cols, par);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(raw);
+  return pack_dense(rows, cols, type, par, [&](int64_t r, int64_t c) { return bits[(size_t)r * cols + c]; });
 }
 
 // A panel row (16 weights) as fp32 columns 0..7 and 8..15.
@@ -570,7 +590,7 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
 
 // row_grain 32: the quantized layout's super-group
 const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores, kv_accum, softmax,
-                                  row_to_f32, quant::avx2_pack_raw, quant::avx2_quant_act_bytes,
+                                  row_to_f32, pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};
 
 }  // namespace corelm

@@ -37,9 +37,10 @@ constexpr int64_t kSmallBatch = kRowExactRows;  // up to this many rows of x, st
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
-  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx512Kernels);
-  if (quant::is_raw_type(type)) return quant::avx512_pack(src, rows, cols, type, par);
+// The fp32/bf16 layout from value(r, c) (a float, or bf16 bits for bf16 rows), rows split by groups
+// over par's threads.
+template <class Value>
+PackedMatrix pack_dense(int64_t rows, int64_t cols, WeightType type, const ParallelFor* par, Value value) {
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
@@ -51,16 +52,35 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   m.packed_by = &kAvx512Kernels;
   m.storage = aligned_buffer(m.nbytes);  // zeroed
   const int64_t nchunks = m.ld / kChunk;
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t c = 0; c < cols; c++) {
-      size_t i = ((size_t)(r / kGroup) * nchunks + c / kChunk) * kGroup * kChunk + (r % kGroup) * kChunk + c % kChunk;
-      float v = src[(size_t)r * cols + c];
-      if (type == WeightType::BF16)
-        static_cast<uint16_t*>(m.storage.get())[i] = f32_to_bf16(v);
-      else
-        static_cast<float*>(m.storage.get())[i] = v;
-    }
+  auto fill = [&](int64_t g0, int64_t g1) {
+    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++)
+      for (int64_t c = 0; c < cols; c++) {
+        const size_t i = ((size_t)(r / kGroup) * nchunks + c / kChunk) * kGroup * kChunk + (r % kGroup) * kChunk + c % kChunk;
+        const auto v = value(r, c);
+        if constexpr (std::is_same_v<decltype(v), const uint16_t>)
+          static_cast<uint16_t*>(m.storage.get())[i] = v;
+        else if (type == WeightType::BF16)
+          static_cast<uint16_t*>(m.storage.get())[i] = f32_to_bf16(v);
+        else
+          static_cast<float*>(m.storage.get())[i] = v;
+      }
+  };
+  const int64_t groups = prow / kGroup;
+  if (par && *par) (*par)(groups, fill);
+  else fill(0, groups);
   return m;
+}
+
+PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse(type)) return sparse::pack(src, rows, cols, type, par, &kAvx512Kernels);
+  if (quant::is_raw_type(type)) return quant::avx512_pack(src, rows, cols, type, par);
+  return pack_dense(rows, cols, type, par, [&](int64_t r, int64_t c) { return src[(size_t)r * cols + c]; });
+}
+
+PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (type != WeightType::BF16) return quant::avx512_pack_raw(type, raw, rows, cols, par);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(raw);
+  return pack_dense(rows, cols, type, par, [&](int64_t r, int64_t c) { return bits[(size_t)r * cols + c]; });
 }
 
 // 16 weights as fp32: bf16 is the top half of an fp32, so widening is a zero-extend and a shift.
@@ -423,11 +443,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 }  // namespace
 
 const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                    kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
+                                    kv_accum, softmax, row_to_f32, pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
 const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                        kv_accum, softmax, row_to_f32, quant::avx512_pack_raw,
+                                        kv_accum, softmax, row_to_f32, pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant, &kAvx512Kernels};
 

@@ -31,6 +31,20 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   return m;
 }
 
+PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
+  if (type != WeightType::BF16) return quant::scalar_pack_raw(type, raw, rows, cols, par);
+  PackedMatrix m;  // bf16 rows are the layout
+  m.type = type;
+  m.rows = rows;
+  m.cols = cols;
+  m.ld = cols;
+  m.nbytes = (size_t)rows * cols * 2;
+  m.packed_by = &kScalarKernels;
+  m.storage = aligned_buffer(m.nbytes);
+  std::memcpy(m.storage.get(), raw, m.nbytes);
+  return m;
+}
+
 inline float weight_at(const PackedMatrix& w, int64_t row, int64_t col) {
   size_t i = (size_t)row * w.ld + col;
   if (w.type == WeightType::BF16) return bf16_to_f32(static_cast<const uint16_t*>(w.data())[i]);
@@ -126,7 +140,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 }  // namespace
 
 const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                    kv_accum, softmax, row_to_f32, quant::scalar_pack_raw,
+                                    kv_accum, softmax, row_to_f32, pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};
 

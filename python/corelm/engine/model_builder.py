@@ -6,7 +6,7 @@ import collections
 import logging
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -184,6 +184,12 @@ def default_max_seq_len(spec) -> int:
     return min(int(spec.max_position_embeddings or 2048), 4096)
 
 
+def keep_as_stored(dtype: str) -> Tuple[str, ...]:
+    """The stored formats loading keeps as they are under this (canonical) dtype: KEEP_AS_STORED's, and
+    bf16 matrices wherever the matrices are bf16 (their rows packed with no float copy)."""
+    return KEEP_AS_STORED.get(dtype, ()) + (("bf16",) if resolve_dtype(dtype) == "bf16" else ())
+
+
 def _kept_blocks(loaded: LoadedModel, name: str, keep_raw):
     """(raw, its format) when the weight's stored form (GGUF blocks, sparse bf16) is kept under this dtype,
     else None."""
@@ -217,7 +223,7 @@ def planned_storage(loaded: LoadedModel, dtype: str = "auto") -> str:
     without building or reading weights: e.g. "q4_1+q8_0" for a GGUF whose blocks are kept, "bf16" for
     an HF model."""
     dtype = choose("dtype", dtype)
-    keep_raw = KEEP_AS_STORED.get(dtype, ())
+    keep_raw = keep_as_stored(dtype)
     dense = format_of_core(resolve_dtype(dtype)).name
     stored = collections.Counter()
     for name in _matrices(loaded.spec):
@@ -240,7 +246,7 @@ def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> st
     dtype = choose("dtype", dtype)
     if resolve_dtype(dtype) != "fp32":
         return "bf16"
-    keep_raw = KEEP_AS_STORED.get(dtype, ())
+    keep_raw = keep_as_stored(dtype)
     quantized = keep_raw and any(_kept_format(loaded, name, keep_raw) for name in _matrices(loaded.spec))
     return "bf16" if quantized else "fp32"
 
@@ -281,7 +287,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if progress:
         from tqdm import tqdm
         names = tqdm(names, desc="loading weights", unit="tensor", leave=False)
-    keep_raw = KEEP_AS_STORED.get(dtype, ())
+    keep_raw = keep_as_stored(dtype)
     stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
         kept = _kept_blocks(loaded, name, keep_raw)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsCollection, open_safetensors_folder
 from .families import HF_CLASSES, SUPPORTED_ARCHS, Family, expert_tensor, family
-from .spec import LoadedModel, ModelLoadError, ModelSpec, check_finite, weight_shapes
+from .spec import LoadedModel, ModelLoadError, ModelSpec, check_finite, check_finite_blocks, kept_float, weight_shapes
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt")
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -590,8 +590,10 @@ def load_hf_folder(folder: str) -> LoadedModel:
     shapes = {n: source_shape(tensors.info(src[0]).shape, src) for n, src in names.items()}
     check_experts(spec, shapes, experts_key, folder)
     check_weight_shapes(spec, shapes, folder, dict(SIZE_KEYS["hf"], ffn=family(spec.arch).ffn_keys[0]))
+    raw_weight_type, get_raw_weight = _hf_raw_getters(tensors, names, folder)
     return LoadedModel(
-        spec=spec, get_weight=_hf_getter(spec, tensors, names, folder),
+        spec=spec, get_weight=_hf_getter(spec, tensors, names, folder), get_raw_weight=get_raw_weight,
+        raw_weight_type=raw_weight_type,
         release_weight=lambda n: tensors.release(*names.get(n, ("", 0, -1))),
         tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=_hf_chat_template(folder), generation_config=generation_config, source=folder,
@@ -737,6 +739,25 @@ def _hf_getter(spec: ModelSpec, tensors: SafetensorsCollection, names: Dict[str,
             w = w + np.float32(1)   # Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers
         return check_finite(w, folder, hf)
     return get_weight
+
+
+def _hf_raw_getters(tensors: SafetensorsCollection, names: Dict[str, Source], folder: str):
+    """(raw_weight_type, get_raw_weight) for the stored bf16 matrices: their rows as the file has them
+    (set_weight_raw "BF16"), packed with no float copy of the matrix."""
+    def raw_weight_type(name: str) -> Optional[str]:
+        src = names.get(name)
+        if src is None or kept_float(name):
+            return None
+        info = tensors.info(src[0])
+        return "BF16" if info.dtype == "BF16" and len(source_shape(info.shape, src)) == 2 else None
+
+    def get_raw_weight(name: str):
+        if raw_weight_type(name) is None:
+            return None
+        raw = tensors.raw_bf16(*names[name])
+        check_finite_blocks("BF16", raw, folder, names[name][0])
+        return "BF16", raw, source_shape(tensors.info(names[name][0]).shape, names[name])
+    return raw_weight_type, get_raw_weight
 
 
 def _hf_chat_template(folder: str) -> Optional[str]:

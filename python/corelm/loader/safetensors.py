@@ -91,6 +91,16 @@ class SafetensorsFile:
                 out = out.astype(np.float32)
         return out.reshape(shape)
 
+    def raw_bf16(self, name: str, r0: int = 0, r1: int = -1) -> Optional[np.ndarray]:
+        """A BF16 tensor's stored bytes (rows [r0, r1) with r1 >= 0) as a read-only uint8 view of the
+        mapping, [rows, 2 * cols]; None for any other dtype."""
+        info = self.tensors.get(name)
+        if info is None or info.dtype != "BF16":
+            return None
+        start, count, shape = row_range(info.shape, info.end - info.begin, r0, r1)
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=count, offset=self.data_offset + info.begin + start)
+        return raw.reshape(-1, 2 * shape[-1])
+
     def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         info = self.tensors.get(name)
         if info is not None:
@@ -257,6 +267,10 @@ class SafetensorsCollection:
         if f is None:
             raise ModelLoadError(f"no tensor named {name!r} in {', '.join(x.path for x in self.files)}")
         return f.get(name, r0, r1)
+
+    def raw_bf16(self, name: str, r0: int = 0, r1: int = -1) -> Optional[np.ndarray]:
+        f = self._where.get(name)
+        return None if f is None else f.raw_bf16(name, r0, r1)
 
     def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         f = self._where.get(name)

@@ -199,10 +199,12 @@ def check_finite(w: np.ndarray, source: str, name: str) -> np.ndarray:
 
 
 def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str) -> None:
-    """Warns when a quantized tensor's fp16 block scales (or minimums), or a sparse tensor's bf16 values,
-    hold NaN or Inf."""
-    if type_name == "SBF16":    # dense bf16 rows: exponent all ones
-        _warn_nonfinite(source, name, int(np.count_nonzero((raw.view("<u2") & 0x7F80) == 0x7F80)))
+    """Warns when a quantized tensor's fp16 block scales (or minimums), or bf16 rows (dense or a sparse
+    tensor's), hold NaN or Inf."""
+    if type_name in ("BF16", "SBF16"):    # bf16 rows: exponent all ones, counted a slice at a time
+        bits, step = raw.reshape(-1).view("<u2"), 1 << 20
+        _warn_nonfinite(source, name, sum(int(np.count_nonzero((bits[i:i + step] & 0x7F80) == 0x7F80))
+                                          for i in range(0, bits.size, step)))
         return
     layout = _BLOCK_F16_FIELDS.get(type_name)
     if layout is None or raw.size == 0 or raw.size % layout[0]:
