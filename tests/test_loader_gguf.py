@@ -257,6 +257,8 @@ def gguf_from_hf(folder, out, *, arch, quant="F32", extra_tensors=(), extra_meta
         ne = list(reversed(w.shape))
         if quant == "Q8_0" and w.ndim == 2 and gname != "token_embd.weight":
             tensors.append((gname, ne, tool.Q8_0, _quantize_q8_0(w)))
+        elif quant == "BF16" and w.ndim == 2:
+            tensors.append((gname, ne, tool.BF16, tool.bf16_bytes(w)))
         else:
             tensors.append((gname, ne, tool.F32, tool.f32_bytes(w)))
     tensors += list(extra_tensors)
@@ -291,6 +293,29 @@ def test_gguf_written_from_hf_loads_the_same_model(tmp_path, model, arch):
     assert gg.tokenizer[0] == "gguf"
     for name in weight_shapes(s_hf):
         np.testing.assert_array_equal(gg.get_weight(name), hf.get_weight(name), err_msg=name)
+
+
+@pytest.mark.parametrize("model,arch", [("tiny-mistral", "llama"), ("tiny-qwen2", "qwen2")])
+def test_bf16_matrices_are_packed_as_stored(tmp_path, model, arch):
+    """Under dtype bf16, a GGUF's BF16 matrices reach the engine as their rows (llama's q/k un-permuted
+    as whole rows), no float copy made, and compute exactly what the float path computes."""
+    from conftest import core_forward
+    from corelm.engine.model_builder import build_core_model
+    folder = os.path.join(MODELS, model)
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        pytest.skip(f"{model} test model not present")
+    path = gguf_from_hf(folder, tmp_path / "m.gguf", arch=arch, quant="BF16")
+    m = load_model(path)
+    assert m.raw_weight_type("layers.0.wq") == "BF16" and m.raw_weight_type("norm") is None
+    kind, raw, shape = m.get_raw_weight("layers.0.wk")
+    bits = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(bits.reshape(shape), m.get_weight("layers.0.wk"))
+    ids = np.array([1, 5, 9, 33, 2, 7], np.int32)
+    a = core_forward(build_core_model(m, dtype="bf16", threads=1), ids, 0, True)
+    floats = load_model(path)
+    floats.get_raw_weight = floats.raw_weight_type = None
+    b = core_forward(build_core_model(floats, dtype="bf16", threads=1), ids, 0, True)
+    assert np.array_equal(a, b)
 
 
 def test_q8_0_model_and_description(tmp_path):

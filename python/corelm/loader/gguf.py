@@ -709,10 +709,12 @@ def _gguf_getter(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
 
 # Block types the engine takes as they are stored (the quantized weight formats in corelm.options).
 RAW_GGML_TYPES = tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
+# ... and bf16 rows, which it takes as stored where its matrices are bf16 (set_weight_raw "BF16").
+RAW_ROW_TYPES = RAW_GGML_TYPES + ("BF16",)
 
 
 def _gguf_raw_getters(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]]):
-    """get_raw_weight: (type name, uint8 blocks [rows, row_bytes], shape) of a quantized matrix, None otherwise
+    """get_raw_weight: (type name, uint8 blocks [rows, row_bytes], shape) of a quantized or bf16 matrix, None otherwise
     (and for the matrices the engine keeps in fp32); raw_weight_type: that type name alone. Llama q/k rows
     are un-permuted as whole rows of blocks (the permutation only moves rows); a fused tensor's part, or a
     stacked tensor's expert, is its rows."""
@@ -722,7 +724,7 @@ def _gguf_raw_getters(g: GGUFFile, spec, names: Dict[str, Tuple[str, int, int]])
     def source(name: str):
         t, r0, r1 = names.get(name, ("", 0, -1))
         info = g.tensors.get(t)
-        if info is None or kept_float(name) or info.type_name not in RAW_GGML_TYPES or \
+        if info is None or kept_float(name) or info.type_name not in RAW_ROW_TYPES or \
                 (r1 < 0 and len(info.shape) != 2):
             return None
         return t, info, r0, r1
