@@ -38,11 +38,13 @@ struct ExpandTable {
 };
 const ExpandTable kExpand;
 
-// 8 weights (bits `b` of a mask) expanded from v as fp32.
-inline __m256 expand8(uint32_t b, const uint16_t* v) {
+// 8 weights (bits `b` of a mask) expanded from v: as bf16, and as fp32.
+inline __m128i expand8_bits(uint32_t b, const uint16_t* v) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
-  const __m128i e = _mm_shuffle_epi8(raw, _mm_load_si128(reinterpret_cast<const __m128i*>(kExpand.ctl[b])));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(e), 16));
+  return _mm_shuffle_epi8(raw, _mm_load_si128(reinterpret_cast<const __m128i*>(kExpand.ctl[b])));
+}
+inline __m256 expand8(uint32_t b, const uint16_t* v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(expand8_bits(b, v)), 16));
 }
 
 inline float hsum(__m256 v) {
@@ -99,21 +101,34 @@ void gemv_rows(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, fl
 }
 
 // Groups g, g + 1 (rows past the matrix zero) into the AVX2 table's dense bf16 panel: column k of
-// panel row c at k * 16 + (c % 8) * 2 + c / 8.
+// panel row c at k * 16 + (c % 8) * 2 + c / 8. A chunk's 16 rows are expanded into a row-major tile
+// in L1, then transposed into the panel.
 void expand_panel(const PackedMatrix& w, int64_t g, uint16_t* panel) {
   const int64_t K = w.cols, nc = nchunks(K);
-  std::memset(panel, 0, (size_t)K * kAvx2Panel * 2);
-  for (int64_t h = 0; h < 2 && (g + h) * kGroup < w.rows; h++) {
-    const uint8_t* p = record(w, g + h);
-    for (int64_t c = 0; c < nc; c++) {
-      const uint32_t* mask = reinterpret_cast<const uint32_t*>(p);
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(p + kGroup * 4);
-      for (int j = 0; j < kGroup; j++) {
-        const int64_t row = h * kGroup + j, pos = (row % 8) * 2 + row / 8;
-        for (uint32_t mk = mask[j]; mk; mk &= mk - 1) panel[(c * kChunk + __builtin_ctz(mk)) * kAvx2Panel + pos] = *v++;
+  alignas(32) uint16_t tile[kAvx2Panel][kChunk];
+  const uint8_t* rec[2] = {record(w, g), (g + 1) * kGroup < w.rows ? record(w, g + 1) : nullptr};
+  for (int64_t c = 0; c < nc; c++) {
+    for (int h = 0; h < 2; h++) {
+      if (!rec[h]) {
+        std::memset(tile[h * kGroup], 0, sizeof tile / 2);
+        continue;
       }
-      p = reinterpret_cast<const uint8_t*>(v);
+      const uint32_t* mask = reinterpret_cast<const uint32_t*>(rec[h]);
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(rec[h] + kGroup * 4);
+      for (int j = 0; j < kGroup; j++) {
+        uint16_t* row = tile[h * kGroup + j];
+        for (int q = 0; q < 4; q++) {
+          const uint32_t b = mask[j] >> (8 * q) & 0xff;
+          _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * q), expand8_bits(b, v));
+          v += __builtin_popcount(b);
+        }
+      }
+      rec[h] = reinterpret_cast<const uint8_t*>(v);
     }
+    const int64_t n = std::min(kChunk, K - c * kChunk);
+    uint16_t* out = panel + c * kChunk * kAvx2Panel;
+    for (int64_t i = 0; i < n; i++)
+      for (int r = 0; r < kAvx2Panel; r++) out[i * kAvx2Panel + (r % 8) * 2 + r / 8] = tile[r][i];
   }
 }
 
