@@ -7,6 +7,7 @@
 #     Zen 3 needs it, Zen 4 runs faster without it; which does this core want?);
 #   - the quantized GEMV/GEMM with int8 and int16 activations (what "auto"'s int16 for q8 costs);
 #   - bf16 prefill and decode on the default table against CORELM_ISA=amx (may amx become the default?);
+#   - the sparse bf16 weight stream against dense bf16 (does expanding non-zeros pay on this core?);
 #   - the AMX GEMMs against the kernel table's.
 # Needs python3 with numpy, pybind11 and pytest, cmake and ninja; no network, no model files (the
 # benchmarks use random weights in qwen2.5-0.5B's shapes). Builds in build/hw and links python/corelm/_core*.so
@@ -37,7 +38,7 @@ best=$($PY -c "from corelm import _core; print(_core.kernel_tables()[0])")
 
 log "kernel tests"
 (cd python && timeout 90 $PY -m pytest ../tests/test_amx.py ../tests/test_kernels.py ../tests/test_bf16_kernels.py \
-  ../tests/test_quant.py -q -p no:cacheprovider -x > "$OUT/tests.log" 2>&1)
+  ../tests/test_quant.py ../tests/test_sparse_kernels.py -q -p no:cacheprovider -x > "$OUT/tests.log" 2>&1)
 tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 
 threads="1,$NT"
@@ -61,6 +62,9 @@ for isa in "$best" amx; do
   CORELM_ISA=$isa timeout 40 $PY tools/bench_quant.py --dtypes bf16 --threads "1,$NT" --rounds 3 --tokens 16 2>&1 |
     sed "s/^/$isa: /" | tee -a "$OUT/summary.txt"
 done
+
+log "sparse bf16 (sbf16) weight stream against dense bf16, ms per pass (expanding non-zeros: where it pays)"
+timeout 60 $PY tools/bench_sparse.py --stream --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
 
 if $PY -c "from corelm import _core; exit(0 if _core.amx_available() else 1)"; then
   log "AMX GEMMs vs the kernel table"
