@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from corelm import _core
+from corelm.convert import to_bf16
 
 T = _core.testing
 TABLES = _core.kernel_tables() + ["amx_emulated"]  # the AMX table hands sparse weights to its base table
@@ -33,9 +34,7 @@ def patterns(rng):
 
 def bf16(a):
     """a rounded to bf16 (nearest even), as float32."""
-    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7fff + ((u >> 16) & 1)) >> 16 << 16
-    return u.astype(np.uint32).view(np.float32)
+    return (to_bf16(a).astype(np.uint32) << 16).view(np.float32)
 
 
 @pytest.mark.parametrize("isa", TABLES)

@@ -7,7 +7,8 @@ of random weights pruned by magnitude per row (embedding and lm_head kept dense,
 Every model is built once; the measurements alternate between them round by round (medians reported,
 with the ratio to dense bf16 at the same thread count). --stream times decode's weight stream alone
 (the kernel table's matmul over 24 layers of the model's matrices, _core.testing.bench_gemv_stream):
-ms per pass over the same matrices, so the ratio is the speedup. --hog adds runs with one thread while
+ms per pass over the same matrices, so the ratio is the speedup, and the share of the bandwidth roofline
+(the bytes actually stored, streamed at the GB/s of a plain read alternated with it in the same call). --hog adds runs with one thread while
 another process streams memory on another core: a core that gets a share of the memory bandwidth, as
 each core of a many-core server does when all of them decode."""
 import argparse
@@ -21,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 from corelm import _core  # noqa: E402
+from corelm.convert import to_bf16  # noqa: E402
 from corelm.engine.model_builder import core_config  # noqa: E402
 from corelm.loader.spec import weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,12 +60,6 @@ def prune(w, s):
     return w
 
 
-def bf16_bytes(w):
-    """w rounded to bf16 (nearest even), as the little-endian bytes set_weight_raw takes."""
-    u = w.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7fff + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8).ravel()
-
-
 def runs_of(a):
     """(label, weight type, sparsity, threads, hog) for every measurement."""
     out = []
@@ -93,6 +89,7 @@ def stream(a):
     shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]
     runs = runs_of(a)
     ms = {r: [] for r in runs}
+    roof = {r: [] for r in runs}   # the kernel's GB/s of bytes as stored over a plain read's, same call
     table = _core.kernel_tables()[0] if a.table is None else a.table  # the best first
     for rnd in range(a.rounds):
         for r in runs if rnd % 2 == 0 else runs[::-1]:
@@ -100,9 +97,16 @@ def stream(a):
                 d = _core.testing.bench_gemv_stream(f"{table}_{r[1]}", shapes, SPEC.num_layers, 5, r[3], True,
                                                     "int8", r[2])
             ms[r].append(d["bytes"] / d["gemv_GBps"] / 1e6)
+            roof[r].append(100 * d["gemv_GBps"] / d["read_GBps"])
     print(f"kernel table {table}: ms per pass over 24 layers of the model's matrices")
     out = {"mode": "stream", "table": table}
     report(runs, ms, "ms", True, out)
+    print("share of the bandwidth roofline (the bytes stored, at a plain read's GB/s measured alongside):")
+    for r in runs:
+        print(f"{r[0]:10s} {r[3]}t{' +hog' if r[4] else '     '}  {np.median(roof[r]):5.1f}%  "
+              f"(rounds: {', '.join(f'{v:.1f}' for v in roof[r])})")
+    out["roofline_pct"] = [{"weights": r[0], "threads": r[3], "hog": r[4], "median": float(np.median(roof[r])),
+                            "rounds": roof[r]} for r in runs]
     return out
 
 
@@ -121,7 +125,7 @@ def decode(a):
             if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == "bf16":
                 m.set_weight(name, w)
             else:  # the matrix pruned, as dense bf16 bytes, which the core stores sparse
-                m.set_weight_raw(name, "SBF16", bf16_bytes(prune(w, r[2])), list(w.shape))
+                m.set_weight_raw(name, "SBF16", to_bf16(prune(w, r[2])).view(np.uint8).ravel(), list(w.shape))
         m.finalize()
         models[key] = m
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)

@@ -118,9 +118,9 @@ class LoadedModel:
     # process, so peak memory is the packed model, not the packed model plus the mapped file.
     release_weight: Callable[[str], None] = lambda name: None
 
-    # Optional (GGUF, corelm folders): (the type name Model.set_weight_raw takes, uint8 bytes [rows, row bytes],
-    # shape) of a matrix stored as quantized blocks (Q8_0, Q4_0, Q4_1, ...: rows already in get_weight's
-    # order) or sparse ("SBF16": its dense bf16 rows); None for anything else.
+    # Optional (GGUF, corelm and HF folders): (the type name Model.set_weight_raw takes, uint8 bytes [rows,
+    # row bytes], shape) of a matrix stored as quantized blocks (Q8_0, Q4_0, Q4_1, ...: rows already in
+    # get_weight's order), as bf16 rows ("BF16") or sparse ("SBF16": its dense bf16 rows); None otherwise.
     get_raw_weight: Optional[Callable[[str], Optional[Tuple[str, np.ndarray, Tuple[int, ...]]]]] = None
     # Optional, with get_raw_weight: the type name get_raw_weight(name) would give (None where it gives
     # None), from the file's header alone: deciding how to store a model reads none of its weights.
