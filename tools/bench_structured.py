@@ -4,11 +4,13 @@ per step) against the same requests unconstrained, at 1 and 16 concurrent stream
 round in one process (the order flips every round), medians.
 
     python tools/bench_structured.py [--model PATH] [--streams 1 16] [--threads 2] [--rounds 3] [--tokens 64]
+                                     [--temperature T]
 
 Default model: the embedded SmolLM2-135M-Instruct. Every request asks for a list of things to bring on a
-trip, greedy, at most --tokens tokens; constrained ones must match SCHEMA (an object holding an array of
-strings). The unconstrained run of a request generates exactly as many tokens as its constrained answer
-(EOS ignored), so both prefill and generate the same; tok/s = generated tokens / wall time of the batch."""
+trip, greedy (or sampled at --temperature, request i with seed i), at most --tokens tokens; constrained
+ones must match SCHEMA (an object holding an array of strings). The unconstrained run of a request
+generates exactly as many tokens as its constrained answer (EOS ignored), so both prefill and generate
+the same; tok/s = generated tokens / wall time of the batch."""
 import argparse
 import json
 import statistics
@@ -22,7 +24,7 @@ PROMPT = "List, as JSON, the things to bring on a {} trip."
 PLACES = ["camping", "beach", "ski", "city", "desert", "jungle", "sailing", "hiking"]
 
 
-def run(llm, n, tokens, lengths=None):
+def run(llm, n, tokens, lengths=None, temperature=0.0):
     """tok/s of n requests: constrained to SCHEMA (lengths None), or unconstrained with request i
     generating exactly lengths[i] tokens (EOS ignored), the constrained answers' own lengths, so both
     runs generate and prefill the same numbers of tokens. Returns (tok/s, each request's tokens)."""
@@ -31,9 +33,11 @@ def run(llm, n, tokens, lengths=None):
     prompts = [[{"role": "user", "content": PROMPT.format(PLACES[i % len(PLACES)])}] for i in range(n)]
     if lengths is None:
         so = corelm.StructuredOutputsParams(json=SCHEMA)
-        params = [SamplingParams(max_tokens=tokens, temperature=0, structured_outputs=so)] * n
+        params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=i, structured_outputs=so)
+                  for i in range(n)]
     else:
-        params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lengths]
+        params = [SamplingParams(max_tokens=k, temperature=temperature, seed=i, ignore_eos=True)
+                  for i, k in enumerate(lengths)]
     t = time.perf_counter()
     outs = llm.chat(prompts, params)
     dt = time.perf_counter() - t
@@ -52,25 +56,27 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args()
     import corelm
     llm = corelm.LLM(a.model, threads=a.threads, speculative_model=None)  # None: the embedded model
     print(f"model {a.model or 'embedded SmolLM2-135M-Instruct Q4_1'}, {a.threads} threads, at most {a.tokens} tokens, "
+          f"temperature {a.temperature}, "
           f"{a.rounds} rounds")
     print("| streams | tokens per request | unconstrained tok/s | json_schema tok/s | ratio |")
     print("|---|---|---|---|---|")
     for n in a.streams:
-        _, lengths = run(llm, n, a.tokens)  # warm-up; the constrained answers' lengths
-        run(llm, n, a.tokens, lengths)
+        _, lengths = run(llm, n, a.tokens, temperature=a.temperature)  # warm-up; the answers' lengths
+        run(llm, n, a.tokens, lengths, a.temperature)
         free, cons = [], []
         for r in range(a.rounds):
             for constrained in ((False, True) if r % 2 == 0 else (True, False)):
                 if constrained:
-                    rate, counts = run(llm, n, a.tokens)
-                    assert counts == lengths, "greedy answers changed between runs"
+                    rate, counts = run(llm, n, a.tokens, temperature=a.temperature)
+                    assert counts == lengths, "the (greedy or seeded) answers changed between runs"
                     cons.append(rate)
                 else:
-                    free.append(run(llm, n, a.tokens, lengths)[0])
+                    free.append(run(llm, n, a.tokens, lengths, a.temperature)[0])
         f, c = statistics.median(free), statistics.median(cons)
         print(f"| {n} | {statistics.mean(lengths):.0f} | {f:.1f} ({min(free):.1f}-{max(free):.1f}) | {c:.1f} "
               f"({min(cons):.1f}-{max(cons):.1f}) | {c / f:.3f}x |")

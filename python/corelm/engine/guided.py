@@ -9,12 +9,15 @@ checked when it is built (ValueError on an invalid schema, regex or grammar). Co
 LIMITS, so a pathological grammar is an error, not a stalled engine.
 
 GuidedMatcher is one sequence's state: `allowed()` gives a bool mask over the vocabulary for the next
-token, `consume(token)` advances it, `stopped` says that nothing but EOS may follow.
+token, `allows(token)` checks one token without it (the sampler asks that first: the mask is the
+expensive part, and the model mostly picks an allowed token), `consume(token)` advances it, `stopped`
+says that nothing but EOS may follow.
 """
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+log = logging.getLogger("corelm")
 llguidance = None            # imported on first use: processes that never constrain output do not load it
 
 # Sizes a request may bring: the grammar engine's own limits bound the work, these bound the text.
@@ -237,10 +241,19 @@ class GuidedMatcher:
         self._words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self) -> np.ndarray:
-        """Bool [vocab]: the tokens the grammar allows next (EOS among them once it is satisfied)."""
+        """Bool [vocab]: the tokens the grammar allows next (EOS among them once it is satisfied). When
+        the grammar allows nothing (it failed, e.g. out of its step budget), EOS, which ends the sequence."""
         w = self._words
         self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
-        return np.unpackbits(w.view(np.uint8), count=self.vocab_size, bitorder="little").view(np.bool_)
+        mask = np.unpackbits(w.view(np.uint8), count=self.vocab_size, bitorder="little").view(np.bool_)
+        if not mask.any():
+            log.warning("structured output: the grammar allows no token (%s); the sequence ends", self.error)
+            mask[list(self.eos)] = True
+        return mask
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next, as allowed()[token] says, without computing the whole mask."""
+        return 0 <= token < self.vocab_size and self.matcher.validate_tokens([int(token)]) == 1
 
     def consume(self, token: int) -> bool:
         return bool(self.matcher.consume_token(int(token)))

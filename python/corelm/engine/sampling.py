@@ -448,10 +448,14 @@ class Sampler:
     # --- sampling ----------------------------------------------------------------------------------
 
     def sample(self, logits: np.ndarray, prompt_ids: Optional[Sequence[int]] = None,
-               output_ids: Optional[Sequence[int]] = None, allowed: Optional[np.ndarray] = None) -> int:
+               output_ids: Optional[Sequence[int]] = None, allowed: Optional[np.ndarray] = None,
+               grammar=None) -> int:
         """The next token id for `logits` (float32 [vocab]). `allowed` (bool [vocab], a grammar's mask)
         restricts the choice to its True entries; it is applied last, after penalties, logit_bias and
-        min_tokens, and wins over min_tokens when they leave nothing."""
+        min_tokens, and wins over min_tokens when they leave nothing. `grammar` (with `allows(token)` and
+        `allowed()`, the mask) is the same restriction computed lazily: the choice without the mask
+        stands when the grammar allows it, which gives the masked choice exactly (below); only otherwise
+        is the mask computed."""
         if prompt_ids is not None or output_ids is not None:
             self._sync(prompt_ids, output_ids)
         elif self._pending is not None:
@@ -461,7 +465,11 @@ class Sampler:
         p = self.params
         logits = np.asarray(logits).reshape(-1)
         token = -1
-        if allowed is not None and (p.is_greedy or p.top_k == 1) and self._unprocessed():
+        if grammar is not None and allowed is None:
+            token = self._unmasked_choice(logits, grammar)
+            if token < 0:
+                allowed = grammar.allowed()
+        elif allowed is not None and (p.is_greedy or p.top_k == 1) and self._unprocessed():
             # the first maximum, when the grammar allows it, is the masked first maximum too: no masked copy
             token = int(np.argmax(logits))
             token = token if allowed[token] else -1
@@ -473,6 +481,22 @@ class Sampler:
                 token = self._sample_random(x)
         self._pending = token
         return token
+
+    def _unmasked_choice(self, logits: np.ndarray, grammar) -> int:
+        """The token chosen without the grammar's mask if the grammar allows it, else -1. Greedy: the
+        first maximum, if allowed, is also the first maximum among the allowed. Plain sampling (no
+        top_k, top_p or min_p, which pick their candidates before the mask would): a token drawn from
+        all and kept only if allowed, else redrawn under the mask, is drawn with probability
+        p(t) + (1 - P(allowed)) p(t) / P(allowed) = p(t) / P(allowed), the masked distribution."""
+        p = self.params
+        greedy = p.is_greedy or p.top_k == 1
+        if not greedy and (0 < p.top_k < self.vocab_size or p.top_p < 1.0 or p.min_p > 0.0):
+            return -1
+        x = self._processed_logits(logits)
+        if not np.isfinite(x.max()):                # min_tokens left nothing: the mask decides
+            return -1
+        token = int(np.argmax(x)) if greedy else self._sample_random(x)
+        return token if grammar.allows(token) else -1
 
     def _unprocessed(self) -> bool:
         """No penalty, logit_bias or min_tokens mask changes the logits at this step."""

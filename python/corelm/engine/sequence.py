@@ -90,13 +90,7 @@ class Sequence:
         """Samples the next token from `logits` and returns what it adds."""
         params = self.params
         guide = self.guide
-        allowed = None
-        if guide is not None:
-            allowed = guide.allowed()
-            if not allowed.any():        # the grammar failed (e.g. out of its step budget): end with EOS
-                log.warning("structured output: the grammar allows no token (%s); the sequence ends", guide.error)
-                allowed[list(guide.eos)] = True
-        token = self.sampler.sample(logits, allowed=allowed)
+        token = self.sampler.sample(logits, grammar=guide)
         self.output_ids.append(token)
         n = len(self.output_ids)
         lp = self.sampler.logprobs(logits, token) if params.logprobs is not None else None
