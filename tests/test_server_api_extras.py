@@ -243,3 +243,19 @@ def test_token_endpoints_share_auth_json_and_body_limits(server):
         assert_error(post(server, path, {"prompt": "x" * 70_000, "tokens": [1] * 30_000}), 413)
         assert_error(post(server, path, [1, 2]), 400)
 
+
+
+def test_real_model_fills_the_middle():
+    """Qwen2.5-Coder-0.5B (a real GGUF, skipped without it) completes code between a prefix and a suffix
+    through its own <|fim_*|> tokens, with the official client."""
+    from conftest import real_model
+    from test_server import running_server
+    llm = corelm.LLM(real_model("qwen2.5-coder-0.5b-instruct.gguf"), max_seq_len=512)
+    with running_server(lambda: llm, api_key=None) as s:
+        assert s.state.wait_ready(120)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = c.completions.create(model="m", prompt="def area_of_rectangle(width, height):\n    return ",
+                                 suffix="\n\n\nprint(area_of_rectangle(3, 4))\n", temperature=0, max_tokens=16)
+        text = r.choices[0].text
+        assert "width * height" in text.replace("(", "").replace(")", "") or "height * width" in text, text
+        assert "print(" not in text, text            # the middle, not the suffix again
