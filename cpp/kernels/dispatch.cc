@@ -32,13 +32,13 @@ bool aligned_buffer_owns_pages(size_t bytes) {
 #endif
 }
 
-std::shared_ptr<void> aligned_buffer(size_t bytes) {
+std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages) {
 #if defined(__linux__)
   if (aligned_buffer_owns_pages(bytes)) {
     // Weights are streamed end to end every token: 2 MiB pages take the TLB misses out of the stream
     // (THP is often "madvise" only; a hint, ignored where unsupported), and only 2 MiB-aligned ranges
     // can have them, so a large buffer starts on a 2 MiB boundary (the unused head stays untouched).
-    const size_t extra = bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
+    const size_t extra = huge_pages && bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
     void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) throw std::bad_alloc();
     char* start = static_cast<char*>(m);

@@ -67,8 +67,11 @@ struct PackedMatrix {
 };
 
 // Zeroed, 64-byte aligned memory. Large buffers are fresh mappings, zero without being touched, so a
-// packer that writes them in parallel also faults their pages in in parallel (no memset first).
-std::shared_ptr<void> aligned_buffer(size_t bytes);
+// packer that writes them in parallel also faults their pages in in parallel (no memset first). With
+// huge_pages they are asked for 2 MiB pages: right for data streamed end to end (weights), wrong for
+// data filled a little at a time in many places (the KV cache), where each first write would make
+// 2 MiB resident.
+std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages = true);
 // Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
 // pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.
 bool aligned_buffer_owns_pages(size_t bytes);
