@@ -57,7 +57,8 @@ log = logging.getLogger("corelm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # GGUF block formats copied as they are under each target (4-bit targets keep either 4-bit format).
 # A GGUF's blocks copied as they are: its own 8-bit or 4-bit ones where they fit the target, and the
-# formats that exist only as GGUF blocks (Q4_K, Q6_K, ...: corelm cannot quantize into them) always.
+# formats these targets do not quantize into (Q4_K, IQ4_XS, ...) always. The K-quant targets keep a
+# tensor as stored when it is in the type chosen for it (_plan).
 RAW_KEEP = {t: keep + GGUF_BLOCK_FORMATS for t, keep in
             {"q8_0": ("q8_0",), "q4_0": ("q4_0", "q4_1"), "q4_1": ("q4_0", "q4_1")}.items()}
 # The 4-bit targets keep the embedding and lm_head at 8 bits: on Qwen2.5-0.5B 4-bit ones cost ~3 points
