@@ -38,7 +38,10 @@ def test_importance_is_the_inputs_mean_square():
     hidden_states(m, [ids[:32], ids[32:]], lambda n, x: seen.setdefault(n, []).append(x))
     imp = activation_importance(m, ids, chunk=32)
     layer_mats = {n for n in m.weight_names() if n.startswith("layers.") and n.rsplit(".", 1)[1].startswith("w")}
-    assert set(imp) == layer_mats
+    assert set(imp) == layer_mats | {"lm_head"}
+    h = np.concatenate(hidden_states(m, [ids[:32], ids[32:]], lambda n, x: None))
+    h = h / np.sqrt((h * h).mean(-1, keepdims=True) + np.float32(m.spec.rms_norm_eps)) * m.get_weight("norm")
+    assert np.allclose(imp["lm_head"], (h.astype(np.float64) ** 2).mean(0), rtol=1e-4)
     x = np.concatenate(seen["layers.1.w_down"])
     assert np.allclose(imp["layers.1.w_down"], (x.astype(np.float64) ** 2).mean(0), rtol=1e-5)
     assert np.array_equal(imp["layers.0.wk"], imp["layers.0.wq"]) and np.array_equal(imp["layers.0.w_up"], imp["layers.0.w_gate"])

@@ -11,9 +11,9 @@ from corelm import _core
 from corelm.convert import convert
 from corelm.loader.corelm_format import TYPES
 from corelm.loader.gguf import RAW_GGML_TYPES
-from corelm.options import (CHOICES, CONVERT_TARGETS, GGUF_BLOCK_FORMATS, KEEP_AS_STORED, PACKABLE, QUANTIZED, SPARSE,
-                            WEIGHT_FORMATS, argparse_choices, choose, format_of_core, format_of_gguf, format_of_raw,
-                            weight_format)
+from corelm.options import (CHOICES, CONVERT_TARGETS, GGUF_BLOCK_FORMATS, K_QUANT_TARGETS, KEEP_AS_STORED, PACKABLE,
+                            QUANTIZED, SPARSE, WEIGHT_FORMATS, argparse_choices, choose, format_of_core, format_of_gguf,
+                            format_of_raw, weight_format)
 
 STORIES = os.path.join(MODELS, "stories260K")
 
@@ -31,9 +31,10 @@ def test_core_name_tables_agree():
 def test_every_format_is_described_once():
     assert set(QUANTIZED) == {f.name for f in WEIGHT_FORMATS.values() if f.gguf and f.from_floats}
     assert set(GGUF_BLOCK_FORMATS) == {f.name for f in WEIGHT_FORMATS.values() if not f.from_floats}
-    assert set(CHOICES["dtype"].values) == {"auto"} | set(PACKABLE) and "q4_k" not in CHOICES["weights"].values
+    assert set(CHOICES["dtype"].values) == {"auto"} | set(PACKABLE) and "q4_k" not in CHOICES["dtype"].values
     # sparse storage is convert's --sparsity over bf16, not a --weights kind; dtype="sbf16" packs sparse at load
-    assert SPARSE == ("sbf16",) and set(CHOICES["weights"].values) == set(CONVERT_TARGETS) == set(PACKABLE) - {"sbf16"}
+    assert SPARSE == ("sbf16",) and set(CHOICES["weights"].values) == set(CONVERT_TARGETS) == \
+        set(PACKABLE) - {"sbf16"} | set(K_QUANT_TARGETS)
     assert sorted(RAW_GGML_TYPES) == sorted(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
     assert TYPES == {f.file_type: f for f in WEIGHT_FORMATS.values()}
     assert {f.name: f.bits for f in WEIGHT_FORMATS.values()} == {

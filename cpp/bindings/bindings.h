@@ -1,5 +1,6 @@
 // What the binding sources of corelm._core share: each registers its part of the module.
-//   module.cc           the module: cpu_info, option_names, Model, quantize_q4_1_search
+//   module.cc           the module: cpu_info, option_names, Model, quantize_q4_1_search,
+//                       quantize_ggml_search
 //   runtime.cc          topology, thread plan, NUMA plan and split
 //   amx.cc              amx_available, amx_info
 //   testing_*.cc        corelm._core.testing: single kernels, AMX tile hooks, benchmarks and runtime

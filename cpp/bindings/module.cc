@@ -272,4 +272,22 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("w"), py::arg("importance") = py::none(),
      "float32 [rows, cols] -> ggml Q4_1 blocks uint8 [rows, cols/32*20], each block's scale and minimum "
      "searched for the least squared error, weighted per column by `importance` when given.");
+
+  m.def("quantize_ggml_search", [](FloatArray w, const std::string& type, std::optional<FloatArray> importance) {
+    if (w.ndim() != 2 || w.shape(0) < 1) throw std::invalid_argument("quantize_ggml_search needs w [rows, cols]");
+    const int64_t rows = w.shape(0), cols = w.shape(1);
+    if (importance && (importance->ndim() != 1 || importance->shape(0) != cols))
+      throw std::invalid_argument("importance must have one value per column of w");
+    py::array_t<uint8_t> out({(size_t)rows, quant::ggml_search_row_bytes(type, cols)});
+    const float* imp = importance ? importance->data() : nullptr;
+    uint8_t* dst = out.mutable_data();
+    {
+      py::gil_scoped_release release;
+      quant::quantize_ggml_search(type, w.data(), imp, rows, cols, dst);
+    }
+    return out;
+  }, py::arg("w"), py::arg("type"), py::arg("importance") = py::none(),
+     "float32 [rows, cols] -> GGUF blocks of type Q4_K, Q5_K, Q6_K (cols % 256 == 0), Q5_0 or Q5_1 (cols % 32 "
+     "== 0), uint8 [rows, row bytes]: scales, minimums and codes searched for the least squared error, "
+     "weighted per column by `importance` when given (cpp/kernels/quantize.h).");
 }

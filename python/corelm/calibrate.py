@@ -148,7 +148,8 @@ def _moe(loaded: LoadedModel, spec, p: str, h: np.ndarray, record: Callable[[str
 
 def activation_importance(loaded: LoadedModel, ids: Sequence[int], chunk: int = 512,
                           progress: bool = False) -> Dict[str, np.ndarray]:
-    """{"layers.i.wq": mean x^2 per input column (float32 [cols]), ...} for every layer matrix, over `ids`
+    """{"layers.i.wq": mean x^2 per input column (float32 [cols]), ...} for every layer matrix and "lm_head"
+    (also when the embedding is tied to it), over `ids`
     run as independent chunks of `chunk` tokens (an expert's: over the tokens routed to it; an expert no
     token chose has none, and is quantized without weights)."""
     sums: Dict[str, np.ndarray] = {}
@@ -158,7 +159,10 @@ def activation_importance(loaded: LoadedModel, ids: Sequence[int], chunk: int = 
         sums[name] = sums.get(name, 0.0) + (x.astype(np.float64) ** 2).sum(0)
         rows[name] = rows.get(name, 0) + len(x)
 
-    hidden_states(loaded, [ids[i:i + chunk] for i in range(0, len(ids), chunk)], record, progress)
+    final = hidden_states(loaded, [ids[i:i + chunk] for i in range(0, len(ids), chunk)], record, progress)
+    # lm_head multiplies the final hidden states after the last norm (the K-quants quantize it too)
+    record("lm_head", _rmsnorm(np.concatenate(final), loaded.get_weight("norm"), float(loaded.spec.rms_norm_eps)))
+    loaded.release_weight("norm")
     out = {name: (s / rows[name]).astype(np.float32) for name, s in sums.items()}
     for name in list(out):      # q/k/v and gate/up multiply the same input
         if name.endswith(".wq"):

@@ -10,8 +10,13 @@ lm_head in Q8_0). q8_0 and q4_0 round to nearest as ggml's reference quantizers 
 do (a q8_0 folder computes what the engine's in-memory dtype="q8_0" builds from the source, bit for
 bit); q4_1 searches each block's scale and minimum for the least error, weighted by how large the
 activations each weight multiplies are on a short calibration text (corelm.calibrate).
-Norms, biases and MoE routers stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP) are copied
-block for block, never through floats.
+"q4_k", "q5_k" and "q6_k" write ggml's K-quant blocks (super-blocks of 256, the bytes GGUF stores) with
+llama.cpp's choices (k_quant_type): lm_head (or a tied embedding) in Q6_K, rows that are not whole
+super-blocks in Q5_0 / Q5_1 / Q8_0; "q4_k_m" and "q5_k_m" also put attn_v and ffn_down of some layers in
+Q6_K, as llama.cpp's Q4_K_M / Q5_K_M. Their scales and codes are searched like q4_1's, with the same
+activation weighting (cpp/kernels/quantize.h).
+Norms, biases and MoE routers stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP; under
+a K-quant target: the type chosen for that matrix) are copied block for block, never through floats.
 
 Sparse bf16 (weights="bf16" only so far): sparsity=0.5 prunes every matrix but the embedding, lm_head and
 those keep_dense names to half zeros per row (prune="wanda": the smallest |W| * sqrt(mean x^2 of the input
@@ -42,17 +47,18 @@ from .loader import load_model
 from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, bitmap_nbytes,
                                    is_corelm_folder, pack_sbf16, spec_to_dict, stored_sparsity)
 from .loader.spec import LoadedModel
-from .options import GGUF_BLOCK_FORMATS, WEIGHT_FORMATS, choose, format_of_gguf
+from .options import GGUF_BLOCK_FORMATS, K_QUANT_TARGETS, WEIGHT_FORMATS, choose, format_of_gguf
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
-           "quantize_q4_1_search", "to_bf16", "prune_rows", "cache_dir"]
+           "quantize_q4_1_search", "quantize_ggml_search", "k_quant_type", "to_bf16", "prune_rows", "cache_dir"]
 
 log = logging.getLogger("corelm")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # GGUF block formats copied as they are under each target (4-bit targets keep either 4-bit format).
 # A GGUF's blocks copied as they are: its own 8-bit or 4-bit ones where they fit the target, and the
-# formats that exist only as GGUF blocks (Q4_K, Q6_K, ...: corelm cannot quantize into them) always.
+# formats these targets do not quantize into (Q4_K, IQ4_XS, ...) always. The K-quant targets keep a
+# tensor as stored when it is in the type chosen for it (_plan).
 RAW_KEEP = {t: keep + GGUF_BLOCK_FORMATS for t, keep in
             {"q8_0": ("q8_0",), "q4_0": ("q4_0", "q4_1"), "q4_1": ("q4_0", "q4_1")}.items()}
 # The 4-bit targets keep the embedding and lm_head at 8 bits: on Qwen2.5-0.5B 4-bit ones cost ~3 points
@@ -60,6 +66,12 @@ RAW_KEEP = {t: keep + GGUF_BLOCK_FORMATS for t, keep in
 # blocks everywhere cost +37% perplexity, Q4_1 +4%; on Qwen2.5-0.5B, the search halves Q4_1's loss and
 # weighting its error by the activations' size takes it from +5.2% to +4.4% (docs/quality.md).
 EIGHT_BIT_EMBEDDINGS = ("q4_0", "q4_1")
+# The K-quant targets' main type; a matrix whose rows are not whole 256-weight super-blocks falls back to
+# the 32-weight block llama.cpp's tensor_type_fallback picks for that type.
+K_BASE = {"q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "q4_k_m": "q4_k", "q5_k_m": "q5_k"}
+K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+# Formats written by the C++ search (quantize_ggml_search), with the activation weighting.
+GGML_SEARCHED = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 _ROWS_PER_CHUNK = 4096
 CONVERTER_REVISION = 3      # part of the cache key: bump when the same source would convert differently
 
@@ -131,21 +143,37 @@ def quantize_q4_1(w: np.ndarray) -> np.ndarray:
     return _rows_in_chunks(w, one)
 
 
+def _search_rows(w: np.ndarray, importance: Optional[np.ndarray], block: int,
+                 fn: Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray]) -> np.ndarray:
+    """fn (a C++ search, which releases the GIL) over w's rows, split over threads."""
+    from .engine.model_builder import default_threads
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % block:
+        raise ValueError(f"block quantization needs a matrix with a multiple of {block} columns, got {w.shape}")
+    imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    step = max(1, -(-w.shape[0] // (4 * default_threads())))
+    with ThreadPoolExecutor(default_threads()) as pool:
+        return np.concatenate(list(pool.map(lambda r: fn(w[r:r + step], imp), range(0, w.shape[0], step))))
+
+
 def quantize_q4_1_search(w: np.ndarray, importance: Optional[np.ndarray] = None) -> np.ndarray:
     """Q4_1 blocks (the format of quantize_q4_1) with each block's scale and minimum searched for the least
     squared error (cpp/kernels/quantize.h), weighted by `importance` (one value >= 0 per column, e.g. the
     mean square of the activations the column multiplies) when given. Never worse than round-to-nearest
     block by block; a block already on a Q4_1 grid comes back unchanged. Rows are split over threads."""
     from . import _core
-    from .engine.model_builder import default_threads
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if w.ndim != 2 or w.shape[1] % 32:
-        raise ValueError(f"block quantization needs a matrix with a multiple of 32 columns, got {w.shape}")
-    imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
-    step = max(1, -(-w.shape[0] // (4 * default_threads())))
-    with ThreadPoolExecutor(default_threads()) as pool:    # the C++ search releases the GIL
-        parts = pool.map(lambda r: _core.quantize_q4_1_search(w[r:r + step], imp), range(0, w.shape[0], step))
-        return np.concatenate(list(parts))
+    return _search_rows(w, importance, 32, _core.quantize_q4_1_search)
+
+
+def quantize_ggml_search(w: np.ndarray, fmt: str, importance: Optional[np.ndarray] = None) -> np.ndarray:
+    """[rows, cols] float -> uint8 [rows, row bytes] of GGUF blocks of `fmt` ("q4_k", "q5_k", "q6_k": cols a
+    multiple of 256; "q5_0", "q5_1": of 32), byte for byte as GGUF stores them. Scales, minimums and codes
+    are searched for the least squared error, weighted by `importance` as quantize_q4_1_search's
+    (cpp/kernels/quantize.h); the K-quants' sub-block scales are then quantized by a weighted search too."""
+    from . import _core
+    gguf_type = WEIGHT_FORMATS[fmt].gguf
+    return _search_rows(w, importance, WEIGHT_FORMATS[fmt].block,
+                        lambda part, imp: _core.quantize_ggml_search(part, gguf_type, imp))
 
 
 def to_bf16(w: np.ndarray) -> np.ndarray:
@@ -237,6 +265,26 @@ def sparsity_summary(fractions: Iterable[float]) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Conversion.
 
+def _use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def k_quant_type(weights: str, name: str, shape: Tuple[int, ...], tied: bool, layers: int) -> str:
+    """The format of matrix `name` under a K-quant target, as llama.cpp's llama_tensor_get_type chooses:
+    lm_head (the embedding when it is tied to it: its errors go straight into the logits) in q6_k; under
+    q4_k_m / q5_k_m attn_v and ffn_down of the layers _use_more_bits picks in q6_k too; everything else,
+    the embedding included, in the target's type. Rows that are not whole super-blocks fall back to
+    K_FALLBACK's 32-weight blocks."""
+    t = K_BASE[weights]
+    if name == "lm_head" or (name == "tok_embeddings" and tied):
+        t = "q6_k"
+    elif weights.endswith("_m") and name.rsplit(".", 1)[-1] in ("wv", "w_down") and \
+            _use_more_bits(int(name.split(".")[1]), layers):
+        t = "q6_k"
+    return K_FALLBACK[t] if shape[1] % 256 else t
+
+
 def _plan(loaded: LoadedModel, weights: str,
           sparse: Optional[Sparsity] = None) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
     """internal name -> (storage type, shape, copied raw from the source)."""
@@ -244,7 +292,8 @@ def _plan(loaded: LoadedModel, weights: str,
     from .loader.spec import kept_float, weight_shapes
     plan = {}
     for name, shape in weight_shapes(loaded.spec).items():
-        if len(shape) == 1 or weights == "fp32" or kept_float(name) or (weights in RAW_KEEP and shape[1] % 32):
+        quantized = weights in RAW_KEEP or weights in K_BASE
+        if len(shape) == 1 or weights == "fp32" or kept_float(name) or (quantized and shape[1] % 32):
             # norms, biases, MoE routers, and rows that are not whole blocks (the engine pads those when it
             # quantizes)
             plan[name] = ("fp32", shape, False)
@@ -253,9 +302,13 @@ def _plan(loaded: LoadedModel, weights: str,
                 (sparse.target is not None or _zeros_save_bytes(loaded, name)):
             plan[name] = ("sbf16", shape, False)
             continue
-        embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")
-        raw_type = stored_raw_type(loaded, name) if weights in RAW_KEEP else None
+        raw_type = stored_raw_type(loaded, name) if quantized else None
         raw_format = format_of_gguf(raw_type) if raw_type is not None else None
+        if weights in K_BASE:
+            type_ = k_quant_type(weights, name, shape, loaded.spec.tie_word_embeddings, loaded.spec.num_layers)
+            plan[name] = (type_, shape, raw_format is not None and raw_format.name == type_)
+            continue
+        embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")
         if raw_format is not None and raw_format.name in RAW_KEEP.get(weights, ()) + (("q8_0",) if embedding else ()):
             plan[name] = (raw_format.name, shape, True)
         else:
@@ -278,6 +331,8 @@ def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
         return pack_sbf16(to_bf16(w))
     if type_ == "q4_1":
         return quantize_q4_1_search(w, importance.get(name))
+    if type_ in GGML_SEARCHED:
+        return quantize_ggml_search(w, type_, importance.get(name))
     return {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}[type_](w)
 
 
@@ -298,10 +353,12 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         _check_patterns(sparse.keep_dense, loaded)
     plan = _plan(loaded, weights, sparse)
     importance = {}
-    if any((t == "q4_1" and not from_raw) or (t == "sbf16" and sparse.method == "wanda")
+    if any((t in ("q4_1",) + GGML_SEARCHED and not from_raw) or (t == "sbf16" and sparse.method == "wanda")
            for t, _, from_raw in plan.values()):
         from .calibrate import activation_importance, calibration_ids
         importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
+        if loaded.spec.tie_word_embeddings and "lm_head" in importance:    # the embedding is the lm_head
+            importance["tok_embeddings"] = importance.pop("lm_head")
     parent = os.path.dirname(out) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".corelm-convert-", dir=parent)
@@ -492,11 +549,14 @@ def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
 
 
 def folder_dtype(folder: str) -> str:
-    """The engine dtype a corelm folder is meant for ("auto" for bf16: bf16 where the CPU has it)."""
+    """The engine dtype a corelm folder is meant for ("auto" for bf16: bf16 where the CPU has it; q8_0 for
+    the K-quant kinds: it keeps every block type they store and quantizes an f32 matrix at 8 bits)."""
     from .loader.hf import read_json
     weights = read_json(os.path.join(folder, CONFIG_FILE), CONFIG_FILE).get("weights")
     try:
         weights = choose("weights", weights)
     except ValueError:
         return "auto"
+    if weights in K_QUANT_TARGETS:
+        return "q8_0"
     return "auto" if weights == "bf16" else weights

@@ -72,8 +72,10 @@ SPARSE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.sparse)
 # The formats a float matrix can be packed into at load (dtype=).
 PACKABLE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.from_floats)
 # What `corelm convert --weights` stores: sparse storage is bf16 with --sparsity, not a weights kind of its
-# own (so the LLM(path, weights=...) cache has one folder per kind).
-CONVERT_TARGETS = tuple(n for n in PACKABLE if n not in SPARSE)
+# own (so the LLM(path, weights=...) cache has one folder per kind). The K-quants are written only by
+# convert (cpp/kernels/quantize.h), never packed at load; q4_k_m / q5_k_m are llama.cpp's mixes of them.
+K_QUANT_TARGETS = ("q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+CONVERT_TARGETS = tuple(n for n in PACKABLE if n not in SPARSE) + K_QUANT_TARGETS
 
 # Stored formats that loading keeps as they are (repacked, never dequantized) under each dtype: "auto"
 # keeps every quantized GGUF type; a 4-bit dtype keeps 8-bit blocks too rather than quantize a quantized
