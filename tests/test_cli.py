@@ -532,3 +532,6 @@ def test_info_reports_the_context_and_storage_the_engine_uses(model, capsys):
     assert f"Weights:   matrices stored as {llm.engine.dtype} (--dtype auto)" in out
     assert f"take {llm.engine.activations} activations (--activations auto: the exact path" in out
     assert "dequantized" not in out          # the GGUF's blocks are kept as stored
+    bf16 = corelm.LLM(path, threads=1, kv_cache_dtype="bf16", kv_sparsity=0.5).engine.core  # the pool's own size
+    per_token = bf16.kv_bytes // (bf16.kv_blocks * bf16.kv_block_size)
+    assert "at --kv-sparsity 0.5 fp32 " in out and f", bf16 {per_token}, int8" in out.split("at --kv-sparsity 0.5")[1]
