@@ -54,14 +54,23 @@ class KVCache {
   int64_t n_keep() const { return n_keep_; }
   size_t bytes() const;  // reserved (pages are touched only when used)
 
-  // The storage (keys, values, int8 scales) as (base, bytes), each [layer][kv_head][...] with an equal
+  // The storage (keys, values, int8 scales, sparse masks), each [layer][kv_head][...] with an equal
   // stride per (layer, kv_head): what NUMA placement hands to nodes by kv head, so the threads that
   // attend over a kv head read only their own node's memory.
-  std::vector<std::pair<const void*, size_t>> buffers() const {
+  struct Buffer {
+    const char* name;
+    const void* base;
+    size_t bytes;
+  };
+  std::vector<Buffer> buffers() const {
     const size_t rows = (size_t)n_layers_ * n_kv_heads_ * n_blocks_ * block_size_;
-    std::vector<std::pair<const void*, size_t>> b = {{k_.get(), rows * n_keep_ * esz_}, {v_.get(), rows * n_keep_ * esz_}};
-    if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(RowScale)}, {v_scale_.get(), rows * sizeof(RowScale)}});
-    if (k_mask_) b.insert(b.end(), {{k_mask_.get(), rows * mask_words_ * 4}, {v_mask_.get(), rows * mask_words_ * 4}});
+    std::vector<Buffer> b = {{"kv.k", k_.get(), rows * n_keep_ * esz_}, {"kv.v", v_.get(), rows * n_keep_ * esz_}};
+    if (k_scale_)
+      b.insert(b.end(), {{"kv.k_scale", k_scale_.get(), rows * sizeof(RowScale)},
+                         {"kv.v_scale", v_scale_.get(), rows * sizeof(RowScale)}});
+    if (k_mask_)
+      b.insert(b.end(), {{"kv.k_mask", k_mask_.get(), rows * mask_words_ * 4},
+                         {"kv.v_mask", v_mask_.get(), rows * mask_words_ * 4}});
     return b;
   }
 
