@@ -611,10 +611,11 @@ inline __m256 expand_kv8(const T* v, unsigned m, __m256i lanes) {
   return _mm256_and_ps(_mm256_permutevar8x32_ps(load_kv8(v), idx), _mm256_castsi256_ps(lanes));
 }
 // f(d, lanes, x) for each 8 channels from d with kept ones: lanes their mask, x the row there.
+inline unsigned kv_mask8(const uint32_t* mask, int64_t d) { return mask[d / 32] >> (d & 24) & 0xff; }
 template <class T, class F>
 inline void for_kept8(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
   for (int64_t d = 0; d < hd; d += 8) {
-    const unsigned m = mask[d / 32] >> (d & 24) & 0xff;
+    const unsigned m = kv_mask8(mask, d);
     if (!m) continue;
     const __m256i lanes = kv_lanes8(m);
     f(d, lanes, expand_kv8(v, m, lanes));
@@ -636,16 +637,34 @@ void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, con
   }
 }
 
+// NG heads x 8 channels over up to 16 tokens: each head's sum stays in a register over the tokens (each
+// token's values pointer advanced past the chunks already read).
 template <int NG, class T>
 void kv_accum_sparse_tile(const float* p, int64_t ldp, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
                           int64_t hd, float* out) {
-  for (int64_t j = 0; j < n; j++)
-    for_kept8(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __m256i lanes, __m256 x) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const T* v[16];
+    for (int64_t j = 0; j < nj; j++) v[j] = val + (j0 + j) * nk;
+    for (int64_t d = 0; d < hd; d += 8) {
+      __m256 acc[NG];
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nj; j++) {
+        const unsigned m = kv_mask8(mask + (j0 + j) * mw, d);
+        if (!m) continue;
+        const __m256i lanes = kv_lanes8(m);
+        const __m256 x = expand_kv8(v[j], m, lanes);
+        v[j] += __builtin_popcount(m);
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * ldp + j0 + j), x, acc[g]);
+      }
+      const __m256i m = tail_mask(std::min<int64_t>(8, hd - d));
       for (int g = 0; g < NG; g++) {
         float* o = out + g * hd + d;
-        _mm256_maskstore_ps(o, lanes, _mm256_fmadd_ps(_mm256_set1_ps(p[g * ldp + j]), x, _mm256_maskload_ps(o, lanes)));
+        _mm256_maskstore_ps(o, m, _mm256_add_ps(_mm256_maskload_ps(o, m), acc[g]));
       }
-    });
+    }
+  }
 }
 
 void kv_scores_sparse(KVType t, const float* q, int64_t G, int64_t hd, const uint32_t* mask, const void* val,

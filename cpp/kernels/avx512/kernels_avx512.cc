@@ -346,12 +346,17 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
 // Sparse rows: 16 channels at a time, their kept values (popcount(m) of them, read with a masked load)
 // expanded in registers under the channels' mask (VEXPANDPS: AVX512F, no VBMI2 needed). f(d, m, x)
 // for each 16 channels from d with kept ones: m their mask, x the row there (dropped elements zero).
+inline __mmask16 kv_mask16(const uint32_t* mask, int64_t d) { return (__mmask16)(mask[d / 32] >> (d & 16)); }
+template <class T>
+inline __m512 expand_kv16(const T* v, __mmask16 m) {
+  return _mm512_maskz_expand_ps(m, load_kv16(v, tail_mask(__builtin_popcount(m))));
+}
 template <class T, class F>
 inline void for_kept16(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
   for (int64_t d = 0; d < hd; d += 16) {
-    const __mmask16 m = (__mmask16)(mask[d / 32] >> (d & 16));
+    const __mmask16 m = kv_mask16(mask, d);
     if (!m) continue;
-    f(d, m, _mm512_maskz_expand_ps(m, load_kv16(v, tail_mask(__builtin_popcount(m)))));
+    f(d, m, expand_kv16(v, m));
     v += __builtin_popcount(m);
   }
 }
@@ -370,19 +375,32 @@ void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, con
   }
 }
 
-// NG heads x one token: the expanded value chunk is added to every head's output at its kept channels.
+// NG heads x 16 channels over up to 16 tokens, as kv_accum_tile: each head's sum stays in a register
+// over the tokens (each token's values pointer advanced past the chunks already read).
 template <int NG, class T>
 void kv_accum_sparse_tile(const float* p, int64_t ldp, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
                           int64_t hd, float* out) {
-  for (int64_t j = 0; j < n; j++) {
-    __m512 pj[NG];
-    for (int g = 0; g < NG; g++) pj[g] = _mm512_set1_ps(p[g * ldp + j]);
-    for_kept16(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __mmask16 m, __m512 x) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const T* v[16];
+    for (int64_t j = 0; j < nj; j++) v[j] = val + (j0 + j) * nk;
+    for (int64_t d = 0; d < hd; d += 16) {
+      __m512 acc[NG];
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nj; j++) {
+        const __mmask16 m = kv_mask16(mask + (j0 + j) * mw, d);
+        if (!m) continue;
+        const __m512 x = expand_kv16(v[j], m);
+        v[j] += __builtin_popcount(m);
+        for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ldp + j0 + j]), x, acc[g]);
+      }
+      const __mmask16 m = hd - d >= 16 ? (__mmask16)0xffff : tail_mask(hd - d);
       for (int g = 0; g < NG; g++) {
         float* o = out + g * hd + d;
-        _mm512_mask_storeu_ps(o, m, _mm512_fmadd_ps(pj[g], x, _mm512_maskz_loadu_ps(m, o)));
+        _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[g]));
       }
-    });
+    }
   }
 }
 
