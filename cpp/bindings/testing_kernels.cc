@@ -183,7 +183,8 @@ void register_testing_kernels(py::module_& m) {
     return mask;
   };
   m.def("kernel_kv_scores_sparse", [sparse_vals, sparse_masks](const std::string& isa, const std::string& kv,
-                                                               FloatArray q, py::array mask, py::array val, int64_t nk) {
+                                                               FloatArray q, py::array mask, py::array val,
+                                                               int64_t nk) {
     if (q.ndim() != 2) throw std::invalid_argument("q must be [G, hd]");
     const int64_t G = q.shape(0), hd = q.shape(1), n = mask.ndim() == 2 ? mask.shape(0) : 0;
     auto mk = sparse_masks(mask, n, hd);

@@ -216,8 +216,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
               schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
-              kv_cache_gb: Optional[float] = None, kv_sparsity: float = 0.0, speculative_model: Optional[str] = "[ngram]",
-              num_speculative_tokens: Optional[int] = None, speculative_weights: Optional[str] = None) -> Dict[str, Any]:
+              kv_cache_gb: Optional[float] = None, kv_sparsity: float = 0.0,
+              speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
+              speculative_weights: Optional[str] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity and the speculative_*
     options are corelm.LLM's, for every worker.
