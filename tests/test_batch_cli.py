@@ -329,8 +329,9 @@ def test_cli_batch_passes_engine_options(tmp_path, monkeypatch):
     monkeypatch.setattr(corelm.entrypoints.batch, "run_batch", fake_run_batch)
     src = write_input(tmp_path / "in.jsonl", mixed(1))
     assert cli.main(["batch", src, "-o", str(tmp_path / "o.jsonl"), "--dtype", "q4", "--activations", "int16",
-                     "--schedule", "static", "--no-progress"]) == 0
+                     "--schedule", "static", "--kv-sparsity", "0.3", "--no-progress"]) == 0
     assert (got["dtype"], got["activations"], got["schedule"]) == ("q4", "int16", "static")
+    assert got["kv_sparsity"] == 0.3
 
 
 def test_cli_batch(tmp_path, capsys):

@@ -129,6 +129,11 @@ def test_activations_flag_reaches_the_engine(monkeypatch, fake):
     assert fake.llm.kwargs["activations"] == "int16" and fake.llm.kwargs["dtype"] == "q8"
 
 
+def test_kv_sparsity_flag_reaches_the_engine(monkeypatch, fake):
+    run_chat(monkeypatch, "hi\n", "--kv-cache-dtype", "int8", "--kv-sparsity", "0.5")
+    assert fake.llm.kwargs["kv_sparsity"] == 0.5 and fake.llm.kwargs["kv_cache_dtype"] == "int8"
+
+
 def test_chat_defaults_follow_llama_cli(monkeypatch, fake):
     run_chat(monkeypatch, "hi\n")
     assert fake.llm.kwargs == dict(model=None, threads=None, dtype="auto", max_seq_len=None, numa=None)
@@ -258,6 +263,8 @@ def test_interactive_eof_exits_cleanly(monkeypatch, capsys):
     (["generate", "-p", "x", "--temp", "nan"], "error: temperature must be a finite number"),
     (["generate", "-p", "x", "-n", "0"], "error: max_tokens must be at least 1, got 0."),
     (["chat", "--threads", "0"], "error: --threads must be at least 1, got 0."),
+    (["chat", "--kv-sparsity", "1"], "error: --kv-sparsity must be in [0, 1), got 1.0."),
+    (["generate", "-p", "x", "--kv-sparsity", "-0.5"], "error: --kv-sparsity must be in [0, 1), got -0.5."),
 ])
 def test_bad_flag_values_exit_1_with_an_error_line(capsys, fake, argv, message):
     assert cli.main(argv) == 1
@@ -525,3 +532,6 @@ def test_info_reports_the_context_and_storage_the_engine_uses(model, capsys):
     assert f"Weights:   matrices stored as {llm.engine.dtype} (--dtype auto)" in out
     assert f"take {llm.engine.activations} activations (--activations auto: the exact path" in out
     assert "dequantized" not in out          # the GGUF's blocks are kept as stored
+    bf16 = corelm.LLM(path, threads=1, kv_cache_dtype="bf16", kv_sparsity=0.5).engine.core  # the pool's own size
+    per_token = bf16.kv_bytes // (bf16.kv_blocks * bf16.kv_block_size)
+    assert "at --kv-sparsity 0.5 fp32 " in out and f", bf16 {per_token}, int8" in out.split("at --kv-sparsity 0.5")[1]

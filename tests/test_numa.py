@@ -178,10 +178,10 @@ SPEC = ModelSpec(arch="llama", vocab_size=512, hidden_size=256, intermediate_siz
                  num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4)
 
 
-def random_model(numa, kv_type="fp32", pin_threads=True, threads=2):
-    """Matrices of 256 KiB to 1 MiB (each its own mapping) and a 256 KiB KV buffer per kind."""
+def random_model(numa, kv_type="fp32", pin_threads=True, threads=2, kv_sparsity=0.0):
+    """Matrices of 256 KiB to 1 MiB (each its own mapping) and a 256 KiB KV buffer per kind (fp32, dense)."""
     cfg = core_config(SPEC, "fp32", threads, 256, pin_threads=pin_threads, numa=numa)
-    cfg.update(kv_type=kv_type)
+    cfg.update(kv_type=kv_type, kv_sparsity=kv_sparsity)
     m = _core.Model(cfg)
     rng = np.random.default_rng(0)
     for name, shape in weight_shapes(SPEC).items():
@@ -221,20 +221,21 @@ def test_one_node_places_nothing_and_says_so(monkeypatch):
     assert info["shares"] == [(0, 2)]
 
 
-@pytest.mark.parametrize("kv_type", ["fp32", "int8"])
-def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_type):
+@pytest.mark.parametrize("kv_type,kv_sparsity", [("fp32", 0.0), ("int8", 0.0), ("fp32", 0.5), ("int8", 0.5)])
+def test_forced_placement_puts_every_page_where_the_split_says(monkeypatch, kv_type, kv_sparsity):
     """CORELM_NUMA_FORCE=1 runs the multi-node path here: every range mbind'ed to its node (node 0),
     the weights' pages there at once, the KV cache's as they are first written."""
     monkeypatch.setenv("CORELM_NUMA_FORCE", "1")
-    m = random_model("distribute", kv_type)
+    m = random_model("distribute", kv_type, kv_sparsity=kv_sparsity)
     numa = m.numa_info(pages=True)
     assert numa["thread_node"] == [0, 0] and numa["shares"] == [(0, 2)]
     placed = {p["name"]: p for p in numa["placed"]}
-    # int8 scales here are 8 KiB: buffers under 64 KiB share pages with other data and stay put.
-    kv = ["kv.k", "kv.v"]
+    # int8 scales here are 8 KiB, sparse masks 8 KiB and sparse int8 values 32 KiB: buffers under 64 KiB
+    # share pages with other data and stay put.
+    kv = [] if (kv_type, kv_sparsity) == ("int8", 0.5) else ["kv.k", "kv.v"]
     assert sorted(placed) == sorted([f"layers.{l}.{w}" for l in range(2) for w in ("wqkv", "wo", "w_gate_up", "w_down")]
                                     + ["lm_head"] + kv)
-    assert "11 buffers placed by node" in numa["status"] and "failed" not in numa["status"]
+    assert f"{9 + len(kv)} buffers placed by node" in numa["status"] and "failed" not in numa["status"]
     page = _core.testing.page_bytes()
     for name, p in placed.items():
         assert p["error"] == "", (name, p["error"])

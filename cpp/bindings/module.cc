@@ -71,6 +71,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
   c.n_threads = get<int>(d, "n_threads");
   if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
+  if (d.contains("kv_sparsity")) c.kv_sparsity = d["kv_sparsity"].cast<double>();
   if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
   if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
   if (d.contains("activations")) c.act_type = parse_act_type(d["activations"].cast<std::string>());
@@ -194,6 +195,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_block_size", [](PyModel& s) { return s.model.kv_cache().block_size(); })
       .def_property_readonly("kv_blocks", [](PyModel& s) { return s.model.kv_cache().n_blocks(); })
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
+      .def_property_readonly("kv_keep", [](PyModel& s) { return s.model.kv_cache().n_keep(); })
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
       .def("last_routing", [](PyModel& s) {

@@ -15,6 +15,7 @@
 #include "kernels/amx/amx.h"
 #include "kernels/kernels.h"
 #include "kernels/ggml_formats.h"
+#include "model/kv_cache.h"
 
 namespace py = pybind11;
 
@@ -167,6 +168,75 @@ void register_testing_kernels(py::module_& m) {
     table(isa).kv_accum(t, p.data(), n, G, vp, n, hd, y.mutable_data());
     return y;
   });
+  // The sparse attention kernels over n rows: masks [n][kv_mask_words(hd)] (uint32) and the kept
+  // values [n][nk] (plus the kernels' slack, added here).
+  auto sparse_vals = [kv_array](const std::string& kv, py::array val, int64_t n, int64_t nk) {
+    auto [t, vp] = kv_array(kv, val, n * nk);
+    const size_t bytes = (size_t)val.nbytes();
+    auto copy = std::make_shared<std::vector<char>>(bytes + kKVSparseSlack, 0);
+    std::memcpy(copy->data(), vp, bytes);
+    return std::make_pair(t, copy);
+  };
+  auto sparse_masks = [](py::array_t<uint32_t, py::array::c_style | py::array::forcecast> mask, int64_t n, int64_t hd) {
+    if (mask.ndim() != 2 || mask.shape(0) != n || mask.shape(1) != kv_mask_words(hd))
+      throw std::invalid_argument("masks must be [n, kv_mask_words(hd)]");
+    return mask;
+  };
+  m.def("kernel_kv_scores_sparse", [sparse_vals, sparse_masks](const std::string& isa, const std::string& kv,
+                                                               FloatArray q, py::array mask, py::array val,
+                                                               int64_t nk) {
+    if (q.ndim() != 2) throw std::invalid_argument("q must be [G, hd]");
+    const int64_t G = q.shape(0), hd = q.shape(1), n = mask.ndim() == 2 ? mask.shape(0) : 0;
+    auto mk = sparse_masks(mask, n, hd);
+    auto [t, vals] = sparse_vals(kv, val, n, nk);
+    py::array_t<float> s({G, n});
+    table(isa).kv_scores_sparse(t, q.data(), G, hd, mk.data(), vals->data(), nk, n, s.mutable_data(), n);
+    return s;
+  });
+  m.def("kernel_kv_accum_sparse", [sparse_vals, sparse_masks](const std::string& isa, const std::string& kv,
+                                                              FloatArray p, py::array mask, py::array val, int64_t nk,
+                                                              FloatArray out) {
+    if (p.ndim() != 2 || out.ndim() != 2 || out.shape(0) != p.shape(0))
+      throw std::invalid_argument("kernel_kv_accum_sparse needs p [G, n] and out [G, hd]");
+    const int64_t G = p.shape(0), n = p.shape(1), hd = out.shape(1);
+    auto mk = sparse_masks(mask, n, hd);
+    auto [t, vals] = sparse_vals(kv, val, n, nk);
+    py::array_t<float> y({G, hd});
+    std::copy(out.data(), out.data() + G * hd, y.mutable_data());
+    table(isa).kv_accum_sparse(t, p.data(), n, G, mk.data(), vals->data(), nk, n, hd, y.mutable_data());
+    return y;
+  });
+  // A KV cache of one layer, driven directly: store rows, read them back, attend.
+  py::class_<KVCache>(m, "KVCache")
+      .def(py::init([](int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size,
+                       const std::string& kv, double sparsity) {
+             return new KVCache(1, n_kv_heads, head_dim, n_blocks, block_size, parse_kv_type(kv),
+                                KVCache::kept(head_dim, sparsity));
+           }),
+           py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("n_blocks"), py::arg("block_size"), py::arg("kv"),
+           py::arg("sparsity") = 0.0)
+      .def_property_readonly("n_keep", &KVCache::n_keep)
+      .def_property_readonly("bytes", &KVCache::bytes)
+      .def("store", [](KVCache& c, int64_t block, int64_t slot, int64_t kv_head, bool value, FloatArray x) {
+        c.store(0, block, slot, kv_head, value, x.data());
+      })
+      .def("load", [](const KVCache& c, int64_t block, int64_t slot, int64_t kv_head, bool value, int64_t hd) {
+        py::array_t<float> x(hd);
+        c.load(0, block, slot, kv_head, value, x.mutable_data());
+        return x;
+      })
+      .def("attend", [](const KVCache& c, const std::string& isa, int64_t kv_head,
+                        py::array_t<int32_t, py::array::c_style | py::array::forcecast> blocks, int64_t start,
+                        int64_t end, FloatArray q, float scale, float softcap) {
+        if (q.ndim() != 2 || start < 0 || end < start || (end / c.block_size()) >= blocks.size())
+          throw std::invalid_argument("attend needs q [G, hd] and blocks covering [start, end]");
+        const int64_t G = q.shape(0), hd = q.shape(1);
+        std::vector<float> scores(G * (end - start + 1));
+        py::array_t<float> out({G, hd});
+        c.attend(table(isa), 0, kv_head, blocks.data(), start, end, q.data(), G, scale, softcap, scores.data(),
+                 out.mutable_data());
+        return out;
+      });
   m.def("kernel_row_to_f32", [](const std::string& isa, FloatArray w, const std::string& wtype, int64_t row) {
     if (w.ndim() != 2 || row < 0 || row >= w.shape(0)) throw std::invalid_argument("bad matrix or row");
     PackedMatrix pw = table(isa).pack(w.data(), w.shape(0), w.shape(1), parse_weight_type(wtype), nullptr);

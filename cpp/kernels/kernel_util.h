@@ -66,5 +66,11 @@ void with_kv_type(KVType t, const void* p, F&& f) {
   }
 }
 
+// f(tile, g0, typed pointer): the head tiles of an attention kernel over elements of type t.
+template <class F>
+void for_kv_head_tiles(KVType t, const void* p, int64_t G, F&& f) {
+  with_kv_type(t, p, [&](auto tp) { for_head_tiles(G, [&](auto ng, int64_t g0) { f(ng, g0, tp); }); });
+}
+
 }  // namespace
 }  // namespace corelm

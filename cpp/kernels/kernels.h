@@ -110,6 +110,17 @@ struct KernelTable {
   //   out[g * hd + d] += sum_j p[g * ldp + j] * V[j * hd + d]
   void (*kv_accum)(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, int64_t n, int64_t hd,
                    float* out);
+  // The same over sparse rows (kv_sparsity): token j keeps some of its hd elements, marked in its mask
+  // mask[j * kv_mask_words(hd) ...] (bit d of the LSB-first bitmap: channel d kept; no bits at d >= hd),
+  // their values in channel order at val[j * nk ...] (type t; nk >= the row's popcount). Dropped
+  // elements count as zero. val must have kKVSparseSlack readable bytes after the last row (AVX2
+  // loads whole vectors there).
+  //   s[g * lds + j] = sum_d q[g * hd + d] * K_j[d]
+  void (*kv_scores_sparse)(KVType t, const float* q, int64_t G, int64_t hd, const uint32_t* mask, const void* val,
+                           int64_t nk, int64_t n, float* s, int64_t lds);
+  //   out[g * hd + d] += sum_j p[g * ldp + j] * V_j[d]
+  void (*kv_accum_sparse)(KVType t, const float* p, int64_t ldp, int64_t G, const uint32_t* mask, const void* val,
+                          int64_t nk, int64_t n, int64_t hd, float* out);
   // x = exp(x - max) / sum, in place.
   void (*softmax)(float* x, int64_t n);
   // One row of W as fp32 (embedding lookup).
@@ -131,6 +142,9 @@ struct KernelTable {
   const KernelTable* row_exact = nullptr;
 };
 constexpr int64_t kRowExactRows = 32;
+// A sparse KV row's bitmap: 32 channels per word.
+inline int64_t kv_mask_words(int64_t hd) { return (hd + 31) / 32; }
+constexpr int64_t kKVSparseSlack = 64;
 
 extern const KernelTable kScalarKernels;
 #if defined(CORELM_HAVE_X86)

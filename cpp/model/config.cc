@@ -30,6 +30,7 @@ void ModelConfig::validate() const {
   require(act_type == ActType::I8 || act_type == ActType::I16, "act_type must be I8 or I16");
   require(sliding_window >= 0, "sliding_window must be >= 0");
   require(kv_block_size >= 1 && kv_block_size <= 4096, "kv_block_size must be in [1, 4096]");
+  require(kv_sparsity >= 0 && kv_sparsity < 1, "kv_sparsity must be in [0, 1)");
   require(kv_blocks >= 0 && kv_blocks <= (1 << 24), "kv_blocks must be in [0, 16M]");
   // Sizes used in index arithmetic must stay far from overflow.
   require(vocab_size < (1 << 24) && dim < (1 << 20) && ffn_dim < (1 << 22) && n_layers < 4096 &&

@@ -64,6 +64,7 @@ struct ModelConfig {
   ActType act_type = ActType::I8;
   int n_threads = 1;
   KVType kv_type = KVType::F32;
+  double kv_sparsity = 0;          // fraction of each key and value row dropped (model/kv_cache.h)
   int64_t kv_block_size = 16;      // tokens per KV block
   int64_t kv_blocks = 0;           // blocks in the pool; 0: enough for one sequence of max_seq_len
   bool pin_threads = true;  // pin pool workers one per physical core (runtime/topology.h)

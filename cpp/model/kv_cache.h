@@ -3,7 +3,14 @@
 // blocks. Keys and values are stored in fp32, bf16 or int8. An int8 row (one token's key or value for one
 // kv head) has an fp16 step and an fp16 lower bound: x ~= lo + step * (q + 128), its 256 levels spanning the
 // row's [min, max] (asymmetric: a third less error than absmax / 127 on these rows, see docs/architecture.md).
+//
+// Sparse rows (kv_sparsity s, SparAMX's KV sparsity): every row keeps its n_keep = head_dim - floor(s *
+// head_dim) largest-magnitude elements, as a head_dim-bit mask and the kept values in channel order, so
+// rows keep one size and blocks stay paged. Sparse int8 rows are not rotated (the rotation spreads a
+// row's outliers over all elements, which is what magnitude pruning must not see) and are symmetric,
+// x ~= step * q (lo = -128 step): an offset would apply to the kept channels only, which differ by row.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -27,29 +34,50 @@ struct RowScale {
 
 // Quantizes n floats to int8 over their [min, max] with round-to-nearest.
 RowScale quantize_row_i8(const float* x, int64_t n, int8_t* q);
+// Quantizes n floats to int8 symmetrically (step >= absmax / 127, zero() exactly 0).
+RowScale quantize_row_i8_symmetric(const float* x, int64_t n, int8_t* q);
+
 class KVCache {
  public:
   static constexpr int64_t kMaxHeadDim = 4096;
 
-  KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size, KVType type);
+  // n_keep: elements kept per sparse row; head_dim (or 0) keeps them all, the dense layout.
+  KVCache(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, int64_t n_blocks, int64_t block_size, KVType type,
+          int64_t n_keep = 0);
+  // The elements a row keeps at kv_sparsity s (Python computes the same: engine/model_builder.py).
+  static int64_t kept(int64_t head_dim, double sparsity) { return head_dim - (int64_t)std::floor(sparsity * head_dim); }
 
   int64_t n_blocks() const { return n_blocks_; }
   int64_t block_size() const { return block_size_; }
   KVType type() const { return type_; }
+  bool sparse() const { return n_keep_ < head_dim_; }
+  int64_t n_keep() const { return n_keep_; }
   size_t bytes() const;  // reserved (pages are touched only when used)
 
-  // The storage (keys, values, int8 scales) as (base, bytes), each [layer][kv_head][...] with an equal
+  // The storage (keys, values, int8 scales, sparse masks), each [layer][kv_head][...] with an equal
   // stride per (layer, kv_head): what NUMA placement hands to nodes by kv head, so the threads that
   // attend over a kv head read only their own node's memory.
-  std::vector<std::pair<const void*, size_t>> buffers() const {
+  struct Buffer {
+    const char* name;
+    const void* base;
+    size_t bytes;
+  };
+  std::vector<Buffer> buffers() const {
     const size_t rows = (size_t)n_layers_ * n_kv_heads_ * n_blocks_ * block_size_;
-    std::vector<std::pair<const void*, size_t>> b = {{k_.get(), rows * head_dim_ * esz_}, {v_.get(), rows * head_dim_ * esz_}};
-    if (k_scale_) b.insert(b.end(), {{k_scale_.get(), rows * sizeof(RowScale)}, {v_scale_.get(), rows * sizeof(RowScale)}});
+    std::vector<Buffer> b = {{"kv.k", k_.get(), rows * n_keep_ * esz_}, {"kv.v", v_.get(), rows * n_keep_ * esz_}};
+    if (k_scale_)
+      b.insert(b.end(), {{"kv.k_scale", k_scale_.get(), rows * sizeof(RowScale)},
+                         {"kv.v_scale", v_scale_.get(), rows * sizeof(RowScale)}});
+    if (k_mask_)
+      b.insert(b.end(), {{"kv.k_mask", k_mask_.get(), rows * mask_words_ * 4},
+                         {"kv.v_mask", v_mask_.get(), rows * mask_words_ * 4}});
     return b;
   }
 
   // Stores one token's key (or, with value, its value) for one kv head at (block, slot).
   void store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x);
+  // The row stored there as floats (dequantized, rotated back, dropped elements zero): for tests.
+  void load(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, float* x) const;
 
   // For G query heads that share kv_head (q and out are [G][head_dim]):
   // out[g] = softmax(scale * q[g] . K[j]) . V[j] over positions j in [start, end] of a sequence whose
@@ -65,10 +93,14 @@ class KVCache {
 
   int64_t n_layers_, n_kv_heads_, head_dim_, n_blocks_, block_size_;
   KVType type_;
+  int64_t n_keep_, mask_words_;  // n_keep_ == head_dim_: dense
+  bool rotated_;                 // int8 rows hold Hx (dense int8 only)
   size_t esz_;
   std::shared_ptr<void> k_, v_;            // k: [layer][kv_head][block][head_dim][slot] (transposed in a block)
                                            // v: [layer][kv_head][block][slot][head_dim]
+                                           // sparse, both: [layer][kv_head][block][slot][n_keep] (kept values)
   std::shared_ptr<void> k_scale_, v_scale_;  // [layer][kv_head][block][slot] of RowScale (int8 only)
+  std::shared_ptr<void> k_mask_, v_mask_;    // sparse: [layer][kv_head][block][slot][mask_words] bitmaps
 };
 
 }  // namespace corelm

@@ -27,7 +27,8 @@ Model::Model(const ModelConfig& cfg)
       // the NUMA plan's CPUs; its nodes only where memory is split by node (a policy and pinned threads)
       pool_(numa_.thread_cpus, numa_.shares.empty() ? std::vector<int>{} : numa_.thread_node, cfg.pin_threads, false,
             cfg.schedule),
-      kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type) {
+      kv_(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, default_kv_blocks(cfg), cfg.kv_block_size, cfg.kv_type,
+          KVCache::kept(cfg.head_dim, cfg.kv_sparsity)) {
   layers_.resize(cfg_.n_layers);
   for (LayerWeights& L : layers_) L.experts.resize(cfg_.n_experts);
   pack_threads_ = [this](int64_t n, const std::function<void(int64_t, int64_t)>& body) {

@@ -35,10 +35,8 @@ void Model::place(const std::string& name, const void* base, size_t bytes, std::
 // than nodes leaves some nodes none.
 void Model::place_kv_cache() {
   if (!numa_places_memory()) return;
-  const char* names[] = {"kv.k", "kv.v", "kv.k_scale", "kv.v_scale"};
-  int i = 0;
-  for (const auto& buf : kv_.buffers())
-    place(names[i++], buf.first, buf.second, split_per_layer(cfg_.n_layers, cfg_.n_kv_heads, buf.second, numa_.shares),
+  for (const KVCache::Buffer& buf : kv_.buffers())
+    place(buf.name, buf.base, buf.bytes, split_per_layer(cfg_.n_layers, cfg_.n_kv_heads, buf.bytes, numa_.shares),
           /*strict=*/false);
 }
 

@@ -68,8 +68,8 @@ class RequestOutput:
 class LLM:
     """Loads a model (an HF folder, a .gguf file, a corelm folder or a hub id; None = the embedded
     SmolLM2-135M-Instruct) into one LLMEngine. Options are LLMEngine's (threads, dtype, max_seq_len,
-    kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
-    activations, revision, progress)."""
+    kv_cache_dtype, kv_cache_gb, kv_sparsity, max_num_seqs, max_batch_tokens, weights, pin_threads, numa,
+    schedule, activations, revision, progress)."""
 
     def __init__(self, model: Optional[str] = None, **options: Any):
         self.engine = LLMEngine(model, **options)

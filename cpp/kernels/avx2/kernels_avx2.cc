@@ -586,10 +586,106 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
   });
 }
 
+// Sparse rows, 8 channels at a time. AVX2 has no expand: the 8 values from the chunk's first kept one
+// are loaded whole (kKVSparseSlack covers the last row), VPERMPS moves the r-th of them to the lane of
+// the r-th set mask bit, and the lanes without a bit are cleared.
+struct ExpandIndex {
+  uint64_t lanes[256];  // byte i of lanes[m]: the rank of lane i's bit among m's set bits
+  ExpandIndex() {
+    for (int m = 0; m < 256; m++) {
+      lanes[m] = 0;
+      for (int i = 0, r = 0; i < 8; i++)
+        if (m >> i & 1) lanes[m] |= (uint64_t)r++ << (8 * i);
+    }
+  }
+};
+const ExpandIndex kExpandIndex;
+
+inline __m256i kv_lanes8(unsigned m) {  // all ones in the lanes whose bit is set
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)m), bit), bit);
+}
+template <class T>
+inline __m256 expand_kv8(const T* v, unsigned m, __m256i lanes) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)kExpandIndex.lanes[m]));
+  return _mm256_and_ps(_mm256_permutevar8x32_ps(load_kv8(v), idx), _mm256_castsi256_ps(lanes));
+}
+// f(d, lanes, x) for each 8 channels from d with kept ones: lanes their mask, x the row there.
+inline unsigned kv_mask8(const uint32_t* mask, int64_t d) { return mask[d / 32] >> (d & 24) & 0xff; }
+template <class T, class F>
+inline void for_kept8(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
+  for (int64_t d = 0; d < hd; d += 8) {
+    const unsigned m = kv_mask8(mask, d);
+    if (!m) continue;
+    const __m256i lanes = kv_lanes8(m);
+    f(d, lanes, expand_kv8(v, m, lanes));
+    v += __builtin_popcount(m);
+  }
+}
+
+template <int NG, class T>
+void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
+                           float* s, int64_t lds) {
+  for (int64_t j = 0; j < n; j++) {
+    __m256 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+    for_kept8(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __m256i lanes, __m256 k) {
+      // q read only in kept lanes: no read past q's end, and nothing from a dropped channel
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_maskload_ps(q + g * hd + d, lanes), k, acc[g]);
+    });
+    for (int g = 0; g < NG; g++) s[g * lds + j] = hsum(acc[g]);
+  }
+}
+
+// NG heads x 8 channels over up to 16 tokens: each head's sum stays in a register over the tokens (each
+// token's values pointer advanced past the chunks already read).
+template <int NG, class T>
+void kv_accum_sparse_tile(const float* p, int64_t ldp, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
+                          int64_t hd, float* out) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const T* v[16];
+    for (int64_t j = 0; j < nj; j++) v[j] = val + (j0 + j) * nk;
+    for (int64_t d = 0; d < hd; d += 8) {
+      __m256 acc[NG];
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nj; j++) {
+        const unsigned m = kv_mask8(mask + (j0 + j) * mw, d);
+        if (!m) continue;
+        const __m256i lanes = kv_lanes8(m);
+        const __m256 x = expand_kv8(v[j], m, lanes);
+        v[j] += __builtin_popcount(m);
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * ldp + j0 + j), x, acc[g]);
+      }
+      const __m256i m = tail_mask(std::min<int64_t>(8, hd - d));
+      for (int g = 0; g < NG; g++) {
+        float* o = out + g * hd + d;
+        _mm256_maskstore_ps(o, m, _mm256_add_ps(_mm256_maskload_ps(o, m), acc[g]));
+      }
+    }
+  }
+}
+
+void kv_scores_sparse(KVType t, const float* q, int64_t G, int64_t hd, const uint32_t* mask, const void* val,
+                      int64_t nk, int64_t n, float* s, int64_t lds) {
+  for_kv_head_tiles(t, val, G, [&](auto ng, int64_t g0, auto vp) {
+    kv_scores_sparse_tile<decltype(ng)::value>(q + g0 * hd, hd, mask, vp, nk, n, s + g0 * lds, lds);
+  });
+}
+
+void kv_accum_sparse(KVType t, const float* p, int64_t ldp, int64_t G, const uint32_t* mask, const void* val,
+                     int64_t nk, int64_t n, int64_t hd, float* out) {
+  for_kv_head_tiles(t, val, G, [&](auto ng, int64_t g0, auto vp) {
+    kv_accum_sparse_tile<decltype(ng)::value>(p + g0 * ldp, ldp, mask, vp, nk, n, hd, out + g0 * hd);
+  });
+}
+
 }  // namespace
 
 // row_grain 32: the quantized layout's super-group
-const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores, kv_accum, softmax,
+const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores, kv_accum,
+                                  kv_scores_sparse, kv_accum_sparse, softmax,
                                   row_to_f32, pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};
 

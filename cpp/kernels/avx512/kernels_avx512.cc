@@ -343,6 +343,81 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
   });
 }
 
+// Sparse rows: 16 channels at a time, their kept values (popcount(m) of them, read with a masked load)
+// expanded in registers under the channels' mask (VEXPANDPS: AVX512F, no VBMI2 needed). f(d, m, x)
+// for each 16 channels from d with kept ones: m their mask, x the row there (dropped elements zero).
+inline __mmask16 kv_mask16(const uint32_t* mask, int64_t d) { return (__mmask16)(mask[d / 32] >> (d & 16)); }
+template <class T>
+inline __m512 expand_kv16(const T* v, __mmask16 m) {
+  return _mm512_maskz_expand_ps(m, load_kv16(v, tail_mask(__builtin_popcount(m))));
+}
+template <class T, class F>
+inline void for_kept16(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 m = kv_mask16(mask, d);
+    if (!m) continue;
+    f(d, m, expand_kv16(v, m));
+    v += __builtin_popcount(m);
+  }
+}
+
+// NG heads x one token: its expanded key chunk serves every head; one horizontal sum per head and token.
+template <int NG, class T>
+void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
+                           float* s, int64_t lds) {
+  for (int64_t j = 0; j < n; j++) {
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    for_kept16(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __mmask16 m, __m512 k) {
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * hd + d), k, acc[g]);
+    });
+    for (int g = 0; g < NG; g++) s[g * lds + j] = _mm512_reduce_add_ps(acc[g]);
+  }
+}
+
+// NG heads x 16 channels over up to 16 tokens, as kv_accum_tile: each head's sum stays in a register
+// over the tokens (each token's values pointer advanced past the chunks already read).
+template <int NG, class T>
+void kv_accum_sparse_tile(const float* p, int64_t ldp, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
+                          int64_t hd, float* out) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const T* v[16];
+    for (int64_t j = 0; j < nj; j++) v[j] = val + (j0 + j) * nk;
+    for (int64_t d = 0; d < hd; d += 16) {
+      __m512 acc[NG];
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nj; j++) {
+        const __mmask16 m = kv_mask16(mask + (j0 + j) * mw, d);
+        if (!m) continue;
+        const __m512 x = expand_kv16(v[j], m);
+        v[j] += __builtin_popcount(m);
+        for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ldp + j0 + j]), x, acc[g]);
+      }
+      const __mmask16 m = hd - d >= 16 ? (__mmask16)0xffff : tail_mask(hd - d);
+      for (int g = 0; g < NG; g++) {
+        float* o = out + g * hd + d;
+        _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[g]));
+      }
+    }
+  }
+}
+
+void kv_scores_sparse(KVType t, const float* q, int64_t G, int64_t hd, const uint32_t* mask, const void* val,
+                      int64_t nk, int64_t n, float* s, int64_t lds) {
+  for_kv_head_tiles(t, val, G, [&](auto ng, int64_t g0, auto vp) {
+    kv_scores_sparse_tile<decltype(ng)::value>(q + g0 * hd, hd, mask, vp, nk, n, s + g0 * lds, lds);
+  });
+}
+
+void kv_accum_sparse(KVType t, const float* p, int64_t ldp, int64_t G, const uint32_t* mask, const void* val,
+                     int64_t nk, int64_t n, int64_t hd, float* out) {
+  for_kv_head_tiles(t, val, G, [&](auto ng, int64_t g0, auto vp) {
+    kv_accum_sparse_tile<decltype(ng)::value>(p + g0 * ldp, ldp, mask, vp, nk, n, hd, out + g0 * hd);
+  });
+}
+
 void rmsnorm(float* out, const float* x, const float* weight, int64_t n, float eps) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -443,11 +518,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 }  // namespace
 
 const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                    kv_accum, softmax, row_to_f32, pack_raw,
+                                    kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
 const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                        kv_accum, softmax, row_to_f32, pack_raw,
+                                        kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant, &kAvx512Kernels};
 

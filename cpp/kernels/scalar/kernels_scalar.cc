@@ -122,6 +122,29 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
       for (int64_t d = 0; d < hd; d++) out[g * hd + d] += p[g * ldp + j] * kv_at(t, v, j * hd + d);
 }
 
+// Sparse rows: the kept channels in order, each with the index of its value (the reference sums in
+// channel order, as kv_scores does, so a dense row with the dropped elements zero gives the same bits).
+void kv_scores_sparse(KVType t, const float* q, int64_t G, int64_t hd, const uint32_t* mask, const void* val,
+                      int64_t nk, int64_t n, float* s, int64_t lds) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t j = 0; j < n; j++) {
+      float acc = 0.f;
+      for (int64_t d = 0, r = j * nk; d < hd; d++)
+        if (mask[j * mw + d / 32] >> (d % 32) & 1) acc += q[g * hd + d] * kv_at(t, val, r++);
+      s[g * lds + j] = acc;
+    }
+}
+
+void kv_accum_sparse(KVType t, const float* p, int64_t ldp, int64_t G, const uint32_t* mask, const void* val,
+                     int64_t nk, int64_t n, int64_t hd, float* out) {
+  const int64_t mw = kv_mask_words(hd);
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t d = 0, r = j * nk; d < hd; d++)
+        if (mask[j * mw + d / 32] >> (d % 32) & 1) out[g * hd + d] += p[g * ldp + j] * kv_at(t, val, r++);
+}
+
 void softmax(float* x, int64_t n) {
   float mx = x[0];
   for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
@@ -140,7 +163,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 }  // namespace
 
 const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
-                                    kv_accum, softmax, row_to_f32, pack_raw,
+                                    kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};
 

@@ -74,8 +74,8 @@ def is_single_prompt(prompts) -> bool:
 
 class LLMEngine:
     """See the module docstring. Options (all keyword): threads, dtype, max_seq_len, revision, progress,
-    kv_cache_dtype, kv_cache_gb, max_num_seqs, max_batch_tokens, weights, pin_threads, numa, schedule,
-    activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
+    kv_cache_dtype, kv_cache_gb, kv_sparsity, max_num_seqs, max_batch_tokens, weights, pin_threads, numa,
+    schedule, activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
     speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format,
     "[ngram]" for prompt lookup, the default, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
     (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min, and
@@ -84,9 +84,10 @@ class LLMEngine:
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
-                 kv_cache_dtype: str = "auto", kv_cache_gb: Optional[float] = None, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 256, weights: Optional[str] = None, pin_threads: Optional[bool] = None,
-                 numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
+                 kv_cache_dtype: str = "auto", kv_cache_gb: Optional[float] = None, kv_sparsity: float = 0.0,
+                 max_num_seqs: int = 64, max_batch_tokens: int = 256, weights: Optional[str] = None,
+                 pin_threads: Optional[bool] = None, numa: Optional[str] = None, schedule: Optional[str] = None,
+                 activations: str = "auto",
                  speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True):
@@ -109,7 +110,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                                      progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
-                                     pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations)
+                                     kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa, schedule=schedule,
+                                     activations=activations)
         self.threads = self.core.n_threads
         self.schedule = self.core.schedule
         self.activations = self.core.activations
@@ -117,6 +119,7 @@ class LLMEngine:
         self.dtype = getattr(self.loaded, "stored_types", None) or self.core.weight_type  # e.g. "q4_1+q8_0"
         self.max_seq_len = self.core.max_seq_len
         self.kv_cache_dtype = self.core.kv_type
+        self.kv_sparsity = float(kv_sparsity)
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
         self.speculator = self._speculator(speculative_model, num_speculative_tokens, speculative_weights,

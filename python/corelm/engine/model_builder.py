@@ -161,13 +161,33 @@ def check_activations(activations: str) -> str:
     return choose("activations", activations)
 
 
-def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb: Optional[float]) -> int:
+def check_kv_sparsity(kv_sparsity) -> float:
+    """The fraction of every key and value row the cache drops (0: dense), in [0, 1)."""
+    ok = isinstance(kv_sparsity, (int, float)) and not isinstance(kv_sparsity, bool)
+    if not ok or not 0 <= kv_sparsity < 1:   # NaN fails the comparison too
+        raise ValueError(f"kv_sparsity must be a number in [0, 1), got {kv_sparsity!r}.")
+    return float(kv_sparsity)
+
+
+def kv_keep(head_dim: int, kv_sparsity: float) -> int:
+    """Elements a sparse row keeps (as KVCache::kept computes it, in double precision)."""
+    return head_dim - math.floor(kv_sparsity * head_dim)
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, kv_sparsity: float = 0.0) -> int:
+    """Per layer and kv head a key row and a value row; an int8 row adds an fp16 step and lower bound, a
+    sparse row keeps kv_keep values and a bitmap of head_dim bits in 32-bit words."""
+    esz = {"fp32": 4, "bf16": 2, "int8": 1}[kv_dtype]
+    keep = kv_keep(spec.head_dim, kv_sparsity)
+    row = keep * esz + (4 if kv_dtype == "int8" else 0) + (4 * -(-spec.head_dim // 32) if keep < spec.head_dim else 0)
+    return spec.num_layers * spec.num_kv_heads * 2 * row
+
+
+def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb: Optional[float],
+                  kv_sparsity: float = 0.0) -> int:
     """Blocks in the KV pool. The default budget holds 8 full-context sequences, capped at 4 GiB;
     pages are reserved, not touched, so unused capacity costs no memory."""
-    esz = {"fp32": 4, "bf16": 2, "int8": 1}[kv_dtype]
-    # per layer and kv head: a key row and a value row; an int8 row adds an fp16 step and lower bound
-    per_token = spec.num_layers * spec.num_kv_heads * (2 * spec.head_dim * esz + (8 if kv_dtype == "int8" else 0))
-    per_block = per_token * KV_BLOCK_SIZE
+    per_block = kv_bytes_per_token(spec, kv_dtype, kv_sparsity) * KV_BLOCK_SIZE
     one_seq = -(-max_seq_len // KV_BLOCK_SIZE)
     if kv_cache_gb is None:
         return max(one_seq, min(8 * one_seq, (4 << 30) // per_block))
@@ -254,7 +274,8 @@ def resolve_kv_dtype(loaded: LoadedModel, dtype: str, kv_cache_dtype: str) -> st
 def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional[int] = None,
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "auto",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
-                     numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto"):
+                     numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
+                     kv_sparsity: float = 0.0):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
@@ -262,7 +283,8 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     schedule (default: default_schedule()) is "dynamic" or "static", see docs/architecture.md.
     activations: how matmuls with quantized weights take their input, per block of 32: "int16" (about
     15 bits, close to fp32: what "auto" picks, see AUTO_ACTIVATIONS) or "int8" (faster prefill, at a
-    fidelity cost measured in docs/quality.md)."""
+    fidelity cost measured in docs/quality.md). kv_sparsity: the fraction of each key and value row
+    the cache drops, keeping the largest magnitudes (model/kv_cache.h; its cost in docs/quality.md)."""
     from .. import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -274,13 +296,14 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     if int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
     kv_cache_dtype = resolve_kv_dtype(loaded, dtype, kv_cache_dtype)
+    kv_sparsity = check_kv_sparsity(kv_sparsity)
     activations = check_activations(activations)
     dtype = choose("dtype", dtype)
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
-    config.update(kv_type=kv_cache_dtype, kv_block_size=KV_BLOCK_SIZE,
-                  kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb))
+    config.update(kv_type=kv_cache_dtype, kv_sparsity=kv_sparsity, kv_block_size=KV_BLOCK_SIZE,
+                  kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb, kv_sparsity))
     model = _core.Model(config)
     names = list(loaded.weight_names())
     matrices = _matrices(spec)

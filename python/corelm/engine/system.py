@@ -18,7 +18,7 @@ import platform
 from typing import Any, Dict, List, Optional
 
 from .. import __version__, loader
-from .model_builder import AUTO_ACTIVATIONS, default_max_seq_len, planned_storage
+from .model_builder import AUTO_ACTIVATIONS, default_max_seq_len, kv_bytes_per_token, planned_storage
 
 # /proc/cpuinfo flags worth showing when the C++ core (which reports its own view) is not built.
 _INTERESTING_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
@@ -138,6 +138,9 @@ def model_info(model: str) -> Dict[str, Any]:
         # default dtype ("auto") stores the matrices
         "default_context": default_max_seq_len(spec), "matrices_stored_as": planned_storage(loaded),
         "default_activations": AUTO_ACTIVATIONS,
+        # KV cache bytes per token by --kv-cache-dtype, dense and at --kv-sparsity 0.5
+        "kv_bytes_per_token": {kv: {str(s): kv_bytes_per_token(spec, kv, s) for s in (0.0, 0.5)}
+                               for kv in ("fp32", "bf16", "int8")},
         "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_word_embeddings,
         "chat_template": bool(loaded.chat_template),
         "storage": storage_info(loaded),

@@ -216,10 +216,11 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
               schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
-              kv_cache_gb: Optional[float] = None, speculative_model: Optional[str] = "[ngram]",
-              num_speculative_tokens: Optional[int] = None, speculative_weights: Optional[str] = None) -> Dict[str, Any]:
+              kv_cache_gb: Optional[float] = None, kv_sparsity: float = 0.0,
+              speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
+              speculative_weights: Optional[str] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
-    dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb and the speculative_*
+    dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity and the speculative_*
     options are corelm.LLM's, for every worker.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
@@ -235,8 +236,11 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
     choose_optional("schedule", schedule)
     choose("activations", activations)
     choose("kv_cache_dtype", kv_cache_dtype)
+    from ...engine.model_builder import check_kv_sparsity
+    check_kv_sparsity(kv_sparsity)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
-               "activations": activations, "kv_cache_dtype": kv_cache_dtype, "kv_cache_gb": kv_cache_gb}
+               "activations": activations, "kv_cache_dtype": kv_cache_dtype, "kv_cache_gb": kv_cache_gb,
+               "kv_sparsity": kv_sparsity}
     options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                    speculative_weights=speculative_weights)
     if not os.path.exists(input_path):

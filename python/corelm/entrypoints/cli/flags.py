@@ -49,6 +49,10 @@ def add_engine_flags(p: argparse.ArgumentParser,
     add_choice_flag(p, "--activations", "activations", "auto", "auto")
     add_choice_flag(p, "--schedule", "schedule", None, "$CORELM_SCHEDULE or dynamic")
     add_choice_flag(p, "--kv-cache-dtype", "kv_cache_dtype", "auto", "auto")
+    p.add_argument("--kv-sparsity", type=float, default=None, metavar="S",
+                   help="drop this fraction of every cached key and value row, keeping the largest magnitudes "
+                        "(a bitmap and the kept values; with any --kv-cache-dtype), in [0, 1) (default 0: "
+                        "dense; quality cost in docs/quality.md)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="KV cache budget in GiB (default: room for 8 full-context sequences, at most 4 GiB; "
                         "pages are reserved, and memory is used only as the cache fills)")
@@ -117,6 +121,12 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
+    if args.kv_sparsity is not None:
+        from ...engine.model_builder import check_kv_sparsity
+        try:
+            options["kv_sparsity"] = check_kv_sparsity(args.kv_sparsity)
+        except ValueError:
+            raise ValueError(f"--kv-sparsity must be in [0, 1), got {args.kv_sparsity}.") from None
     for flag, key in (("draft_model", "speculative_model"), ("draft_tokens", "num_speculative_tokens"),
                       ("draft_weights", "speculative_weights")):
         if getattr(args, flag) is not None:   # else the engine's default: prompt lookup where it pays

@@ -180,6 +180,11 @@ def format_info(info: Dict[str, Any], verbose: bool = False) -> str:
             f"the exact path, the model answers as its file does; int8 reads prompts faster at a fidelity "
             f"cost, docs/quality.md)",
         ]
+        if model.get("kv_bytes_per_token"):
+            kv = model["kv_bytes_per_token"]
+            lines.append("KV cache:  bytes per token (--kv-cache-dtype) " +
+                         ", ".join(f"{t} {b['0.0']}" for t, b in kv.items()) +
+                         "; at --kv-sparsity 0.5 " + ", ".join(f"{t} {b['0.5']}" for t, b in kv.items()))
         if model.get("storage"):
             lines += format_storage(model["storage"], verbose)
     return "\n".join(lines)
