@@ -115,8 +115,10 @@ inline __m256 u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_ep
 inline __m256 f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 // Decode's software prefetch: the super-block about kPrefetchBytes ahead, a chunk's share of its lines
-// per chunk. Unlike the Q4/Q4M stream (quant_avx512.cc), this one needs it on Zen 4: Q4_K 10 -> 24,
-// Q6_K 6 -> 20 GB/s of a 28 GB/s read, one thread (4 KiB ahead: 22 / 20, 12 KiB: 24 / 12-19).
+// per chunk, into L2 (T1). Unlike the Q4/Q4M stream (quant_avx512.cc), this one needs it on Zen 4, one
+// thread, bench_gemv_stream on Qwen2.5-1.5B's shapes (GB/s of a 31-33 GB/s read): none Q4_K 10, Q6_K 6;
+// into L1 (T0) 25 / 15.5, whose few miss buffers cap Q6_K's larger stride; into L2 25.4 / 24.2
+// (Q5_0 21.3 -> 24.2, Q5_1 21.9 -> 26.4). 4 to 16 KiB ahead measured alike into L2.
 // CORELM_DECODE_PREFETCH=0 turns it off (kernel_util.h).
 constexpr int64_t kPrefetchBytes = 8192;
 const bool kPrefetch = decode_prefetch(true);
@@ -137,7 +139,7 @@ void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __
       if (kPrefetch) {  // the super-block kPrefetchSuperBlocks ahead, a chunk's share at a time
         const char* ahead = reinterpret_cast<const char*>(v.base) + (sb + kPrefetchSuperBlocks) * v.sb_bytes;
         for (int64_t l = c * pf_per_chunk; l < std::min(pf_lines, (c + 1) * pf_per_chunk); l++)
-          _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
       }
       const int64_t b = sb * R::chunks + c;  // the chunk's index along the row
       __m512i s[MR][2][NG];                   // two chains per (row, group): halves, or even/odd pieces
