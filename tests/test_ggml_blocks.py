@@ -87,14 +87,18 @@ def test_matmul_every_table(t, act):
                 assert np.all(np.abs(y - want) / size < 1e-5), (isa, rows, cols, m)
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "Q5_0", "Q2_K"])
-def test_row_ranges_and_batch_invariance(t):
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("extreme", [False, True])
+def test_row_ranges_and_batch_invariance(t, extreme):
     """A thread's [n0, n1) writes only those rows, and a token's outputs are the same bits alone
-    (decode) as among others (prefill)."""
+    (decode, whose int16 path multiplies other instructions) as among others (prefill). extreme: the
+    largest codes and scales against activations at +-32767 (every integer sum at its largest)."""
     be, _ = block_of(t)
     rows, cols = 29, 4 * be
-    raw = random_blocks(t, rows, 4, seed=3)
+    raw = random_blocks(t, rows, 4, seed=3, extreme=extreme)
     x = np.random.default_rng(0).standard_normal((7, cols)).astype(np.float32)
+    if extreme:
+        x[0], x[1], x[2] = 1, -1, np.where(np.arange(cols) % 3 == 0, 1, -1)
     for isa in TABLES:
         for act in ("int8", "int16"):
             full = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, act)
