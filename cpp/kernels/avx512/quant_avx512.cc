@@ -412,32 +412,12 @@ inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64
 // unsigned), and multiplies the stored bytes as the int8 path holds them (spread lanes): hi against
 // them as unsigned (q + 128: the hi sum comes 128 * sum(hi) too large), lo against them with the top
 // bit flipped, q itself. The same integer block sums as gemv16_groups, summed by the same float
-// operations (8 lanes, one per row, instead of 16), so the bits are the GEMM's, without widening the
+// operations (8 lanes, one per row, instead of 16), so the bits are gemv16_groups', without widening the
 // weights to int16: 0.85 -> 0.92 of a plain read from DRAM, one Zen 4 thread (bench_gemv_stream on
 // Qwen2.5-1.5B's shapes). Q4/Q4M so went 1.2x faster from L3 but 0.88 -> 0.64 from DRAM, software
 // prefetch or not, and keep gemv16_groups.
-struct SplitRow {
-  const int8_t* hi;
-  const uint8_t* lo;
-  const int32_t* shi;  // per block: sum(hi)
-};
-inline SplitRow split_row(const int16_t* q, int64_t nb, std::vector<uint8_t>& buf) {
-  buf.resize(64 * nb + 4 * nb);
-  int8_t* hi = reinterpret_cast<int8_t*>(buf.data());
-  uint8_t* lo = buf.data() + 32 * nb;
-  int32_t* shi = reinterpret_cast<int32_t*>(buf.data() + 64 * nb);
-  for (int64_t b = 0; b < nb; b++) {
-    const __m512i x = _mm512_loadu_si512((const void*)(q + 32 * b));
-    const __m512i h = _mm512_srai_epi16(x, 8);
-    _mm256_storeu_si256((__m256i*)(hi + 32 * b), _mm512_cvtepi16_epi8(h));
-    _mm256_storeu_si256((__m256i*)(lo + 32 * b), _mm512_cvtepi16_epi8(x));  // truncation: the low byte
-    shi[b] = _mm512_reduce_add_epi32(_mm512_madd_epi16(h, _mm512_set1_epi16(1)));
-  }
-  return {hi, lo, shi};
-}
-
 template <int NG>
-inline void gemv16s_q8_groups(const PlainAct<int16_t>& qx, const SplitRow& sx, const GroupView& v, int64_t nb, __m256 out[NG]) {
+inline void gemv16s_q8_groups(const PlainAct<int16_t>& qx, const SplitAct& sx, const GroupView& v, int64_t nb, __m256 out[NG]) {
   const __m512i flip = _mm512_set1_epi8((char)0x80);
   __m256 acc[NG];
   for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
@@ -467,7 +447,7 @@ inline void gemv16s_q8_groups(const PlainAct<int16_t>& qx, const SplitRow& sx, c
   for (int g = 0; g < NG; g++) out[g] = acc[g];
 }
 
-void gemv16s_q8(const PlainAct<int16_t>& qx, const SplitRow& sx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+void gemv16s_q8(const PlainAct<int16_t>& qx, const SplitAct& sx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
   gemv_rows<WeightType::Q8>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
     gemv16s_q8_groups<decltype(ng)::value>(qx, sx, v, nblocks(w), r);
   });
@@ -595,8 +575,8 @@ void matmul16_t(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, f
       use_vnni() ? gemv16<T, true>(r, w, yi, a, b) : gemv16<T, false>(r, w, yi, a, b);
     });
   thread_local std::vector<uint8_t> bufs[kMinGemmRows];  // each row split once per call
-  SplitRow split[kMinGemmRows];
-  for (int64_t i = 0; i < m; i++) split[i] = split_row(qa.q + i * nb * 32, nb, bufs[i]);
+  SplitAct split[kMinGemmRows];
+  for (int64_t i = 0; i < m; i++) split[i] = split_int16(qa.q + i * nb * 32, nb, bufs[i]);
   few_rows(m, w, y, ldy, n0, n1, [&](int64_t i) { return i; }, [&](int64_t i, float* yi, int64_t a, int64_t b) {
     gemv16s_q8(row(i), split[i], w, yi, a, b);
   });
