@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
@@ -408,51 +407,6 @@ inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64
   for (int g = 0; g < NG; g++) out[g] = _mm256_add_ps(even_lanes(facc[g]), macc[g]);
 }
 
-// Q8 decode with VNNI splits each int16 activation into bytes, x = 256 * hi + lo (hi signed, lo
-// unsigned), and multiplies the stored bytes as the int8 path holds them (spread lanes): hi against
-// them as unsigned (q + 128: the hi sum comes 128 * sum(hi) too large), lo against them with the top
-// bit flipped, q itself. The same integer block sums as gemv16_groups, summed by the same float
-// operations (8 lanes, one per row, instead of 16), so the bits are gemv16_groups', without widening the
-// weights to int16: 0.85 -> 0.92 of a plain read from DRAM, one Zen 4 thread (bench_gemv_stream on
-// Qwen2.5-1.5B's shapes). Q4/Q4M so went 1.2x faster from L3 but 0.88 -> 0.64 from DRAM, software
-// prefetch or not, and keep gemv16_groups.
-template <int NG>
-inline void gemv16s_q8_groups(const PlainAct<int16_t>& qx, const SplitAct& sx, const GroupView& v, int64_t nb, __m256 out[NG]) {
-  const __m512i flip = _mm512_set1_epi8((char)0x80);
-  __m256 acc[NG];
-  for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* qs = v.qs + b * v.qstride;
-    const uint16_t* dp = v.d + b * v.dstride;
-    prefetch_ahead(qs, v.qstride);
-    const __m512i hb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(sx.hi + 32 * b)));
-    const __m512i lb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(sx.lo + 32 * b)));
-    __m512i xh[4], xl[4];
-    for (int t = 0; t < 4; t++) xh[t] = spread(hb, t), xl[t] = spread(lb, t);
-    const __m256 d = _mm256_set1_ps(qx.dx[b]);
-    for (int g = 0; g < NG; g++) {
-      __m512i wv[4];
-      load_w<WeightType::Q8>(qs + g * 256, wv);
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_set1_epi32(-64 * sx.shi[b]);  // -128 * sum(hi), half per lane
-      for (int t = 0; t < 4; t++) {
-        hi = dpbusd<true>(hi, wv[t], xh[t]);
-        lo = dpbusd<true>(lo, xl[t], _mm512_xor_si512(wv[t], flip));
-      }
-      const __m512i s = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
-      const __m256i r = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-      const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + 8 * g))), d);
-      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), sc, acc[g]);
-    }
-  }
-  for (int g = 0; g < NG; g++) out[g] = acc[g];
-}
-
-void gemv16s_q8(const PlainAct<int16_t>& qx, const SplitAct& sx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
-  gemv_rows<WeightType::Q8>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
-    gemv16s_q8_groups<decltype(ng)::value>(qx, sx, v, nblocks(w), r);
-  });
-}
-
 template <WeightType T, bool VNNI>
 void gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
   gemv_rows<T>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
@@ -570,15 +524,8 @@ void matmul16_t(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, f
     return PlainAct<int16_t>{qa.q + i * nb * 32, qa.dx + i * nb, qa.dxs + i * nb, qa.corr + i * nb};
   };
   if (m >= kMinGemmRows) return use_vnni() ? gemm16<T, true>(qa, m, w, y, ldy, n0, n1) : gemm16<T, false>(qa, m, w, y, ldy, n0, n1);
-  if (T != WeightType::Q8 || !use_vnni())
-    return few_rows(m, w, y, ldy, n0, n1, row, [&](const PlainAct<int16_t>& r, float* yi, int64_t a, int64_t b) {
-      use_vnni() ? gemv16<T, true>(r, w, yi, a, b) : gemv16<T, false>(r, w, yi, a, b);
-    });
-  thread_local std::vector<uint8_t> bufs[kMinGemmRows];  // each row split once per call
-  SplitAct split[kMinGemmRows];
-  for (int64_t i = 0; i < m; i++) split[i] = split_int16(qa.q + i * nb * 32, nb, bufs[i]);
-  few_rows(m, w, y, ldy, n0, n1, [&](int64_t i) { return i; }, [&](int64_t i, float* yi, int64_t a, int64_t b) {
-    gemv16s_q8(row(i), split[i], w, yi, a, b);
+  few_rows(m, w, y, ldy, n0, n1, row, [&](const PlainAct<int16_t>& r, float* yi, int64_t a, int64_t b) {
+    use_vnni() ? gemv16<T, true>(r, w, yi, a, b) : gemv16<T, false>(r, w, yi, a, b);
   });
 }
 
