@@ -4,10 +4,8 @@
 #pragma once
 #include <immintrin.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -54,29 +52,6 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   } else {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
   }
-}
-
-// One row of nb blocks of 32 int16 activations split into bytes for VPDPBUSD, x = 256 * hi + lo (hi
-// the signed high byte, lo the unsigned low one), and each block's sum of hi: decode's same integer
-// sums from weights kept as bytes. Kept in buf.
-struct SplitAct {
-  const int8_t* hi;
-  const uint8_t* lo;
-  const int32_t* shi;
-};
-inline SplitAct split_int16(const int16_t* q, int64_t nb, std::vector<uint8_t>& buf) {
-  buf.resize(68 * nb);
-  int8_t* hi = reinterpret_cast<int8_t*>(buf.data());
-  uint8_t* lo = buf.data() + 32 * nb;
-  int32_t* shi = reinterpret_cast<int32_t*>(buf.data() + 64 * nb);
-  for (int64_t b = 0; b < nb; b++) {
-    const __m512i x = _mm512_loadu_si512((const void*)(q + 32 * b));
-    const __m512i h = _mm512_srai_epi16(x, 8);
-    _mm256_storeu_si256((__m256i*)(hi + 32 * b), _mm512_cvtepi16_epi8(h));
-    _mm256_storeu_si256((__m256i*)(lo + 32 * b), _mm512_cvtepi16_epi8(x));  // truncation: the low byte
-    shi[b] = _mm512_reduce_add_epi32(_mm512_madd_epi16(h, _mm512_set1_epi16(1)));
-  }
-  return {hi, lo, shi};
 }
 
 }  // namespace
