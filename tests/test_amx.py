@@ -319,7 +319,7 @@ def test_cli_info_has_an_amx_line(capsys):
 
 # -------------------------------------------------------------------------------------------------
 # The kernel table that hands bf16 weights to the AMX-BF16 GEMM in the forward pass ("amx" where the
-# hardware allows, chosen by CORELM_ISA=amx; "amx_emulated", the same table on the emulation, anywhere).
+# hardware allows, the default there; "amx_emulated", the same table on the emulation, anywhere).
 
 AMX_TABLES = ["amx_emulated"] + (["amx"] if HAVE_AMX else [])
 
@@ -328,7 +328,7 @@ def test_amx_tables_are_listed_only_where_they_run():
     tables = _core.kernel_tables()
     assert ("amx" in tables) == HAVE_AMX
     assert "amx_emulated" not in tables             # by name only: it is a test vehicle
-    assert not tables[0].startswith("amx")          # never the default
+    assert (tables[0] == "amx") == HAVE_AMX         # the default wherever it runs
     if not HAVE_AMX:
         with pytest.raises(Exception):
             _core.testing.kernel_matmul("amx", normal((1, 32)), normal((16, 32)), "bf16")

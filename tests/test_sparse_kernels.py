@@ -9,7 +9,7 @@ from corelm import _core
 from corelm.convert import to_bf16
 
 T = _core.testing
-TABLES = _core.kernel_tables() + ["amx_emulated"]  # the AMX table hands sparse weights to its base table
+TABLES = _core.kernel_tables() + ["amx_emulated"]  # the AMX table on the tile emulation
 
 
 def pruned(rng, n, k, sparsity):
@@ -83,14 +83,22 @@ def test_sparse_row_ranges_and_rows_out(isa):
         assert np.array_equal(T.kernel_row_to_f32(isa, w, "sbf16", r), bf16(w[r]))
 
 
-@pytest.mark.parametrize("isa", [t for t in TABLES if t.startswith("avx512")])
+@pytest.mark.parametrize("isa", [t for t in TABLES if t.startswith(("avx512", "amx"))])
 def test_large_batches_multiply_the_expanded_dense_matrix(isa):
     """Past the small-batch kernels, panels expanded from the sparse layout go through the table's dense
-    kernels: the dense matrix's bits exactly."""
+    kernels (AMX: rows expanded into the A operand): the dense matrix's bits exactly, over tails of rows,
+    tokens and K, and row ranges that start inside a group."""
     rng = np.random.default_rng(4)
-    w = pruned(rng, 100, 300, 0.5)
-    x = rng.standard_normal((40, 300)).astype(np.float32)
-    assert np.array_equal(T.kernel_matmul(isa, x, w, "sbf16"), T.kernel_matmul(isa, x, w, "bf16"))
+    for n, k, m in ((100, 300, 40), (37, 70, 33), (64, 896, 70), (16, 64, 48), (45, 1000, 100)):
+        w = pruned(rng, n, k, 0.5)
+        w[5] = 0
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        dense = T.kernel_matmul(isa, x, w, "bf16")
+        assert np.array_equal(T.kernel_matmul(isa, x, w, "sbf16"), dense), (isa, n, k, m)
+        for n0, n1 in ((0, 3), (3, 11), (13, n), (n - 1, n)):
+            part = T.kernel_matmul(isa, x, w, "sbf16", n0, n1)
+            assert np.array_equal(part[:, n0:n1], dense[:, n0:n1]), (isa, n, k, m, n0, n1)
+            assert not part[:, :n0].any() and not part[:, n1:].any()
 
 
 def test_sparse_bytes_follow_the_non_zeros():

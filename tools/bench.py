@@ -265,7 +265,7 @@ def run_one(engine, model, T, a, prompt_file):
         if not os.path.exists(lb):
             return {"error": f"llama.cpp not built ({lb} missing; see shared/bench/peers/run_peers.sh)"}
         out, rss, rc = spawn_rss([lb, "-m", path, "-p", str(N_PROMPT), "-n", str(N_GEN), "-t", str(T),
-                                  "-r", str(LLAMA_BENCH_REPS), "-o", "json"], env)
+                                  "-r", str(LLAMA_BENCH_REPS), "-o", "json"] + a.llama_args.split(), env)
         if rc != 0 or "[" not in out:
             return {"error": (out[-500:].strip() + f" (exit code {rc})").strip()}
         i = out.find("[\n  {")           # the JSON array (stderr log lines are mixed in)
@@ -450,6 +450,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--peers", default=None, help=f"peers folder (default $PEERS or {PEERS})")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default $PEERS/llama.cpp-build/bin)")
+    ap.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. \"--repack 0\" where its AMX "
+                    "kernels fault (a Xeon with AMX, this llama.cpp: SIGILL/SIGSEGV in ggml_backend_amx_mul_mat)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the corelm worker")
     ap.add_argument("--bw", nargs="+", default=[], metavar="T=GBPS", help="use these bandwidths, skip membw")
     ap.add_argument("--out", default=None, help="raw JSON results (a .md with the tables is written beside it)")
@@ -550,7 +552,7 @@ def main():
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     json.dump({"stamp": stamp, "git": git, "notes": notes, "args": {k: v for k, v in vars(a).items() if k != "worker"},
                "params": {"N_PROMPT": N_PROMPT, "N_GEN": N_GEN, "N_WARM": N_WARM, "SEED": SEED,
-                          "LLAMA_BENCH_REPS": LLAMA_BENCH_REPS, "MEMBW_GIB": MEMBW_GIB},
+                          "LLAMA_BENCH_REPS": LLAMA_BENCH_REPS, "llama_args": a.llama_args, "MEMBW_GIB": MEMBW_GIB},
                "bandwidth_GBps": {str(T): v for T, v in bw.items()},
                "bandwidth_samples": {str(T): v for T, v in bw_samples.items()},
                "bytes_per_token": {f"{l}|{e}": v for (l, e), v in bpt.items()},

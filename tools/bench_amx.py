@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     m0, n, k = args.shape
     ms = args.ms or [m0]
     tables = _core.kernel_tables()
-    kinds = ([f"{t}_{w}" for t in tables if t != "scalar" for w in ("fp32", "bf16")] or ["scalar_fp32"])
+    # the amx table's own bf16 matmul is the amx_bf16 kernel below (same name), so only the others are listed
+    kinds = ([f"{t}_{w}" for t in tables if t not in ("scalar", "amx") for w in ("fp32", "bf16")] or ["scalar_fp32"])
     if _core.amx_available():
         kinds = ["amx_bf16", "amx_int8"] + kinds
     else:

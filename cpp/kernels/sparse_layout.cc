@@ -104,14 +104,14 @@ PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t
   });
 }
 
-void expand_group(const PackedMatrix& w, int64_t g, uint16_t* dst) {
+void expand_group(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride, int64_t chunk_stride) {
   const int64_t nc = nchunks(w.cols);
   const uint8_t* p = record(w, g);
   for (int64_t c = 0; c < nc; c++) {
     const uint32_t* mask = reinterpret_cast<const uint32_t*>(p);
     const uint16_t* v = reinterpret_cast<const uint16_t*>(p + kGroup * 4);
     for (int64_t j = 0; j < kGroup; j++) {
-      uint16_t* d = dst + (c * kGroup + j) * kChunk;
+      uint16_t* d = dst + j * row_stride + c * chunk_stride;
       for (int64_t i = 0; i < kChunk; i++) d[i] = (mask[j] >> i & 1u) ? *v++ : 0;
     }
     p = reinterpret_cast<const uint8_t*>(v);

@@ -38,9 +38,11 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
                   const KernelTable* by);
 PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par,
                       const KernelTable* by);
-// Group g's rows as dense bf16 in the AVX-512 layout, [nchunks][8][32] (columns past the matrix and
-// rows past it zero).
-void expand_group(const PackedMatrix& w, int64_t g, uint16_t* dst);
+// Group g's rows as dense bf16: row j's chunk c at dst + j * row_stride + c * chunk_stride (elements;
+// columns past the matrix and rows past it zero). The AVX-512 table's layout, [nchunks][8][32], is
+// (kChunk, kGroup * kChunk); row-major rows of ld elements (what the AMX table multiplies) are (ld, kChunk).
+void expand_group(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride = kChunk,
+                  int64_t chunk_stride = kGroup * kChunk);
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 // The non-zeros stored (for reports and tests).
 int64_t count_nonzeros(const PackedMatrix& w);
@@ -54,6 +56,8 @@ using DenseMatmul = void (*)(const float* x, int64_t m, int64_t ldx, const Packe
                              int64_t n0, int64_t n1);
 void matmul_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                    int64_t n1, DenseMatmul dense, bool bf16_dot);
+// expand_group with VBMI2/BITALG where the CPU has them (the same values).
+void expand_group_avx512(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride, int64_t chunk_stride);
 void matmul_avx2(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                  int64_t n1, DenseMatmul dense);
 #endif

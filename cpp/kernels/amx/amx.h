@@ -70,9 +70,20 @@ inline bool available() { const Status& s = status(); return s.cpu && s.os && s.
 // real tiles by name.
 void require_available();
 
+// Rows [r0, r0 + rows) of a weight matrix as bf16, row-major with ld elements per row and each row
+// zero from K up to ld: what bf16_gemm_rows multiplies. r0 is a multiple of 8; the source may write
+// up to 32 rows (whole groups of 8) into dst.
+using RowSource = void (*)(const void* ctx, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld);
+
+// bf16_gemm_rows: y[:, n0:n1] = x . W^T for a W of n x k that is not stored as tiles but produced 32 rows
+// at a time by src (sparse weights expanded on the fly). The rows are the A operand and x, rounded to
+// bf16 and transposed once per call into tiles, is B; each fp32 sum runs over K in the order bf16_gemm
+// uses, so it has the bits of bf16_gemm on the same weights.
 #define CORELM_AMX_DECLARE_KERNELS                                                                 \
   void bf16_gemm(const float* x, int64_t m, int64_t ldx, const AmxMatrix& w, float* y, int64_t ldy, \
                  int64_t n0, int64_t n1);                                                          \
+  void bf16_gemm_rows(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, RowSource src,    \
+                      const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);               \
   void int8_gemm(const int8_t* xq, int64_t m, int64_t ldx, const float* xs, const AmxMatrix& w,     \
                  float* y, int64_t ldy, int64_t n0, int64_t n1);                                   \
   void int8_gemm_i32(const int8_t* xq, int64_t m, int64_t ldx, const AmxMatrix& w, int32_t* y,      \

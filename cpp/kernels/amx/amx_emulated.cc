@@ -21,6 +21,12 @@ static void cvt_row_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
+static void transpose_16x16(const void* src, int64_t lds, void* dst, int64_t ldd) {
+  for (int i = 0; i < 16; i++)
+    for (int j = 0; j < 16; j++)
+      std::memcpy(static_cast<uint8_t*>(dst) + j * ldd + 4 * i, static_cast<const uint8_t*>(src) + i * lds + 4 * j, 4);
+}
+
 #include "kernels/amx/amx_gemm.inc"
 
 }  // namespace emulated

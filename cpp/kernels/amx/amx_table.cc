@@ -55,13 +55,38 @@ PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type,
   return m;
 }
 
+// Sparse bf16 rows expanded for bf16_gemm_rows: whole groups of 8, row-major.
+template <bool Native>
+void expand_rows(const void* ctx, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld) {
+  const PackedMatrix& w = *static_cast<const PackedMatrix*>(ctx);
+  for (int64_t g = r0 / sparse::kGroup; g * sparse::kGroup < r0 + rows; g++) {
+    uint16_t* d = dst + (g * sparse::kGroup - r0) * ld;
+#if defined(CORELM_HAVE_X86)
+    if constexpr (Native) {
+      sparse::expand_group_avx512(w, g, d, ld, sparse::kChunk);
+      continue;
+    }
+#endif
+    sparse::expand_group(w, g, d, ld, sparse::kChunk);
+  }
+}
+
 template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
+  if (sparse::is_sparse(w.type) && m > kRowExactRows) {
+    // a prefill's rows against sparse weights: expanded 32 rows at a time into the tiles' A operand
+    n1 = std::min(n1, w.rows);
+    if (n0 >= n1) return;
+#if defined(CORELM_HAVE_AMX_BUILD)
+    if constexpr (Native) return native::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<true>, &w, y, ldy, n0, n1);
+#endif
+    return emulated::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1);
+  }
   if (w.type != WeightType::BF16) {
     // sparse bf16: a small batch through the base table's row-exact kernels, whose bits decode has
     const KernelTable* t = base_table();
-    if (sparse::is_sparse(w.type) && m <= kRowExactRows && t->row_exact) t = t->row_exact;
+    if (sparse::is_sparse(w.type) && t->row_exact) t = t->row_exact;
     return t->matmul(x, m, ldx, w, y, ldy, n0, n1);
   }
   if (m <= 0 || n0 >= n1) return;

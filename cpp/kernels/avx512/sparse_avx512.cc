@@ -159,15 +159,17 @@ CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float*
   }
 }
 
-// Group g expanded into dst ([nchunks][8][32] bf16, the dense layout).
+// Group g expanded into dst (expand_group's strides).
 template <bool PERM>
-CORELM_SPARSE_TARGET void expand_group_simd(const PackedMatrix& w, int64_t g, uint16_t* dst) {
+CORELM_SPARSE_TARGET void expand_group_simd(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride,
+                                            int64_t chunk_stride) {
   const int64_t nc = nchunks(w.cols);
   const uint8_t* p = record(w, g);
-  for (int64_t c = 0; c < nc; c++, dst += kGroup * kChunk) {
+  for (int64_t c = 0; c < nc; c++, dst += chunk_stride) {
     Chunk ch;
     p = read_chunk(p, ch);
-    for (int j = 0; j < kGroup; j++) _mm512_store_si512((void*)(dst + j * kChunk), expand<PERM>(ch.mask[j], ch.v + ch.start[j]));
+    for (int j = 0; j < kGroup; j++)
+      _mm512_storeu_si512((void*)(dst + j * row_stride), expand<PERM>(ch.mask[j], ch.v + ch.start[j]));
   }
 }
 
@@ -189,9 +191,7 @@ void expand_panels(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
     for (int64_t i = 0; i < groups; i++) {
       uint16_t* dst = buf.data() + i * group_elems;
       const int64_t g = p0 / kGroup + i;
-      if (kBitalg) expand_group_simd<true>(w, g, dst);
-      else if (kVbmi2) expand_group_simd<false>(w, g, dst);
-      else expand_group(w, g, dst);
+      expand_group_avx512(w, g, dst, kChunk, kGroup * kChunk);
     }
     PackedMatrix view;  // the rows as a dense bf16 matrix of the table that packed w
     view.type = WeightType::BF16;
@@ -206,6 +206,12 @@ void expand_panels(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
 }
 
 }  // namespace
+
+void expand_group_avx512(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride, int64_t chunk_stride) {
+  if (kBitalg) expand_group_simd<true>(w, g, dst, row_stride, chunk_stride);
+  else if (kVbmi2) expand_group_simd<false>(w, g, dst, row_stride, chunk_stride);
+  else expand_group(w, g, dst, row_stride, chunk_stride);
+}
 
 void matmul_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                    int64_t n1, DenseMatmul dense, bool bf16_dot) {
