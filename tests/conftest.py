@@ -67,6 +67,27 @@ def run_with_isa(isa, code, *args, timeout=600):
                           timeout=timeout)
 
 
+def amx_prefill():
+    """Whether this process's default table multiplies a prompt's quantized weights as bf16 on AMX
+    (kernels/amx/amx_table.cc), so a quantized model's prompt logits are not the integer kernels' bits."""
+    from corelm import _core
+    return _core.kernel_tables()[0] == "amx" and os.environ.get("CORELM_AMX_PREFILL", "1") != "0"
+
+
+def rerun_with_integer_prefill(request):
+    """For tests of the integer kernels' promises (same bits for any batch, int16's fidelity): where
+    amx_prefill() holds, runs this test in a subprocess with CORELM_AMX_PREFILL=0 and returns True (the
+    caller then returns); elsewhere returns False."""
+    if not amx_prefill():
+        return False
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                       env=dict(os.environ, CORELM_AMX_PREFILL="0"), capture_output=True, text=True,
+                       cwd=str(request.config.rootpath), timeout=600)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+    return True
+
+
 @pytest.fixture(scope="session")
 def data_dir():
     return DATA

@@ -368,11 +368,60 @@ def test_amx_table_reads_rows_back(isa, n, k):
 
 @pytest.mark.parametrize("isa", AMX_TABLES)
 @pytest.mark.parametrize("wtype", ["fp32", "q8", "q4"])
-def test_amx_table_leaves_other_formats_to_the_base_table(isa, wtype):
+@pytest.mark.parametrize("m", [1, 5, 32, 40])
+def test_amx_table_leaves_other_formats_to_the_base_table(isa, wtype, m):
+    """fp32 weights always, and quantized ones in decode and small batches (up to kRowExactRows = 32 rows:
+    speculative checks must get decode's bits), are the base table's, packed as it packs them."""
     base = _core.cpu_info()["kernels"]["matmul_q8"]  # the best non-AMX table here
-    x, w = normal((5, 96)), normal((40, 96))
-    np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype), _core.testing.kernel_matmul(base, x, w, wtype))
+    x, w = normal((m, 96)), normal((40, 96))
+    if wtype == "fp32" or m <= 32:
+        np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype), _core.testing.kernel_matmul(base, x, w, wtype))
     assert _core.testing.kernel_packed_bytes(isa, w, wtype) == _core.testing.kernel_packed_bytes(base, w, wtype)
+
+
+def dequantized(isa, w, wtype):
+    return np.stack([_core.testing.kernel_row_to_f32(isa, w, wtype, r) for r in range(len(w))])
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+@pytest.mark.parametrize("wtype", ["q8", "q4", "q4m"])
+def test_amx_table_prefill_multiplies_quantized_weights_as_bf16(isa, wtype):
+    """Past 32 rows, quantized weights are dequantized 16 rows at a time (AVX-512 on real AMX, the base
+    table's rows on the emulation) into bf16 tiles: exactly the AMX GEMM of the dequantized matrix, over
+    row, token and K tails and any row range."""
+    rng = np.random.default_rng(11)
+    for n, k, m in ((40, 96, 33), (37, 64, 70), (70, 320, 45), (16, 32, 100)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = _core.testing.kernel_matmul(isa, x, dequantized(isa, w, wtype), "bf16")
+        np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype), want)
+        for n0, n1 in ((0, 3), (5, 14), (16, n), (n - 1, n)):
+            y = _core.testing.kernel_matmul(isa, x, w, wtype, n0, n1)
+            np.testing.assert_array_equal(y[:, n0:n1], want[:, n0:n1])
+            assert not y[:, :n0].any() and not y[:, n1:].any()
+
+
+@pytest.mark.parametrize("isa", AMX_TABLES)
+def test_amx_table_prefill_multiplies_gguf_blocks_as_bf16(isa):
+    """The same for every grouped GGUF type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS), extreme blocks
+    included; Q2_K and Q3_K stay with the base table."""
+    gguf_blocks = pytest.importorskip("test_ggml_blocks")
+    for t in gguf_blocks.TYPES:
+        be, _ = gguf_blocks.block_of(t)
+        for rows, nb, extreme in ((37, 3 if be == 256 else 20, False), (21, 2 if be == 256 else 9, True)):
+            cols = nb * be
+            raw = gguf_blocks.random_blocks(t, rows, nb, seed=rows, extreme=extreme)
+            x = np.random.default_rng(rows).standard_normal((40, cols)).astype(np.float32)
+            y = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, "int16")
+            if t in ("Q2_K", "Q3_K"):
+                base = _core.cpu_info()["kernels"]["matmul_q8"]
+                np.testing.assert_array_equal(y, _core.testing.kernel_matmul_raw(base, x, raw, t, rows, cols, "int16"))
+                continue
+            want = _core.testing.kernel_matmul(isa, x, _core.testing.kernel_raw_to_f32(isa, raw, t, rows, cols), "bf16")
+            np.testing.assert_array_equal(y, want, err_msg=f"{t} {rows}x{cols}")
+            part = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, "int16", 5, 19)
+            np.testing.assert_array_equal(part[:, 5:19], want[:, 5:19])
+            assert not part[:, :5].any() and not part[:, 19:].any()
 
 
 @pytest.mark.parametrize("isa", AMX_TABLES)

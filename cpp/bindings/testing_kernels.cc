@@ -89,10 +89,11 @@ void register_testing_kernels(py::module_& m) {
     py::array_t<float> y({M, rows});
     std::fill(y.mutable_data(), y.mutable_data() + M * rows, 0.f);
     const ActType act = parse_act_type(activations);
-    if (act == ActType::I8) {
+    const size_t qbytes = kt.quant_act_bytes(pw, M, act);
+    if (act == ActType::I8 || !qbytes) {
       kt.matmul(x.data(), M, cols, pw, y.mutable_data(), rows, n0, n1);
     } else {
-      auto qa = aligned_buffer(kt.quant_act_bytes(pw, M, act));
+      auto qa = aligned_buffer(qbytes);
       kt.quantize_act(x.data(), M, cols, pw, act, qa.get());
       kt.matmul_quant(qa.get(), M, act, pw, y.mutable_data(), rows, n0, n1);
     }

@@ -156,6 +156,11 @@ void grouped_ggml_quantize_act_avx2(const float* x, int64_t m, int64_t ldx, cons
 // act I8), AVX2 from ggml_quantize_act_wide's.
 void grouped_ggml_matmul_avx512(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                                 int64_t n0, int64_t n1);
+// 16 rows of w (panel p: groups 2p and 2p + 1; rows past the matrix 0) as bf16 pairs, AMX-BF16's B
+// operand in amx.h's tile order: dst[(k / 2) * 32 + 2 * (row % 16) + k % 2] for k < w.ld, each value
+// the table's row_to_f32's rounded to bf16 (nearest even). Q8, Q4, Q4M and the grouped types on a CPU with
+// AVX512_BF16; false (nothing written) otherwise.
+bool panel_bf16_pairs_avx512(const PackedMatrix& w, int64_t panel, uint16_t* dst);
 void grouped_ggml_matmul_avx2(const void* qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                               int64_t n1);
 #endif

@@ -145,9 +145,13 @@ struct TaskMatmul {
   uint8_t* qa;  // [buffers][ld_qa]; null: float weights, matmul reads x
   size_t ld_qa;
   ActType act;
+  // A table may take some batches of a quantized w through matmul (0 bytes of input: AMX prefill).
   void prepare(int buf, const float* x, int64_t m, int64_t ldx) const {
     if (!qa) return;
-    if (w->parts.empty()) return k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
+    if (w->parts.empty()) {
+      if (k->quant_act_bytes(*w, m, act)) k->quantize_act(x, m, ldx, *w, act, qa + buf * ld_qa);
+      return;
+    }
     uint8_t* at = qa + buf * ld_qa;  // a stacked matrix: each part's own input (act_bytes)
     for (const PackedMatrix& p : w->parts) {
       const size_t n = k->quant_act_bytes(p, m, act);
@@ -157,7 +161,7 @@ struct TaskMatmul {
   }
   void run(int buf, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (w->parts.empty()) {
-      if (!qa) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
+      if (!qa || !k->quant_act_bytes(*w, m, act)) return k->matmul(x, m, ldx, *w, y, ldy, n0, n1);
       return k->matmul_quant(qa + buf * ld_qa, m, act, *w, y, ldy, n0, n1);
     }
     const uint8_t* at = qa ? qa + buf * ld_qa : nullptr;

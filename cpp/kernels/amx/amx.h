@@ -75,6 +75,12 @@ void require_available();
 // up to 32 rows (whole groups of 8) into dst.
 using RowSource = void (*)(const void* ctx, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld);
 
+// Panel p (rows 16p..16p+15, zero past the matrix) of a weight matrix as BF16 tiles, [k_pad/32][16][32]
+// (the tile order above, 1 KiB per 32 columns): what bf16_gemm_panels multiplies.
+using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
+
+// bf16_gemm_panels: bf16_gemm for a W of n x k that is not stored as tiles but produced 16 rows at a
+// time by src (quantized weights dequantized to bf16 for a prefill). n0 must be a multiple of 16.
 // bf16_gemm_rows: y[:, n0:n1] = x . W^T for a W of n x k that is not stored as tiles but produced 32 rows
 // at a time by src (sparse weights expanded on the fly). The rows are the A operand and x, rounded to
 // bf16 and transposed once per call into tiles, is B; each fp32 sum runs over K in the order bf16_gemm
@@ -82,6 +88,8 @@ using RowSource = void (*)(const void* ctx, int64_t r0, int64_t rows, uint16_t* 
 #define CORELM_AMX_DECLARE_KERNELS                                                                 \
   void bf16_gemm(const float* x, int64_t m, int64_t ldx, const AmxMatrix& w, float* y, int64_t ldy, \
                  int64_t n0, int64_t n1);                                                          \
+  void bf16_gemm_panels(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, PanelSource src,   \
+                        const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);             \
   void bf16_gemm_rows(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, RowSource src,    \
                       const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);               \
   void int8_gemm(const int8_t* xq, int64_t m, int64_t ldx, const float* xs, const AmxMatrix& w,     \

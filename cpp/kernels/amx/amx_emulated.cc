@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/amx/amx.h"
+#include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
 #include "kernels/amx/amx_emulation.h"
 

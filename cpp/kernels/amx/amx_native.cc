@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/amx/amx.h"
+#include "kernels/kernel_util.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AMX_INT8__)
 #error "amx_native.cc must be compiled with -mamx-tile -mamx-int8 -mamx-bf16"

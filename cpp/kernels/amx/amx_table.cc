@@ -5,9 +5,11 @@
 // Built for the baseline ISA: it only calls the AMX kernels (amx_native.cc, amx_emulated.cc) and the
 // other tables.
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels/amx/amx.h"
+#include "kernels/ggml_grouped.h"
 #include "kernels/kernels.h"
 #include "kernels/sparse_layout.h"
 
@@ -71,9 +73,64 @@ void expand_rows(const void* ctx, int64_t r0, int64_t rows, uint16_t* dst, int64
   }
 }
 
+// Quantized weights a prefill (more than kRowExactRows rows) multiplies as bf16: each value as the base
+// table's row_to_f32 gives it, rounded to bf16 (8 significant bits, against 4-8 in the codes), against
+// activations rounded to bf16 (llama.cpp's prefill quantizes them to 8 bits) on AMX-BF16: 4x the
+// integer GEMM's prefill. The integer kernels give every table and batch the same bits; these give a
+// prompt's logits that depend on how it was chunked. CORELM_AMX_PREFILL=0 keeps the integer kernels.
+const bool kQuantPrefill = [] {
+  const char* e = std::getenv("CORELM_AMX_PREFILL");
+  return !(e && e[0] == '0');
+}();
+bool dequantizes(WeightType t) { return kQuantPrefill && (quant::is_quant(t) || quant::is_grouped_ggml(t)); }
+
+// Panel p of a quantized matrix as bf16 tiles: AVX-512 where it runs; otherwise (and on the emulation,
+// where it is the reference) the base table's rows.
+template <bool Native>
+void dequant_panel(const void* ctx, int64_t panel, uint16_t* dst) {
+  const PackedMatrix& w = *static_cast<const PackedMatrix*>(ctx);
+#if defined(CORELM_HAVE_X86)
+  if (Native && quant::panel_bf16_pairs_avx512(w, panel, dst)) return;
+#endif
+  const int64_t kp = (w.cols + 31) / 32 * 32;
+  static thread_local std::vector<float> row;
+  row.resize(w.cols);
+  std::fill(dst, dst + 16 * kp, (uint16_t)0);
+  for (int64_t r = 0; r < 16 && panel * 16 + r < w.rows; r++) {
+    base_table()->row_to_f32(w, panel * 16 + r, row.data());
+    for (int64_t k = 0; k < w.cols; k++) dst[(k / 2) * 32 + 2 * r + k % 2] = f32_to_bf16(row[k]);
+  }
+}
+
+// The bf16 GEMMs start at a 16-row panel: a range that starts inside one gets that panel's part
+// through a scratch panel. gemm(y, ldy, n0, n1) computes columns [n0, n1) with n0 a panel start.
+template <class Gemm>
+void from_panel_start(int64_t m, int64_t rows, float* y, int64_t ldy, int64_t n0, int64_t n1, Gemm gemm) {
+  const int64_t head_end = std::min(n1, (n0 + 15) / 16 * 16);
+  if (n0 < head_end) {
+    const int64_t p0 = n0 / 16 * 16, p1 = std::min(rows, p0 + 16);
+    static thread_local std::vector<float> panel;
+    if ((int64_t)panel.size() < m * 16) panel.resize(m * 16);
+    gemm(panel.data() - p0, 16, p0, p1);
+    for (int64_t i = 0; i < m; i++)
+      std::copy(panel.data() + i * 16 + (n0 - p0), panel.data() + i * 16 + (head_end - p0), y + i * ldy + n0);
+  }
+  if (head_end < n1) gemm(y, ldy, head_end, n1);
+}
+
 template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
+  if (dequantizes(w.type) && m > kRowExactRows) {
+    n1 = std::min(n1, w.rows);
+    if (n0 >= n1) return;
+    return from_panel_start(m, w.rows, y, ldy, n0, n1, [&](float* yy, int64_t ld, int64_t a, int64_t b) {
+#if defined(CORELM_HAVE_AMX_BUILD)
+      if constexpr (Native) return native::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<true>, &w, yy, ld, a, b);
+#endif
+      emulated::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<false>, &w, yy, ld, a, b);
+    });
+  }
   if (sparse::is_sparse(w.type) && m > kRowExactRows) {
     // a prefill's rows against sparse weights: expanded 32 rows at a time into the tiles' A operand
     n1 = std::min(n1, w.rows);
@@ -91,18 +148,13 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
   }
   if (m <= 0 || n0 >= n1) return;
   const AmxMatrix a = tiles_of(w);
-  // The kernels start at a 16-row panel: a range that starts inside one gets that panel's part
-  // through a scratch panel.
-  const int64_t head_end = std::min(n1, (n0 + 15) / 16 * 16);
-  if (n0 < head_end) {
-    const int64_t p0 = n0 / 16 * 16, p1 = std::min(w.rows, p0 + 16);
-    static thread_local std::vector<float> panel;
-    if ((int64_t)panel.size() < m * 16) panel.resize(m * 16);
-    gemm<Native>(x, m, ldx, a, panel.data() - p0, 16, p0, p1);
-    for (int64_t i = 0; i < m; i++)
-      std::copy(panel.data() + i * 16 + (n0 - p0), panel.data() + i * 16 + (head_end - p0), y + i * ldy + n0);
-  }
-  if (head_end < n1) gemm<Native>(x, m, ldx, a, y, ldy, head_end, n1);
+  from_panel_start(m, w.rows, y, ldy, n0, n1,
+                   [&](float* yy, int64_t ld, int64_t p, int64_t q) { gemm<Native>(x, m, ldx, a, yy, ld, p, q); });
+}
+
+// A prefill's quantized matmul goes through matmul (dequantized panels), so it takes no quantized input.
+size_t quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  return dequantizes(w.type) && m > kRowExactRows ? 0 : base_table()->quant_act_bytes(w, m, act);
 }
 
 // bf16 rows into tiles through one fp32 copy of the matrix (the tile packer takes floats); every other
@@ -131,6 +183,7 @@ const KernelTable* table() {
     k.pack = pack<Native>;
     k.pack_raw = pack_raw<Native>;
     k.matmul = matmul<Native>;
+    k.quant_act_bytes = quant_act_bytes;
     k.row_to_f32 = row_to_f32<Native>;
     k.row_exact = nullptr;  // the base table cannot read the AMX layout
     return k;

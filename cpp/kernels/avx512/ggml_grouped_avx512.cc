@@ -354,6 +354,111 @@ void grouped_ggml_quantize_act_avx512(const float* x, int64_t m, int64_t ldx, co
     }
 }
 
+// ---- quantized rows as bf16 pairs (AMX-BF16's B operand, amx.h's tile order), for prefill on AMX ----
+
+namespace {
+
+#define CORELM_BF16_TARGET __attribute__((target("avx512bf16")))
+
+// The per-row factor and addend of a piece's values (value = a * v + c, the product rounded by itself as
+// unfused_product), spread over a piece's lanes: rows 0-3 (lo) and 4-7 (hi), 4 lanes each.
+struct RowAffine {
+  __m512 a_lo, a_hi, c_lo, c_hi;
+  RowAffine(__m256 a8, __m256 c8) {
+    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    a_lo = _mm512_permutexvar_ps(lo, _mm512_castps256_ps512(a8)), a_hi = _mm512_permutexvar_ps(hi, _mm512_castps256_ps512(a8));
+    c_lo = _mm512_permutexvar_ps(lo, _mm512_castps256_ps512(c8)), c_hi = _mm512_permutexvar_ps(hi, _mm512_castps256_ps512(c8));
+  }
+};
+inline __m256 unfused_mul8(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  __asm__("" : "+v"(p));  // rounded by itself: the add that follows must not fuse with it
+  return p;
+}
+
+// Piece p of a group (int16 values v, row j in lanes 4j..4j+3, columns 4p..4p+3) as bf16: pairs 2p and
+// 2p + 1 of the chunk at `pairs` (16 dwords a pair, one per row of the panel; this group's at 8 gi).
+CORELM_BF16_TARGET inline void emit_piece(__m512i v, const RowAffine& r, int p, uint32_t* pairs, int gi) {
+  __m512 p0 = _mm512_mul_ps(r.a_lo, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))));
+  __m512 p1 = _mm512_mul_ps(r.a_hi, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))));
+  __asm__("" : "+v"(p0), "+v"(p1));
+  // dword 2j + h of the bf16 vector: row j, columns 4p + 2h, 4p + 2h + 1; evens then odds: two pairs
+  const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(p1, r.c_hi), _mm512_add_ps(p0, r.c_lo));
+  const __m512i r2 = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), bf);
+  _mm256_storeu_si256((__m256i*)(pairs + 2 * p * 16 + 8 * gi), _mm512_castsi512_si256(r2));
+  _mm256_storeu_si256((__m256i*)(pairs + (2 * p + 1) * 16 + 8 * gi), _mm512_extracti64x4_epi64(r2, 1));
+}
+
+template <WeightType T>
+CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
+  using R = Tr<T>;
+  const int64_t nsb = w.cols / ggml_block_elems(T);
+  const GroupedView v = grouped_view(w.data(), T, nsb, ngroups(w.rows), g);
+  const __m512i offset = _mm512_set1_epi16((short)R::offset);
+  for (int64_t sb = 0; sb < nsb; sb++) {
+    const __m256 d = f16x8(v.D(sb)), dm = R::mins ? f16x8(v.Dm(sb)) : _mm256_setzero_ps();
+    for (int c = 0; c < R::chunks; c++) {
+      // value = (d * s) * v - dm * mn, each product rounded by itself (grouped_ggml_row_to_f32)
+      const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm, R::mins ? u8(v.M(sb, c)) : _mm256_setzero_ps()));
+      const RowAffine r0(R::scales ? unfused_mul8(d, s8(v.S(sb, R::halves ? 2 * c : c))) : unfused_mul8(d, _mm256_set1_ps(1.f)), minus);
+      const RowAffine r1 = R::halves ? RowAffine(unfused_mul8(d, s8(v.S(sb, 2 * c + 1))), minus) : r0;
+      uint32_t* pairs = dst + (sb * R::chunks + c) * 256;
+      for_pieces<T, 1>(v, sb, c, [&](int p, const __m512i* wv) {
+        const __m512i val = R::table ? wv[0] : _mm512_sub_epi16(wv[0], offset);
+        emit_piece(val, p < 4 ? r0 : r1, p, pairs, gi);
+      });
+    }
+  }
+}
+
+// Q8 (q + 128 stored), Q4 (q - 8), Q4M (d * q + m): quant_layout.h, value as dequant_value.
+CORELM_BF16_TARGET void quant_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
+  const WeightType t = w.type;
+  const int64_t nb = nblocks(w);
+  const GroupView v = group_view(w.data(), t, nb, ngroups(w.rows), g);
+  const __m512i m4 = _mm512_set1_epi16(0x0f);
+  const __m512i off = _mm512_set1_epi16(t == WeightType::Q8 ? 128 : t == WeightType::Q4 ? 8 : 0);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const RowAffine r(f16x8(v.d + b * v.dstride), t == WeightType::Q4M ? f16x8(v.m + b * v.dstride) : _mm256_set1_ps(-0.f));
+    uint32_t* pairs = dst + b * 256;
+    if (t == WeightType::Q8) {
+      for (int p = 0; p < 8; p++)
+        emit_piece(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * p))), off), r, p, pairs, gi);
+      continue;
+    }
+    for (int uh = 0; uh < 4; uh++) {  // as for_pieces: pieces 4u + h (low nibbles), 4u + 2 + h (high)
+      const int u = uh >> 1, h = uh & 1;
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * uh)));
+      emit_piece(_mm512_sub_epi16(_mm512_and_si512(bytes, m4), off), r, 4 * u + h, pairs, gi);
+      emit_piece(_mm512_sub_epi16(_mm512_srli_epi16(bytes, 4), off), r, 4 * u + 2 + h, pairs, gi);
+    }
+  }
+}
+
+}  // namespace
+
+bool panel_bf16_pairs_avx512(const PackedMatrix& w, int64_t panel, uint16_t* dst) {
+  const bool grouped = is_grouped_ggml(w.type);
+  if (!grouped && !is_quant(w.type)) return false;
+  if (!cpu_features().avx512_bf16) return false;
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+  const int64_t groups = ngroups(w.rows), npairs = w.ld / 2;
+  for (int gi = 0; gi < 2; gi++) {
+    const int64_t g = 2 * panel + gi;
+    if (g >= groups) {
+      for (int64_t q = 0; q < npairs; q++) std::fill(pairs + q * 16 + 8 * gi, pairs + q * 16 + 8 * gi + 8, 0u);
+      continue;
+    }
+    if (grouped)
+      with_grouped_type(w.type, [&](auto t) { grouped_panel_group<decltype(t)::value>(w, g, pairs, gi); });
+    else
+      quant_panel_group(w, g, pairs, gi);
+  }
+  return true;
+}
+
 void grouped_ggml_matmul_avx512(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                                 int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
