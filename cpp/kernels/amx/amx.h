@@ -85,11 +85,15 @@ using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
 // at a time by src (sparse weights expanded on the fly). The rows are the A operand and x, rounded to
 // bf16 and transposed once per call into tiles, is B; each fp32 sum runs over K in the order bf16_gemm
 // uses, so it has the bits of bf16_gemm on the same weights.
+// bf16_rows: x [m][ldx] rounded to bf16 (nearest even), rows of k rounded up to 32 with a zero tail: the
+// A operand the BF16 GEMMs build per call, built once for many calls (a = it; x is then not read).
 #define CORELM_AMX_DECLARE_KERNELS                                                                 \
+  void bf16_rows(const float* x, int64_t m, int64_t ldx, int64_t k, uint16_t* a);                    \
   void bf16_gemm(const float* x, int64_t m, int64_t ldx, const AmxMatrix& w, float* y, int64_t ldy, \
-                 int64_t n0, int64_t n1);                                                          \
+                 int64_t n0, int64_t n1, const uint16_t* a = nullptr);                             \
   void bf16_gemm_panels(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, PanelSource src,   \
-                        const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);             \
+                        const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1,              \
+                        const uint16_t* a = nullptr);                                                \
   void bf16_gemm_rows(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, RowSource src,    \
                       const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);               \
   void int8_gemm(const int8_t* xq, int64_t m, int64_t ldx, const float* xs, const AmxMatrix& w,     \

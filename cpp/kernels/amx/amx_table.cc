@@ -34,13 +34,6 @@ AmxMatrix tiles_of(const PackedMatrix& w) {
   return a;
 }
 
-template <bool Native>
-void gemm(const float* x, int64_t m, int64_t ldx, const AmxMatrix& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-#if defined(CORELM_HAVE_AMX_BUILD)
-  if constexpr (Native) return native::bf16_gemm(x, m, ldx, a, y, ldy, n0, n1);
-#endif
-  emulated::bf16_gemm(x, m, ldx, a, y, ldy, n0, n1);
-}
 
 template <bool Native>
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
@@ -118,19 +111,35 @@ void from_panel_start(int64_t m, int64_t rows, float* y, int64_t ldy, int64_t n0
   if (head_end < n1) gemm(y, ldy, head_end, n1);
 }
 
+// The products this table runs on the tiles as bf16: bf16 weights, and a prompt's quantized ones.
+bool on_tiles(const PackedMatrix& w, int64_t m) {
+  return w.type == WeightType::BF16 || (dequantizes(w.type) && m > kRowExactRows);
+}
+
+// y[:, n0:n1] for on_tiles(w, m), from x or from its bf16 rows a (bf16_rows; x then unread).
+template <bool Native>
+void tiles_matmul(const float* x, const uint16_t* a, int64_t m, int64_t ldx, const PackedMatrix& w, float* y,
+                  int64_t ldy, int64_t n0, int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (m <= 0 || n0 >= n1) return;
+  const bool bf16 = w.type == WeightType::BF16;
+  const AmxMatrix t = bf16 ? tiles_of(w) : AmxMatrix();
+  from_panel_start(m, w.rows, y, ldy, n0, n1, [&](float* yy, int64_t ld, int64_t p, int64_t q) {
+#if defined(CORELM_HAVE_AMX_BUILD)
+    if constexpr (Native) {
+      if (bf16) return native::bf16_gemm(x, m, ldx, t, yy, ld, p, q, a);
+      return native::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<true>, &w, yy, ld, p, q, a);
+    }
+#endif
+    if (bf16) return emulated::bf16_gemm(x, m, ldx, t, yy, ld, p, q, a);
+    emulated::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<false>, &w, yy, ld, p, q, a);
+  });
+}
+
 template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
-  if (dequantizes(w.type) && m > kRowExactRows) {
-    n1 = std::min(n1, w.rows);
-    if (n0 >= n1) return;
-    return from_panel_start(m, w.rows, y, ldy, n0, n1, [&](float* yy, int64_t ld, int64_t a, int64_t b) {
-#if defined(CORELM_HAVE_AMX_BUILD)
-      if constexpr (Native) return native::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<true>, &w, yy, ld, a, b);
-#endif
-      emulated::bf16_gemm_panels(x, m, ldx, w.rows, w.cols, dequant_panel<false>, &w, yy, ld, a, b);
-    });
-  }
+  if (on_tiles(w, m)) return tiles_matmul<Native>(x, nullptr, m, ldx, w, y, ldy, n0, n1);
   if (sparse::is_sparse(w.type) && m > kRowExactRows) {
     // a prefill's rows against sparse weights: expanded 32 rows at a time into the tiles' A operand
     n1 = std::min(n1, w.rows);
@@ -140,21 +149,33 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 #endif
     return emulated::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1);
   }
-  if (w.type != WeightType::BF16) {
-    // sparse bf16: a small batch through the base table's row-exact kernels, whose bits decode has
-    const KernelTable* t = base_table();
-    if (sparse::is_sparse(w.type) && t->row_exact) t = t->row_exact;
-    return t->matmul(x, m, ldx, w, y, ldy, n0, n1);
-  }
-  if (m <= 0 || n0 >= n1) return;
-  const AmxMatrix a = tiles_of(w);
-  from_panel_start(m, w.rows, y, ldy, n0, n1,
-                   [&](float* yy, int64_t ld, int64_t p, int64_t q) { gemm<Native>(x, m, ldx, a, yy, ld, p, q); });
+  // sparse bf16: a small batch through the base table's row-exact kernels, whose bits decode has
+  const KernelTable* t = base_table();
+  if (sparse::is_sparse(w.type) && t->row_exact) t = t->row_exact;
+  t->matmul(x, m, ldx, w, y, ldy, n0, n1);
 }
 
-// A prefill's quantized matmul goes through matmul (dequantized panels), so it takes no quantized input.
+// The two-step matmul (a region's threads share one conversion of x): for what runs on the tiles, x's
+// bf16 rows (bf16_rows); everything else is the base table's quantized input.
 size_t quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
-  return dequantizes(w.type) && m > kRowExactRows ? 0 : base_table()->quant_act_bytes(w, m, act);
+  if (on_tiles(w, m)) return (size_t)m * ((w.cols + 31) / 32 * 32) * 2;
+  return base_table()->quant_act_bytes(w, m, act);
+}
+
+template <bool Native>
+void quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (!on_tiles(w, m)) return base_table()->quantize_act(x, m, ldx, w, act, qa);
+#if defined(CORELM_HAVE_AMX_BUILD)
+  if constexpr (Native) return native::bf16_rows(x, m, ldx, w.cols, static_cast<uint16_t*>(qa));
+#endif
+  emulated::bf16_rows(x, m, ldx, w.cols, static_cast<uint16_t*>(qa));
+}
+
+template <bool Native>
+void matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                  int64_t n1) {
+  if (!on_tiles(w, m)) return base_table()->matmul_quant(qa, m, act, w, y, ldy, n0, n1);
+  tiles_matmul<Native>(nullptr, static_cast<const uint16_t*>(qa), m, 0, w, y, ldy, n0, n1);
 }
 
 // bf16 rows into tiles through one fp32 copy of the matrix (the tile packer takes floats); every other
@@ -184,6 +205,8 @@ const KernelTable* table() {
     k.pack_raw = pack_raw<Native>;
     k.matmul = matmul<Native>;
     k.quant_act_bytes = quant_act_bytes;
+    k.quantize_act = quantize_act<Native>;
+    k.matmul_quant = matmul_quant<Native>;
     k.row_to_f32 = row_to_f32<Native>;
     k.row_exact = nullptr;  // the base table cannot read the AMX layout
     return k;
