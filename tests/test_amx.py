@@ -395,6 +395,8 @@ def test_amx_table_prefill_multiplies_quantized_weights_as_bf16(isa, wtype):
         x = rng.standard_normal((m, k)).astype(np.float32)
         want = _core.testing.kernel_matmul(isa, x, dequantized(isa, w, wtype), "bf16")
         np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype), want)
+        # the two-step matmul (the forward pass's: x rounded to bf16 once per region), the same bits
+        np.testing.assert_array_equal(_core.testing.kernel_matmul(isa, x, w, wtype, activations="int16"), want)
         for n0, n1 in ((0, 3), (5, 14), (16, n), (n - 1, n)):
             y = _core.testing.kernel_matmul(isa, x, w, wtype, n0, n1)
             np.testing.assert_array_equal(y[:, n0:n1], want[:, n0:n1])

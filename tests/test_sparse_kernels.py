@@ -95,6 +95,8 @@ def test_large_batches_multiply_the_expanded_dense_matrix(isa):
         x = rng.standard_normal((m, k)).astype(np.float32)
         dense = T.kernel_matmul(isa, x, w, "bf16")
         assert np.array_equal(T.kernel_matmul(isa, x, w, "sbf16"), dense), (isa, n, k, m)
+        # the two-step matmul (the forward pass's: x prepared once per region) gives the same bits
+        assert np.array_equal(T.kernel_matmul(isa, x, w, "sbf16", activations="int16"), dense), (isa, n, k, m)
         for n0, n1 in ((0, 3), (3, 11), (13, n), (n - 1, n)):
             part = T.kernel_matmul(isa, x, w, "sbf16", n0, n1)
             assert np.array_equal(part[:, n0:n1], dense[:, n0:n1]), (isa, n, k, m, n0, n1)

@@ -450,7 +450,9 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto task_matmul = [&](const PackedMatrix& w) {
-    const bool quantized = act_bytes(k, w, 1, cfg_.act_type) != 0;
+    // an input of its own for this pass's rows or a single one (lm_head): a table may want one for some
+    // row counts only (the amx table: a prompt's sparse rows)
+    const bool quantized = act_bytes(k, w, T, cfg_.act_type) != 0 || act_bytes(k, w, 1, cfg_.act_type) != 0;
     return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
   };
   // x += in @ W^T; with post-norms x += rmsnorm(in @ W^T) * post_norm, which needs whole rows first

@@ -81,6 +81,8 @@ using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
 
 // bf16_gemm_panels: bf16_gemm for a W of n x k that is not stored as tiles but produced 16 rows at a
 // time by src (quantized weights dequantized to bf16 for a prefill). n0 must be a multiple of 16.
+// bf16_tiles_of_rows: x as bf16_gemm_rows's B tiles ([ceil(m/16)][ceil(k/32)] KiB), built once for many
+// calls (xt = it; x is then not read).
 // bf16_gemm_rows: y[:, n0:n1] = x . W^T for a W of n x k that is not stored as tiles but produced 32 rows
 // at a time by src (sparse weights expanded on the fly). The rows are the A operand and x, rounded to
 // bf16 and transposed once per call into tiles, is B; each fp32 sum runs over K in the order bf16_gemm
@@ -94,8 +96,10 @@ using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
   void bf16_gemm_panels(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, PanelSource src,   \
                         const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1,              \
                         const uint16_t* a = nullptr);                                                \
+  void bf16_tiles_of_rows(const float* x, int64_t m, int64_t ldx, int64_t k, uint16_t* xt);          \
   void bf16_gemm_rows(const float* x, int64_t m, int64_t ldx, int64_t n, int64_t k, RowSource src,    \
-                      const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1);               \
+                      const void* ctx, float* y, int64_t ldy, int64_t n0, int64_t n1,                \
+                      const uint16_t* xt = nullptr);                                                 \
   void int8_gemm(const int8_t* xq, int64_t m, int64_t ldx, const float* xs, const AmxMatrix& w,     \
                  float* y, int64_t ldy, int64_t n0, int64_t n1);                                   \
   void int8_gemm_i32(const int8_t* xq, int64_t m, int64_t ldx, const AmxMatrix& w, int32_t* y,      \

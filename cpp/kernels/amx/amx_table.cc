@@ -115,6 +115,8 @@ void from_panel_start(int64_t m, int64_t rows, float* y, int64_t ldy, int64_t n0
 bool on_tiles(const PackedMatrix& w, int64_t m) {
   return w.type == WeightType::BF16 || (dequantizes(w.type) && m > kRowExactRows);
 }
+// A prompt's rows against sparse bf16 weights: the rows expanded into A, x as B tiles (bf16_gemm_rows).
+bool sparse_prompt(const PackedMatrix& w, int64_t m) { return sparse::is_sparse(w.type) && m > kRowExactRows; }
 
 // y[:, n0:n1] for on_tiles(w, m), from x or from its bf16 rows a (bf16_rows; x then unread).
 template <bool Native>
@@ -140,7 +142,7 @@ template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
   if (on_tiles(w, m)) return tiles_matmul<Native>(x, nullptr, m, ldx, w, y, ldy, n0, n1);
-  if (sparse::is_sparse(w.type) && m > kRowExactRows) {
+  if (sparse_prompt(w, m)) {
     // a prefill's rows against sparse weights: expanded 32 rows at a time into the tiles' A operand
     n1 = std::min(n1, w.rows);
     if (n0 >= n1) return;
@@ -156,26 +158,37 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 }
 
 // The two-step matmul (a region's threads share one conversion of x): for what runs on the tiles, x's
-// bf16 rows (bf16_rows); everything else is the base table's quantized input.
+// bf16 rows (bf16_rows), for a sparse prompt x's B tiles; everything else is the base table's input.
 size_t quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
-  if (on_tiles(w, m)) return (size_t)m * ((w.cols + 31) / 32 * 32) * 2;
+  const int64_t kp = (w.cols + 31) / 32 * 32;
+  if (on_tiles(w, m)) return (size_t)m * kp * 2;
+  if (sparse_prompt(w, m)) return (size_t)(m + 15) / 16 * 16 * kp * 2;
   return base_table()->quant_act_bytes(w, m, act);
 }
 
 template <bool Native>
 void quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
-  if (!on_tiles(w, m)) return base_table()->quantize_act(x, m, ldx, w, act, qa);
+  uint16_t* out = static_cast<uint16_t*>(qa);
+  if (!on_tiles(w, m) && !sparse_prompt(w, m)) return base_table()->quantize_act(x, m, ldx, w, act, qa);
 #if defined(CORELM_HAVE_AMX_BUILD)
-  if constexpr (Native) return native::bf16_rows(x, m, ldx, w.cols, static_cast<uint16_t*>(qa));
+  if constexpr (Native) return on_tiles(w, m) ? native::bf16_rows(x, m, ldx, w.cols, out)
+                                              : native::bf16_tiles_of_rows(x, m, ldx, w.cols, out);
 #endif
-  emulated::bf16_rows(x, m, ldx, w.cols, static_cast<uint16_t*>(qa));
+  on_tiles(w, m) ? emulated::bf16_rows(x, m, ldx, w.cols, out) : emulated::bf16_tiles_of_rows(x, m, ldx, w.cols, out);
 }
 
 template <bool Native>
 void matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
                   int64_t n1) {
-  if (!on_tiles(w, m)) return base_table()->matmul_quant(qa, m, act, w, y, ldy, n0, n1);
-  tiles_matmul<Native>(nullptr, static_cast<const uint16_t*>(qa), m, 0, w, y, ldy, n0, n1);
+  const uint16_t* a = static_cast<const uint16_t*>(qa);
+  if (on_tiles(w, m)) return tiles_matmul<Native>(nullptr, a, m, 0, w, y, ldy, n0, n1);
+  if (!sparse_prompt(w, m)) return base_table()->matmul_quant(qa, m, act, w, y, ldy, n0, n1);
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+#if defined(CORELM_HAVE_AMX_BUILD)
+  if constexpr (Native) return native::bf16_gemm_rows(nullptr, m, 0, w.rows, w.cols, expand_rows<true>, &w, y, ldy, n0, n1, a);
+#endif
+  emulated::bf16_gemm_rows(nullptr, m, 0, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1, a);
 }
 
 // bf16 rows into tiles through one fp32 copy of the matrix (the tile packer takes floats); every other
