@@ -9,7 +9,8 @@ Each (kind, M, threads) point runs `rounds` timed windows of `seconds` (after a 
 with the other kinds so machine noise hits them alike; the best window is reported (the machine's other
 load only ever slows a window down) with the median beside it. GFLOP/s = 2*M*N*K / time.
 Kinds: amx_bf16 (x rounded to bf16 per call, fp32 accumulate), amx_int8 (int8 x int8 -> int32, per-row
-scales applied after), <table>_fp32 / <table>_bf16 (corelm's kernel table matmul with fp32 activations).
+scales applied after), <table>_fp32 / <table>_bf16 / <table>_q8 / <table>_q4 (corelm's kernel table matmul
+with fp32 activations; q8/q4 with int8 activations, and on the amx table past 32 rows dequantized to bf16).
 The shape default is the Qwen2.5-0.5B FFN up/gate projection (dim 896, ffn 4864) for a 128-token chunk.
 """
 import argparse
@@ -38,8 +39,10 @@ def main(argv=None) -> int:
     m0, n, k = args.shape
     ms = args.ms or [m0]
     tables = _core.kernel_tables()
-    # the amx table's own bf16 matmul is the amx_bf16 kernel below (same name), so only the others are listed
-    kinds = ([f"{t}_{w}" for t in tables if t not in ("scalar", "amx") for w in ("fp32", "bf16")] or ["scalar_fp32"])
+    # the amx table's bf16 matmul is the amx_bf16 kernel below (same name) and its fp32 is the base
+    # table's; its q8/q4 are a prompt's quantized weights dequantized into bf16 tiles (m > 32)
+    kinds = ([f"{t}_{w}" for t in tables if t != "scalar" for w in ("fp32", "bf16", "q8", "q4")
+              if not (t == "amx" and w in ("fp32", "bf16"))] or ["scalar_fp32"])
     if _core.amx_available():
         kinds = ["amx_bf16", "amx_int8"] + kinds
     else:
