@@ -21,12 +21,13 @@ py::dict corelm::amx_info() {
   d["permission"] = s.permission;
   d["compiled"] = s.compiled;
   d["reason"] = s.reason;
-  // What the AMX kernels serve in the forward pass: bf16 weights through the "amx" kernel table (chosen
-  // by CORELM_ISA=amx), never int8 (q8's blocks of 32 have a scale each, TDPBSSD sums 64 at a time).
+  // What the AMX kernels serve in the forward pass: through the "amx" kernel table (the default where AMX
+  // runs), bf16 weights and a prompt's quantized and sparse ones as bf16; never int8 (q8's blocks of 32
+  // have a scale each, TDPBSSD sums 64 at a time).
   const bool in_use = std::string(kernels().name) == "amx";
   py::dict serves;
-  serves["bf16_gemm"] = in_use ? "bf16 weights (kernel table amx)"
-                        : amx::available() ? "bf16 weights with CORELM_ISA=amx" : "emulated only";
+  serves["bf16_gemm"] = in_use ? "bf16 weights; a prompt's quantized and sparse weights as bf16 (kernel table amx)"
+                        : amx::available() ? "not in use (CORELM_ISA chose another table)" : "emulated only";
   serves["int8_gemm"] = amx::available() ? "kernel entry point only" : "emulated only";
   d["kernels"] = serves;
   d["in_use"] = in_use;

@@ -85,8 +85,8 @@ using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
 // calls (xt = it; x is then not read).
 // bf16_gemm_rows: y[:, n0:n1] = x . W^T for a W of n x k that is not stored as tiles but produced 32 rows
 // at a time by src (sparse weights expanded on the fly). The rows are the A operand and x, rounded to
-// bf16 and transposed once per call into tiles, is B; each fp32 sum runs over K in the order bf16_gemm
-// uses, so it has the bits of bf16_gemm on the same weights.
+// bf16 and transposed into tiles (per call, or once for many: xt), is B; each fp32 sum runs over K in
+// the order bf16_gemm uses, so it has the bits of bf16_gemm on the same weights.
 // bf16_rows: x [m][ldx] rounded to bf16 (nearest even), rows of k rounded up to 32 with a zero tail: the
 // A operand the BF16 GEMMs build per call, built once for many calls (a = it; x is then not read).
 #define CORELM_AMX_DECLARE_KERNELS                                                                 \
@@ -110,8 +110,8 @@ using PanelSource = void (*)(const void* ctx, int64_t panel, uint16_t* dst);
 namespace emulated { CORELM_AMX_DECLARE_KERNELS }
 
 // The kernel table that multiplies bf16 weights (stored as AMX-BF16 tiles) with these kernels, for any
-// number of activation rows, and leaves every other format and op to the best non-AMX table (whose
-// name kernel_table_base gives). native: the real tiles, only when available(); otherwise the
+// number of activation rows, and a prompt's quantized and sparse weights as bf16 (amx_table.cc); it
+// leaves every other product and op to the best non-AMX table (whose name kernel_table_base gives). native: the real tiles, only when available(); otherwise the
 // emulation (slow: for tests, by the name "amx_emulated").
 const KernelTable* kernel_table(bool native);
 const char* kernel_table_base();

@@ -1,6 +1,7 @@
 // The AMX kernel table (amx.h, kernel_table): bf16 weights live as AMX-BF16 tiles and every matmul on
-// them, decode's single row included (the tile configuration shrinks to m rows), runs TDPBF16PS; every
-// other weight format and every other op is the best non-AMX table's, called through.
+// them, decode's single row included (the tile configuration shrinks to m rows), runs TDPBF16PS. A
+// prompt (more than kRowExactRows rows) against quantized or sparse weights runs on the tiles too, the
+// weights dequantized or expanded on the fly; everything else is the best non-AMX table's, called through.
 //
 // Built for the baseline ISA: it only calls the AMX kernels (amx_native.cc, amx_emulated.cc) and the
 // other tables.
@@ -33,7 +34,6 @@ AmxMatrix tiles_of(const PackedMatrix& w) {
   a.tiles = std::shared_ptr<void>(std::shared_ptr<void>(), w.storage.get());
   return a;
 }
-
 
 template <bool Native>
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {

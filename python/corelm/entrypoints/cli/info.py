@@ -157,9 +157,9 @@ def format_info(info: Dict[str, Any], verbose: bool = False) -> str:
         if not amx.get("available"):
             state = f"absent ({amx.get('reason') or '?'})"
         elif amx.get("in_use"):
-            state = "available, AMX-BF16 serves bf16 weights (kernel table amx)"
+            state = "available, AMX-BF16 serves bf16 weights and prompts' quantized and sparse ones (kernel table amx)"
         else:
-            state = "available (CORELM_ISA=amx lets AMX-BF16 serve bf16 weights)"
+            state = "available, not in use (CORELM_ISA chose another table)"
         lines.append("AMX:       " + state)
     if info.get("topology"):
         lines += format_topology(info["topology"], info["thread_plan"], info["pin_threads"])
