@@ -138,19 +138,23 @@ void tiles_matmul(const float* x, const uint16_t* a, int64_t m, int64_t ldx, con
   });
 }
 
+// y[:, n0:n1] for sparse_prompt(w, m), from x or from its B tiles xt (bf16_tiles_of_rows; x then unread).
+template <bool Native>
+void sparse_matmul(const float* x, const uint16_t* xt, int64_t m, int64_t ldx, const PackedMatrix& w, float* y,
+                   int64_t ldy, int64_t n0, int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+#if defined(CORELM_HAVE_AMX_BUILD)
+  if constexpr (Native) return native::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<true>, &w, y, ldy, n0, n1, xt);
+#endif
+  emulated::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1, xt);
+}
+
 template <bool Native>
 void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
             int64_t n1) {
   if (on_tiles(w, m)) return tiles_matmul<Native>(x, nullptr, m, ldx, w, y, ldy, n0, n1);
-  if (sparse_prompt(w, m)) {
-    // a prefill's rows against sparse weights: expanded 32 rows at a time into the tiles' A operand
-    n1 = std::min(n1, w.rows);
-    if (n0 >= n1) return;
-#if defined(CORELM_HAVE_AMX_BUILD)
-    if constexpr (Native) return native::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<true>, &w, y, ldy, n0, n1);
-#endif
-    return emulated::bf16_gemm_rows(x, m, ldx, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1);
-  }
+  if (sparse_prompt(w, m)) return sparse_matmul<Native>(x, nullptr, m, ldx, w, y, ldy, n0, n1);
   // sparse bf16: a small batch through the base table's row-exact kernels, whose bits decode has
   const KernelTable* t = base_table();
   if (sparse::is_sparse(w.type) && t->row_exact) t = t->row_exact;
@@ -182,13 +186,8 @@ void matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w,
                   int64_t n1) {
   const uint16_t* a = static_cast<const uint16_t*>(qa);
   if (on_tiles(w, m)) return tiles_matmul<Native>(nullptr, a, m, 0, w, y, ldy, n0, n1);
-  if (!sparse_prompt(w, m)) return base_table()->matmul_quant(qa, m, act, w, y, ldy, n0, n1);
-  n1 = std::min(n1, w.rows);
-  if (n0 >= n1) return;
-#if defined(CORELM_HAVE_AMX_BUILD)
-  if constexpr (Native) return native::bf16_gemm_rows(nullptr, m, 0, w.rows, w.cols, expand_rows<true>, &w, y, ldy, n0, n1, a);
-#endif
-  emulated::bf16_gemm_rows(nullptr, m, 0, w.rows, w.cols, expand_rows<false>, &w, y, ldy, n0, n1, a);
+  if (sparse_prompt(w, m)) return sparse_matmul<Native>(nullptr, a, m, 0, w, y, ldy, n0, n1);
+  base_table()->matmul_quant(qa, m, act, w, y, ldy, n0, n1);
 }
 
 // bf16 rows into tiles through one fp32 copy of the matrix (the tile packer takes floats); every other

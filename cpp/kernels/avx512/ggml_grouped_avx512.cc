@@ -9,7 +9,8 @@
 // splits each int16 activation into two bytes and multiplies the codes as bytes (VPDPBUSD, as the int8
 // path): the same integer sums, half the unpacking.
 // GEMV and GEMM compute each (row, token) with the same operations in the same order, so a token's
-// result does not depend on its batch.
+// result does not depend on its batch. At the end, panel_bf16_pairs_avx512: these types and q8/q4/q4m
+// (the same piece order) dequantized to bf16 for the amx table's prompts.
 #include <immintrin.h>
 
 #include <algorithm>
