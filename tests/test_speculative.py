@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): prompt lookup, a draft model and a self-draft are lossless.
+"""Speculative decoding (engine/speculative.py): prompt lookup, lookahead, a draft model and a self-draft are lossless.
 Greedy and seeded sampled output, logprobs, stop strings, max/min tokens and chat are token-for-token what
 plain decoding gives; rejected guesses never reach the prefix cache and leave no KV blocks behind; the
 sampled distribution passes a two-sample chi-square test against plain decoding."""
@@ -13,7 +13,7 @@ from conftest import DEFAULT_GGUF, MODELS
 import corelm
 from corelm import SamplingParams
 from corelm.engine.scheduler import BlockManager
-from corelm.engine.speculative import Acceptance, PromptLookup, SpecGuard, StepCosts, plan_lengths
+from corelm.engine.speculative import Acceptance, Lookahead, PromptLookup, SpecGuard, StepCosts, plan_lengths
 
 STORIES = os.path.join(MODELS, "stories260K")
 STORIES_GGUF = os.path.join(STORIES, "stories260K.gguf")
@@ -35,6 +35,76 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
     assert p.propose([("c", [4, 4], 3)]) == {"c": [4]}               # only what exists after the match
     p.forget("a")
     assert p.propose([("a", [9, 9, 9], 2)]) == {"a": [9]}            # a new sequence under an old key
+
+
+def check_chain(proposer, model, tokens, k):
+    """One step as the scheduler runs it, on a model given as a function of the tokens so far (its greedy
+    next token): propose, check every row, keep the agreeing prefix and the model's token at the first
+    miss, tell the proposer with every row's prediction. Returns (proposal, label, accepted)."""
+    d = proposer.propose([("s", tokens, k)]).get("s", [])
+    label = proposer._matched.get("s")
+    preds = [model(tokens + d[:j]) for j in range(len(d) + 1)]
+    accepted = next((j for j in range(len(d)) if d[j] != preds[j]), len(d))
+    n_before = len(tokens)
+    tokens += preds[:accepted + 1]
+    if d:
+        proposer.verified("s", n_before, len(d), accepted, np.asarray(preds))
+    return d, label, accepted
+
+
+def test_lookahead_proposes_the_models_own_jacobi_guesses():
+    """A model whose next token depends only on the position (so nothing in the text ever repeats, and
+    prompt lookup has nothing to copy): after one missed guess, the rows after the miss predicted the next
+    tokens, and the following step proposes them and they are all kept."""
+    model = lambda toks: 100 + len(toks)
+    p = Lookahead(k_max=4)
+    tokens = [1, 2, 1]
+    # only a one-token match ("1" was followed by "2"): proposed as a seed, and missed at once
+    assert check_chain(p, model, tokens, 4) == ([2, 1], ("text", 1), 0)
+    assert tokens == [1, 2, 1, 103]
+    d, label, accepted = check_chain(p, model, tokens, 4)
+    assert (d, label, accepted) == ([104, 105], "jacobi", 2)     # the rows after the miss were right
+    assert tokens[-3:] == [104, 105, 106]
+    assert p.stats.proposed == 4 and p.stats.accepted == 2
+    assert PromptLookup(k_max=4).propose([("s", tokens, 4)]) == {}  # what prompt lookup would have had
+    assert p.propose([("s", tokens, 4)]) == {}   # all kept: no leftover guess, and nothing to match
+    p.forget("s")
+    assert not p._pool and not p._jacobi and not any(k[0] == "s" for k in p._acceptance)
+
+
+def test_lookahead_pool_holds_the_guessed_n_grams():
+    p = Lookahead(k_max=4)
+    tokens = [5, 6, 7, 5]
+    assert p.propose([("s", tokens, 4)]) == {"s": [6, 7, 5]}     # a one-token match
+    tokens.append(8)                                            # the model's token at the missed first row
+    p.verified("s", 4, 3, 0, np.array([8, 9, 10, 11]))
+    # the rows after the miss: the next Jacobi guess
+    assert p.propose([("s", tokens, 4)]) == {"s": [9, 10, 11]} and p._matched["s"] == "jacobi"
+    assert p.propose([("s", tokens, 2)]) == {"s": [9, 10]}
+    # the sequence moves on without a check (the planner gave it no rows): a guessed n-gram now ends the
+    # text, and its predicted continuation is proposed from the pool
+    tokens.append(9)
+    assert p.propose([("s", tokens, 4)]) == {"s": [10, 11]} and p._matched["s"] == ("guess", 4)
+    # what each rejected row read, then its prediction: "6" was read at row 1, and 9 predicted after it
+    assert p.propose([("t", [6, 6], 4)]) == {"t": [6]}          # another sequence: its own pool only
+    assert p.propose([("s", tokens + [3, 5, 6], 4)]) == {"s": [9, 10, 11]}
+    assert p._matched["s"] == ("guess", 2)
+    # the text's occurrence, more recent than the guess, wins over it
+    tokens += [10, 12, 5, 8, 9]
+    assert p.propose([("s", tokens, 4)]) == {"s": [10, 12, 5, 8]} and p._matched["s"] == ("text", 3)
+    # a continuation predicted twice beats a newer one predicted once
+    q = Lookahead(k_max=4)
+    pool = q._pool.setdefault("s", {})
+    q._indexed("s", [1, 2])
+    for made, cont in ((2, [7]), (3, [7]), (4, [8])):
+        q._remember(pool, [1, 2], cont, made)
+    assert q._match("s", [1, 2], 2, 4) == (("guess", 2), [7])
+    # a pool past its size drops its oldest n-grams
+    q = Lookahead(k_max=4, n_max=1, n_min=1, max_grams=8)
+    pool = q._pool.setdefault("s", {})
+    for t in range(9):
+        q._remember(pool, [t], [t + 1], t)
+    assert sorted(g for (g,) in pool) == [2, 3, 4, 5, 6, 7, 8]
 
 
 def test_acceptance_estimate_learns_and_drifts_back():
@@ -98,9 +168,10 @@ def test_guard_pauses_speculation_that_does_not_pay():
 
 
 @pytest.mark.parametrize("bad", [0, 17, 2.5, "4", True])
-def test_bad_proposal_lengths_are_refused(bad):
+@pytest.mark.parametrize("cls", [PromptLookup, Lookahead])
+def test_bad_proposal_lengths_are_refused(bad, cls):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        PromptLookup(k_max=bad)
+        cls(k_max=bad)
 
 
 # --- lossless through the engine ----------------------------------------------------------------------
@@ -139,6 +210,10 @@ PARAMS = [
 @pytest.mark.parametrize("spec", [dict(speculative_model="[ngram]"),
                                   dict(speculative_model="[ngram]", speculative_adaptive=True),
                                   dict(speculative_model="[ngram]", num_speculative_tokens=7, prompt_lookup_min=1),
+                                  dict(speculative_model="[lookahead]"),
+                                  dict(speculative_model="[lookahead]", num_speculative_tokens=5, prompt_lookup_max=3,
+                                       prompt_lookup_min=3),
+                                  dict(speculative_model="[lookahead]", speculative_adaptive=True),
                                   dict(speculative_model=STORIES_GGUF, num_speculative_tokens=3),
                                   dict(speculative_model=QWEN),      # another model over the same tokenizer
                                   dict(speculative_model="[self]", speculative_weights="q4")])
@@ -150,7 +225,9 @@ def test_output_is_unchanged_by_speculation(plain_stories, spec):
     for params in PARAMS + [SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_id])]:
         assert run(llm, prompts, params) == run(plain_stories, prompts, params), params
     stats = llm.engine.speculator.stats
-    assert stats.proposed > 50 and stats.accepted <= stats.proposed
+    # adaptive lookahead probes its weak guesses sparingly (how much, the step timings decide)
+    assert stats.proposed > (10 if spec == dict(speculative_model="[lookahead]", speculative_adaptive=True) else 50)
+    assert stats.accepted <= stats.proposed
     assert stats.accepted > 0 or spec["speculative_model"] == QWEN   # a random-weight draft guesses wrong
     assert llm.engine.scheduler.blocks.num_free == llm.engine.core.kv_blocks   # every block came back
 
@@ -169,8 +246,9 @@ def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
     assert spec.engine.speculator.stats.accepted > 0
 
 
-def test_chat_is_unchanged(plain_stories):
-    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]")
+@pytest.mark.parametrize("proposer", ["[ngram]", "[lookahead]"])
+def test_chat_is_unchanged(plain_stories, proposer):
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model=proposer)
     messages = [{"role": "user", "content": STORY}]
     params = SamplingParams(temperature=0, max_tokens=50)
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -203,10 +281,11 @@ def test_structured_output_is_unchanged_by_speculation():
     assert spec.engine.scheduler.blocks.num_free == spec.engine.core.kv_blocks
 
 
-def test_batched_speculation_keeps_cache_clean():
+@pytest.mark.parametrize("proposer", ["[ngram]", "[lookahead]"])
+def test_batched_speculation_keeps_cache_clean(proposer):
     """Several sequences speculate in one pass; the prefix cache only ever holds blocks of tokens that
     were kept, and every block is free again at the end."""
-    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[ngram]", max_num_seqs=3)
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model=proposer, max_num_seqs=3)
     plain = corelm.LLM(STORIES_GGUF, **Q8, **PLAIN, max_num_seqs=3)
     prompts = [STORY, STORY + " a", "Tim had a big red ball. Tim had a big", "The cat sat. The cat sat. The"]
     params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
@@ -222,6 +301,33 @@ def test_batched_speculation_keeps_cache_clean():
     assert sched.blocks.cached and set(sched.blocks.cached) <= kept
     assert sched.blocks.num_free == llm.engine.core.kv_blocks
     assert llm.engine.speculator.stats.accepted > 20
+
+
+def test_lookahead_learns_from_every_checked_row(plain_stories):
+    """Through the engine: the proposer is told each checked row's argmax (greedy: the kept tokens, then
+    the model's guesses after the miss), and proposals from those guesses, not only copies of the text,
+    are made and kept; output is plain's, over several sequences at once."""
+    llm = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model="[lookahead]", max_num_seqs=2)
+    spec = llm.engine.speculator
+    checked = []
+    verified = spec.verified
+
+    def spy(key, n_before, proposed, accepted, predictions=None):
+        tokens = spec._last[key][0]
+        assert predictions is not None and len(predictions) == proposed + 1
+        checked.append(list(predictions[:accepted + 1]) == tokens[n_before:n_before + accepted + 1])
+        verified(key, n_before, proposed, accepted, predictions)
+
+    spec.verified = spy
+    prompts = [STORY, "Tim had a big red ball.", "The sun"]
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    assert run(llm, prompts, params) == run(plain_stories, prompts, params)
+    assert checked and all(checked)
+    kinds = spec.kinds
+    assert set(kinds) == {"text", "guess", "jacobi"}, kinds
+    assert kinds["guess"][1] > 10 and kinds["jacobi"][1] > 0, kinds
+    assert sum(p for p, _ in kinds.values()) == spec.stats.proposed
+    assert not spec._pool and not spec._last   # every sequence was forgotten at its end
 
 
 def test_sampled_distribution_matches_plain_decoding():
@@ -267,8 +373,13 @@ def test_speculation_options_are_checked():
         corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="vocabulary differs"):
         corelm.LLM(STORIES_GGUF, speculative_model=DEFAULT_GGUF)   # SmolLM2's 49152 tokens
-    with pytest.raises(ValueError, match="prompt lookup"):
-        corelm.LLM(STORIES_GGUF, speculative_model="[ngram]", speculative_weights="q4")
+    for proposer in ("[ngram]", "[lookahead]"):
+        with pytest.raises(ValueError, match="prompt lookup"):
+            corelm.LLM(STORIES_GGUF, speculative_model=proposer, speculative_weights="q4")
+    for bad in ("[lookahed]", "[]", 3):
+        with pytest.raises(ValueError, match="speculative_model"):
+            corelm.LLM(STORIES_GGUF, speculative_model=bad)
+    assert isinstance(corelm.LLM(STORIES_GGUF, speculative_model="[lookahead]").engine.speculator, Lookahead)
     for lo, hi in ((0, 4), (3, 2), ("2", 4), (2, 17)):
         with pytest.raises(ValueError, match="n-gram sizes"):
             corelm.LLM(STORIES_GGUF, prompt_lookup_min=lo, prompt_lookup_max=hi)
@@ -295,13 +406,15 @@ def test_cli_generate_and_chat_take_draft_flags(tmp_path):
     import sys
     base = [sys.executable, "-m", "corelm.entrypoints.cli"]
     env = dict(os.environ)
-    for cmd in (["generate", STORIES_GGUF, "-p", STORY, "-n", "40", "--temp", "0", "--ignore-eos", "-v"],):
-        plain = subprocess.run(base + cmd + ["--draft-model", "[none]"], capture_output=True, text=True, env=env,
-                               timeout=300)
-        spec = subprocess.run(base + cmd + ["--draft-model", "[ngram]", "--draft-tokens", "5"], capture_output=True,
+    cmd = ["generate", STORIES_GGUF, "-p", STORY, "-n", "40", "--temp", "0", "--ignore-eos", "-v"]
+    plain = subprocess.run(base + cmd + ["--draft-model", "[none]"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert plain.returncode == 0 and "draft:" not in plain.stderr, plain.stderr
+    for proposer in ("[ngram]", "[lookahead]"):
+        spec = subprocess.run(base + cmd + ["--draft-model", proposer, "--draft-tokens", "5"], capture_output=True,
                               text=True, env=env, timeout=300)
-        assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
-        assert spec.stdout == plain.stdout and "draft:" in spec.stderr and "draft:" not in plain.stderr
+        assert spec.returncode == 0, spec.stderr
+        assert spec.stdout == plain.stdout and "draft:" in spec.stderr
     chat = subprocess.run(base + ["chat", STORIES_GGUF, "--draft-model", STORIES_GGUF, "--temp", "0", "-n", "20",
                                   "-v"], input="Once upon a time\n/bye\n", capture_output=True, text=True, env=env,
                           timeout=300)

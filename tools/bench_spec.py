@@ -10,7 +10,8 @@ engines alternating within every round, medians over rounds.
 Tasks (chat prompts, the model's own template): `rename` rewrites a 35-line class with one attribute renamed
 (input-grounded: most of the answer is in the prompt), `summary` summarises a given passage, `story` and
 `code` are open-ended (nothing to copy: prompt lookup must cost nothing there). corelm engines: plain,
-prompt lookup (adaptive), the draft model (adaptive) and the target drafting for itself in fewer bits.
+prompt lookup (adaptive), lookahead (prompt lookup plus the model's own Jacobi guesses, adaptive), the draft
+model (adaptive) and the target drafting for itself in fewer bits.
 llama.cpp (with --llama-bin): llama-bench's decode at the prompt's depth as its plain speed, llama-lookup
 (3 drafted tokens, its default), llama-speculative with the same draft (4), llama-lookahead."""
 import argparse
@@ -81,7 +82,8 @@ def corelm_engines(a, threads):
     import corelm
     base = dict(threads=threads, max_seq_len=2048, dtype=a.dtype)
     engines = {"corelm plain": corelm.LLM(a.model, speculative_model=None, **base),
-               "corelm prompt lookup": corelm.LLM(a.model, speculative_model="[ngram]", **base)}
+               "corelm prompt lookup": corelm.LLM(a.model, speculative_model="[ngram]", **base),
+               "corelm lookahead": corelm.LLM(a.model, speculative_model="[lookahead]", **base)}
     if a.draft:
         engines["corelm draft"] = corelm.LLM(a.model, speculative_model=a.draft, speculative_weights=a.draft_weights,
                                              **base)
@@ -161,24 +163,25 @@ def main():
     ap.add_argument("--llama-tools", nargs="+", default=["llama-bench", "llama-lookup", "llama-speculative"],
                     help="which llama.cpp tools run (llama-lookahead too if named; llama-speculative needs --draft)")
     ap.add_argument("--streams", type=int, default=0,
-                    help="instead: N concurrent requests, plain against prompt lookup (total generated tok/s)")
+                    help="instead: N concurrent requests, plain against prompt lookup and lookahead (total generated tok/s)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     results = []
     if a.streams:
         import corelm
         for threads in a.threads:
-            llms = {"plain": corelm.LLM(a.model, speculative_model=None, threads=threads, dtype=a.dtype),
-                    "prompt lookup": corelm.LLM(a.model, speculative_model="[ngram]", threads=threads, dtype=a.dtype)}
+            llms = {name: corelm.LLM(a.model, speculative_model=spec, threads=threads, dtype=a.dtype)
+                    for name, spec in (("plain", None), ("prompt lookup", "[ngram]"), ("lookahead", "[lookahead]"))}
             runs = {k: [] for k in llms}
             for rnd in range(a.rounds):
                 for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):
                     runs[name].append(run_streams(llms[name], a.streams, a.tokens))
                     print(f"threads {threads} round {rnd} {a.streams} streams {name}: {runs[name][-1]:.1f} tok/s", flush=True)
-            p, q = statistics.median(runs["plain"]), statistics.median(runs["prompt lookup"])
+            p, q, la = (statistics.median(runs[k]) for k in ("plain", "prompt lookup", "lookahead"))
             results.append({"threads": threads, "streams": a.streams, "plain_tok_s": round(p, 2),
-                            "prompt_lookup_tok_s": round(q, 2), "ratio": round(q / p, 3), "runs": runs})
-            print(f"| {threads} | {a.streams} | {p:.1f} | {q:.1f} | {q / p:.2f}x |")
+                            "prompt_lookup_tok_s": round(q, 2), "ratio": round(q / p, 3),
+                            "lookahead_tok_s": round(la, 2), "lookahead_ratio": round(la / p, 3), "runs": runs})
+            print(f"| {threads} | {a.streams} | {p:.1f} | {q:.1f} | {q / p:.2f}x | {la:.1f} | {la / p:.2f}x |")
             del llms
         if a.out:
             with open(a.out, "w") as f:
@@ -215,6 +218,9 @@ def main():
                                 "vs_corelm_plain": round(tps / plain, 3), "tokens": rs[0][1],
                                 "accepted": round(statistics.median(accs), 3) if accs else None,
                                 "runs": [round(r[0], 2) for r in rs]})
+        kinds = getattr(engines["corelm lookahead"].engine.speculator, "kinds", {})
+        print(f"threads {threads} lookahead, kept of proposed by kind (every run): "
+              + ", ".join(f"{k} {a} of {p} ({a / p:.0%})" for k, (p, a) in sorted(kinds.items()) if p), flush=True)
         del engines
     print("\n| threads | task | engine | decode tok/s | vs corelm plain | accepted |")
     print("|---|---|---|---|---|---|")

@@ -77,8 +77,10 @@ class LLMEngine:
     kv_cache_dtype, kv_cache_gb, kv_sparsity, max_num_seqs, max_batch_tokens, weights, pin_threads, numa,
     schedule, activations; README.md and corelm.options describe each. Speculative decoding (engine/speculative.py):
     speculative_model (a draft model's path, "[self]" for this model in speculative_weights' format,
-    "[ngram]" for prompt lookup, the default, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
-    (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min, and
+    "[ngram]" for prompt lookup, the default, "[lookahead]" for prompt lookup plus the model's own Jacobi
+    guesses, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
+    (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min (the n-gram
+    sizes matched; for "[lookahead]", shorter matches come after the Jacobi guess), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
 
@@ -141,14 +143,19 @@ class LLMEngine:
         if model is None or model == "[none]":
             if k is not None or weights is not None:
                 raise ValueError("num_speculative_tokens and speculative_weights need speculative_model "
-                                 "(a draft model, \"[self]\" or \"[ngram]\").")
+                                 "(a draft model, \"[self]\", \"[ngram]\" or \"[lookahead]\").")
             return None
         if not isinstance(model, str) or not model:
-            raise ValueError(f"speculative_model must be a path, \"[self]\" or \"[ngram]\", got {model!r}.")
-        if model == "[ngram]":
+            raise ValueError(f"speculative_model must be a path, \"[self]\", \"[ngram]\" or \"[lookahead]\", "
+                             f"got {model!r}.")
+        if model.startswith("[") and model not in ("[self]", "[ngram]", "[lookahead]"):
+            raise ValueError(f"speculative_model {model!r} is none of \"[self]\", \"[ngram]\", \"[lookahead]\" "
+                             f"and \"[none]\" (a draft model is a path or hub id).")
+        if model in ("[ngram]", "[lookahead]"):
             if weights is not None:
-                raise ValueError("speculative_weights is for a draft model; prompt lookup ([ngram]) has none.")
-            return speculative.PromptLookup(8 if k is None else k, n_max, n_min)
+                raise ValueError(f"speculative_weights is for a draft model; prompt lookup ({model}) has none.")
+            cls = speculative.PromptLookup if model == "[ngram]" else speculative.Lookahead
+            return cls(8 if k is None else k, n_max, n_min)
         if model == "[self]":
             model, weights = self.model_path, weights or "q4"
         if weights is not None:

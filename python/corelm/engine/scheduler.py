@@ -318,7 +318,11 @@ class Scheduler:
                     break
                 accepted += 1   # the draft's token was sampled: its keys and values are already cached
             if d:
-                self.speculator.verified(r.key, n_before, len(d), accepted)
+                # the model's own next token at every checked row (Jacobi guesses, for a proposer that learns
+                # from them): an argmax over the rows already in hand, no copy
+                preds = (logits[first:first + len(d) + 1].argmax(axis=1) if self.speculator.wants_predictions
+                         else None)
+                self.speculator.verified(r.key, n_before, len(d), accepted, preds)
                 r.n_computed += accepted
                 self._register_full_blocks(r)
                 self._trim(r)

@@ -3,6 +3,7 @@ of the model checks several of them at once (decode reads every weight once per 
 rows reads them once for all, and costs less than that many passes where the rows' arithmetic is cheap).
 
     PromptLookup(k_max=8)                  # n-gram copy from the prompt and the text so far (LLMA)
+    Lookahead(k_max=8)                     # that, plus n-grams from the model's own guesses (Jacobi)
     DraftModel(core, target_core, k_max=4) # a smaller model (or the same one in fewer bits), greedy
 
 The scheduler asks `propose` for the running sequences, runs each sequence's last token plus its proposal
@@ -21,6 +22,7 @@ speculation where steps with proposals fall behind steps without.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Dict, Hashable, List, Optional, Tuple
 
@@ -66,6 +68,7 @@ class Proposer:
     asked only for the lengths the planner chose, and reports the seconds a drafting pass takes."""
     name = "none"
     cheap = False
+    wants_predictions = False   # True: verified() gets the argmax of every row the proposal was checked on
 
     def __init__(self, k_max: int):
         if not isinstance(k_max, int) or isinstance(k_max, bool) or not 1 <= k_max <= 16:
@@ -81,8 +84,11 @@ class Proposer:
         k = self._estimate_key(key)
         a = self._acceptance.get(k)
         if a is None:
-            a = self._acceptance[k] = Acceptance()
+            a = self._acceptance[k] = self._new_estimate(k)
         return a
+
+    def _new_estimate(self, k: Hashable) -> Acceptance:
+        return Acceptance()
 
     def _estimate_key(self, key: Hashable) -> Hashable:
         return key
@@ -94,8 +100,11 @@ class Proposer:
     def read_prompts(self, items: List[Tuple[Hashable, List[int]]]) -> None:
         """The model has just read these sequences' prompts (key, tokens): a draft reads them too."""
 
-    def verified(self, key: Hashable, n_before: int, proposed: int, accepted: int) -> None:
-        """The sequence had n_before tokens, `proposed` were proposed and the first `accepted` taken."""
+    def verified(self, key: Hashable, n_before: int, proposed: int, accepted: int,
+                 predictions: Optional[np.ndarray] = None) -> None:
+        """The sequence had n_before tokens, `proposed` were proposed and the first `accepted` taken.
+        predictions (for a proposer that wants_predictions): the greedy argmax of each of the pass's
+        proposed + 1 rows, row j's being the model's next token after the proposal's first j tokens."""
         self.acceptance(key).update(proposed, accepted)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
@@ -155,6 +164,117 @@ class PromptLookup(Proposer):
         super().forget(key)
         self._index.pop(key, None)
         self._matched.pop(key, None)
+
+
+class Lookahead(PromptLookup):
+    """Lookahead decoding (Fu et al., "Break the sequential dependency of LLM inference using lookahead
+    decoding"), on a chain-only check: the pass that checks a proposal also gives, at every row, the
+    model's own next token (argmax), after the first miss too. Those are Jacobi iterates: the predictions
+    after the kept tokens are the next guess for what follows them, and every rejected row's prediction,
+    after the tokens it read, is an n-gram the model itself predicts. Each sequence keeps them in a pool
+    (the last 1..n_max tokens -> continuations, a few per n-gram, counted) beside prompt lookup's index of
+    the text so far, and is proposed, in order: the longest match of at least n_min tokens (the text's
+    latest occurrence or the pool's most often predicted continuation, whichever is more recent); else the
+    leftover Jacobi guess of the last pass (so open-ended text still gets one); else a shorter match.
+    Acceptance is estimated per kind of match (text, guess, jacobi) and n-gram size."""
+    name = "lookahead"
+    wants_predictions = True
+
+    def __init__(self, k_max: int = 8, n_max: int = 4, n_min: int = 2, per_key: int = 4, max_grams: int = 4096):
+        super().__init__(k_max, n_max, n_min)
+        self.n_first = n_min   # matches this long come before the Jacobi guess; the index holds sizes from 1
+        self.n_min = 1
+        self.per_key = per_key
+        self.max_grams = max_grams   # a sequence's pool past this many n-grams drops its oldest quarter
+        # key -> n-gram -> [[made at length, times predicted, continuation]], most recent first
+        self._pool: Dict[Hashable, Dict[Tuple[int, ...], List[list]]] = {}
+        self._jacobi: Dict[Hashable, Tuple[int, List[int]]] = {}   # key -> (the length it follows, guesses)
+        self._last: Dict[Hashable, Tuple[List[int], List[int]]] = {}   # key -> (its tokens, the proposal)
+        self.kinds: Dict[str, List[int]] = {}   # "text" / "guess" / "jacobi" -> [proposed, accepted] (tools)
+
+    def _new_estimate(self, k):
+        # the fallbacks (the Jacobi guess, one-token matches) are rarely kept: probed with fewer rows, and
+        # less often, so that what they cost does not pause speculation where the longer matches pay
+        label = k[1]
+        weak = label == "jacobi" or (isinstance(label, tuple) and label[1] < self.n_first)
+        return Acceptance(prior=0.3, drift=0.99) if weak else Acceptance()
+
+    def _match(self, key, tokens: List[int], n: int, k: int):
+        """(label, continuation) of the sequence's last n tokens, or None."""
+        gram = tuple(tokens[len(tokens) - n:])
+        pos = self._index[key][1].get(gram)
+        guesses = self._pool.get(key, {}).get(gram)
+        if guesses:
+            made, _, cont = max(guesses, key=lambda g: (g[1], g[0]))
+            if pos is None or made > pos:
+                return ("guess", n), list(cont[:k])
+        return (("text", n), tokens[pos:pos + k]) if pos is not None else None
+
+    def propose(self, items):
+        out = {}
+        for key, tokens, k in items:
+            self._indexed(key, tokens)
+            L = len(tokens)
+            found = next(filter(None, (self._match(key, tokens, n, k)
+                                       for n in range(min(self.n_max, L), self.n_first - 1, -1))), None)
+            if found is None and key in self._jacobi:
+                at, guess = self._jacobi[key]
+                while at < L and guess and tokens[at] == guess[0]:   # steps without a check that kept its guesses
+                    at, guess = at + 1, guess[1:]
+                if at == L and guess:
+                    found = "jacobi", guess[:k]
+            if found is None:
+                found = next(filter(None, (self._match(key, tokens, n, k)
+                                           for n in range(min(self.n_first - 1, L), 0, -1))), None)
+            if found is None:
+                self._last.pop(key, None)
+                continue
+            self._matched[key], out[key] = found
+            self._last[key] = (tokens, found[1])
+        return out
+
+    def _remember(self, pool, context: List[int], cont: List[int], made: int) -> None:
+        """context's last 1..n_max tokens are followed by cont (the model's prediction)."""
+        cont = tuple(cont[:self.k_max])
+        for n in range(1, min(self.n_max, len(context)) + 1):
+            entries = pool.setdefault(tuple(context[len(context) - n:]), [])
+            same = next((e for e in entries if e[2] == cont), None)
+            if same is not None:
+                entries.remove(same)
+            entries.insert(0, [made, 1 + (same[1] if same else 0), cont])
+            del entries[self.per_key:]
+        if len(pool) > self.max_grams:
+            for gram in list(itertools.islice(pool, len(pool) // 4)):   # dicts keep insertion order
+                del pool[gram]
+
+    def verified(self, key, n_before, proposed, accepted, predictions=None):
+        super().verified(key, n_before, proposed, accepted)
+        label = self._matched.get(key)
+        counts = self.kinds.setdefault(label[0] if isinstance(label, tuple) else str(label), [0, 0])
+        counts[0] += proposed
+        counts[1] += accepted
+        last = self._last.pop(key, None)
+        end = n_before + accepted + 1   # the kept tokens and the one sampled at the first miss
+        if predictions is None or last is None or len(last[0]) < end:
+            return
+        tokens, d = last[0], last[1][:proposed]
+        p = [int(t) for t in predictions[:proposed + 1]]
+        leftover = p[accepted + 1:]   # predicted after rows the sequence did not keep: the next Jacobi guess
+        if leftover:
+            self._jacobi[key] = (end, leftover)
+        else:
+            self._jacobi.pop(key, None)
+        pool = self._pool.setdefault(key, {})
+        kept, before = tokens[max(0, end - self.n_max):end], tokens[max(0, n_before - self.n_max):n_before]
+        for i in range(1, len(leftover)):            # the Jacobi trajectory: kept tokens, then the guesses
+            self._remember(pool, kept + leftover[:i], leftover[i:], end)
+        for j in range(accepted + 1, proposed + 1):  # what each rejected row read, then its prediction on
+            self._remember(pool, before + d[:j], p[j:], end)
+
+    def forget(self, key):
+        super().forget(key)
+        for state in (self._pool, self._jacobi, self._last):
+            state.pop(key, None)
 
 
 READ_CHUNK = 256   # the most prompt tokens a draft reads in one pass
@@ -253,7 +373,7 @@ class DraftModel(Proposer):
                 out[key] = prop
         return out
 
-    def verified(self, key, n_before, proposed, accepted):
+    def verified(self, key, n_before, proposed, accepted, predictions=None):
         super().verified(key, n_before, proposed, accepted)
         st = self._state.get(key)
         if st is not None:   # entries past the accepted tokens hold rejected guesses

@@ -63,7 +63,8 @@ def add_engine_flags(p: argparse.ArgumentParser,
                    help="a smaller model over the same vocabulary that proposes tokens (HF folder, .gguf, corelm "
                         "folder or hub id); [self]: this model in --draft-weights (default q4); [ngram]: prompt "
                         "lookup, proposals copied from the prompt and the text so far (the default, used where "
-                        "it pays); [none]: no speculation")
+                        "it pays); [lookahead]: prompt lookup plus n-grams from the model's own guesses at every "
+                        "checked row (Jacobi); [none]: no speculation")
     g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                    help="the most tokens proposed per step; each sequence adapts below it (default: 4)")
     g.add_argument("--draft-weights", default=None, metavar="FORMAT",
