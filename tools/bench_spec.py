@@ -187,6 +187,7 @@ def main():
             with open(a.out, "w") as f:
                 json.dump({"model": a.model, "dtype": a.dtype, "tokens": a.tokens, "results": results}, f, indent=1)
         return
+    lookahead_kinds = {}
     for threads in a.threads:
         engines = corelm_engines(a, threads)
         llama = []
@@ -218,7 +219,8 @@ def main():
                                 "vs_corelm_plain": round(tps / plain, 3), "tokens": rs[0][1],
                                 "accepted": round(statistics.median(accs), 3) if accs else None,
                                 "runs": [round(r[0], 2) for r in rs]})
-        kinds = getattr(engines["corelm lookahead"].engine.speculator, "kinds", {})
+        kinds = engines["corelm lookahead"].engine.speculator.kinds   # [proposed, kept] by kind, every run
+        lookahead_kinds[threads] = kinds
         print(f"threads {threads} lookahead, kept of proposed by kind (every run): "
               + ", ".join(f"{k} {a} of {p} ({a / p:.0%})" for k, (p, a) in sorted(kinds.items()) if p), flush=True)
         del engines
@@ -231,7 +233,8 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "dtype": a.dtype, "draft": a.draft, "draft_weights": a.draft_weights, "self_draft": a.self_draft,
-                       "tokens": a.tokens, "rounds": a.rounds, "results": results}, f, indent=1)
+                       "tokens": a.tokens, "rounds": a.rounds, "results": results,
+                       "lookahead_kinds": lookahead_kinds}, f, indent=1)
 
 
 if __name__ == "__main__":
