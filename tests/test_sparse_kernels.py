@@ -115,14 +115,17 @@ def test_sparse_bytes_follow_the_non_zeros():
 
 
 @pytest.mark.skipif("avx512" not in TABLES, reason="the AVX-512 sparse paths need AVX-512")
-@pytest.mark.parametrize("without", ["bf16", "bitalg", "vbmi2"])
-def test_every_avx512_path(without):
-    """The AVX-512 kernels pick VDPBF16PS, VPOPCNTW ranks or VPEXPANDW by CPUID: the tests above again
-    with each taken away (CORELM_SPARSE_WITHOUT), so every path runs on this machine."""
+@pytest.mark.parametrize("setting", ["WITHOUT=bf16", "WITHOUT=bitalg", "WITHOUT=vbmi2", "EXPAND=ranks",
+                                     "EXPAND=vpexpandw"])
+def test_every_avx512_path(setting):
+    """The AVX-512 kernels pick VDPBF16PS, VPOPCNTW ranks or VPEXPANDW by CPUID and vendor: the tests
+    above again with each taken away (CORELM_SPARSE_WITHOUT) and each expansion chosen
+    (CORELM_SPARSE_EXPAND), so every path runs on this machine."""
     import os
     import subprocess
     import sys
-    env = dict(os.environ, CORELM_SPARSE_WITHOUT=without)
+    name, value = setting.split("=")
+    env = dict(os.environ, **{"CORELM_SPARSE_" + name: value})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not every_avx512_path"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

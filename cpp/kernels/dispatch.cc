@@ -111,7 +111,8 @@ static CpuFeatures detect() {
   f.os_avx = (xcr0 & 0x6) == 0x6;
   f.os_avx512 = f.os_avx && (xcr0 & 0xe0) == 0xe0;
   f.os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG + XTILEDATA
-  unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  unsigned max_leaf = __get_cpuid(0, &a, &b, &c, &d) ? a : 0;
+  f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
   if (max_leaf >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
     f.avx2 = b & (1u << 5);

@@ -159,6 +159,7 @@ struct CpuFeatures {
   bool avx512_vnni = false, avx512_bf16 = false, avx512_vbmi2 = false, avx512_bitalg = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // as CPUID reports them
   bool os_avx = false, os_avx512 = false, os_amx = false;      // state the OS saves (XCR0)
+  bool amd = false;  // vendor AuthenticAMD: where one instruction's cost differs by vendor (sparse expand)
   std::string brand;
   std::vector<std::string> names() const;  // usable features, for `corelm info`
 };

@@ -5,10 +5,14 @@
 // Decode (one activation row) streams the sparse records directly: each row's 32 weights of a chunk
 // are expanded in registers from its non-zeros under its mask, then multiplied as the dense bf16 GEMV
 // multiplies (two fp32 FMAs on the widened weights, in its order), so a sparse matrix gives exactly
-// the dense matrix's bits while memory delivers only the masks and the non-zeros. The expand costs
-// ~3.6 cycles per 32 weights on Zen 4 whichever way it is done (VPEXPANDW, or VPOPCNTW ranks and
-// VPERMW, slightly cheaper there, used where BITALG exists): one Zen 4 core with the memory to itself
-// decodes no faster than dense, one that shares it (two decoding, or a neighbour streaming) faster.
+// the dense matrix's bits while memory delivers only the masks and the non-zeros. Two ways to expand:
+// VPEXPANDW, or VPOPCNTW ranks of the set bits and VPERMW. On Zen 4 both cost ~3.6 cycles per 32
+// weights, the ranks slightly less, so AMD CPUs with BITALG take the ranks; on the Xeon with AMX a
+// 50%-sparse matrix in L3 streams at 13 GB/s with the ranks and 16.5 with VPEXPANDW
+// (docs/benchmarks.md), so every other CPU takes VPEXPANDW.
+// Where a chunk's non-zeros start depends on the popcounts of the chunk before, so the out-of-order
+// core cannot run ahead of the stream as it does over dense rows: decode prefetches the records
+// kPrefetchBytes ahead (without it a 50%-sparse matrix streamed from DRAM no faster than the dense one).
 // The AVX512_BF16 table (bf16_dot) multiplies a small batch (2..kRowExactRows rows) as its dense
 // kernels do, with VDPBF16PS on activations rounded to bf16, straight from the records: one
 // expansion per weight for the whole batch. Everything else expands a few hundred rows at a time into
@@ -35,16 +39,23 @@ static_assert(kGroup == avx512::kGroup && kChunk == avx512::kChunk, "expanded re
 inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
 // What the CPU offers; CORELM_SPARSE_WITHOUT=bf16|bitalg|vbmi2 takes that instruction set away (and
-// the ones before it in this list), so the tests run every path on one machine.
+// the ones before it in this list), and CORELM_SPARSE_EXPAND=ranks|vpexpandw picks the expansion where
+// both run, so the tests run every path on one machine. CORELM_SPARSE_PREFETCH=bytes (0: none) sets
+// decode's prefetch distance, for measuring.
+std::string env_or(const char* name, const char* fallback) {
+  const char* e = std::getenv(name);
+  return e ? e : fallback;
+}
 int without_level() {
-  const char* e = std::getenv("CORELM_SPARSE_WITHOUT");
-  const std::string s = e ? e : "";
+  const std::string s = env_or("CORELM_SPARSE_WITHOUT", "");
   return s == "vbmi2" ? 3 : s == "bitalg" ? 2 : s == "bf16" ? 1 : 0;
 }
 const int kWithout = without_level();
 const bool kVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && kWithout < 3;
 const bool kBitalg = kVbmi2 && cpu_features().avx512_bitalg && kWithout < 2;
 const bool kBf16 = kVbmi2 && cpu_features().avx512_bf16 && kWithout < 1;
+const bool kRanks = kBitalg && env_or("CORELM_SPARSE_EXPAND", cpu_features().amd ? "ranks" : "vpexpandw") == "ranks";
+const int64_t kPrefetchBytes = std::max<int64_t>(0, std::atoll(env_or("CORELM_SPARSE_PREFETCH", "2048").c_str()));
 constexpr int kMaxRows = 3;  // activation rows per pass over a group (VDPBF16PS: 8 x 3 accumulators)
 
 #define CORELM_SPARSE_TARGET __attribute__((target("avx512vbmi2,avx512bitalg,avx512bf16")))
@@ -85,6 +96,15 @@ inline const uint8_t* read_chunk(const uint8_t* p, Chunk& ch) {
   return reinterpret_cast<const uint8_t*>(ch.v + s);
 }
 
+// Decode's prefetch: the lines kPrefetchBytes past the bytes [from, to) just read. (Past the matrix's end
+// it touches nothing: a prefetch does not fault.)
+inline void prefetch_ahead(const uint8_t* from, const uint8_t* to) {
+  if (kPrefetchBytes == 0) return;
+  const uintptr_t end = (uintptr_t)to + kPrefetchBytes;
+  for (uintptr_t a = ((uintptr_t)from + kPrefetchBytes + 63) & ~(uintptr_t)63; a < end; a += 64)
+    _mm_prefetch((const char*)a, _MM_HINT_T0);
+}
+
 // Group g's rows of MR activation rows through VDPBF16PS: y[i * ldy + r] for the group's rows r in
 // [n0, n1).
 template <bool PERM, int MR>
@@ -106,7 +126,9 @@ CORELM_SPARSE_TARGET void group_dp(const float* x, int64_t ldx, const PackedMatr
       xb[i] = _mm512_cvtne2ps_pbh(x1, x0);
     }
     Chunk ch;
+    const uint8_t* const at = p;
     p = read_chunk(p, ch);
+    prefetch_ahead(at, p);
 #pragma GCC unroll 8
     for (int j = 0; j < kGroup; j++) {
       const __m512bh wv = (__m512bh)expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
@@ -144,7 +166,9 @@ CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float*
       __m512 xe, xo;
       xs.split(x, c, xe, xo);
       Chunk ch;
+      const uint8_t* const at = p;
       p = read_chunk(p, ch);
+      prefetch_ahead(at, p);
 #pragma GCC unroll 8
       for (int j = 0; j < kGroup; j++) {
         const __m512i wv = expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
@@ -208,7 +232,7 @@ void expand_panels(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
 }  // namespace
 
 void expand_group_avx512(const PackedMatrix& w, int64_t g, uint16_t* dst, int64_t row_stride, int64_t chunk_stride) {
-  if (kBitalg) expand_group_simd<true>(w, g, dst, row_stride, chunk_stride);
+  if (kRanks) expand_group_simd<true>(w, g, dst, row_stride, chunk_stride);
   else if (kVbmi2) expand_group_simd<false>(w, g, dst, row_stride, chunk_stride);
   else expand_group(w, g, dst, row_stride, chunk_stride);
 }
@@ -217,9 +241,9 @@ void matmul_avx512(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
                    int64_t n1, DenseMatmul dense, bool bf16_dot) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
-  if (m == 1 && kVbmi2) return kBitalg ? gemv_fma<true>(x, w, y, n0, n1) : gemv_fma<false>(x, w, y, n0, n1);
+  if (m == 1 && kVbmi2) return kRanks ? gemv_fma<true>(x, w, y, n0, n1) : gemv_fma<false>(x, w, y, n0, n1);
   if (bf16_dot && kBf16 && m <= kRowExactRows)
-    return kBitalg ? gemv_dp<true>(x, m, ldx, w, y, ldy, n0, n1) : gemv_dp<false>(x, m, ldx, w, y, ldy, n0, n1);
+    return kRanks ? gemv_dp<true>(x, m, ldx, w, y, ldy, n0, n1) : gemv_dp<false>(x, m, ldx, w, y, ldy, n0, n1);
   expand_panels(x, m, ldx, w, y, ldy, n0, n1, dense);
 }
 
