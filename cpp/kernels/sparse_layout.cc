@@ -2,6 +2,7 @@
 #include "kernels/sparse_layout.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -133,6 +134,16 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
     p = reinterpret_cast<const uint8_t*>(v);
   }
 }
+
+#if defined(CORELM_HAVE_X86)
+int64_t decode_prefetch_bytes() {
+  static const int64_t bytes = [] {
+    const char* e = std::getenv("CORELM_SPARSE_PREFETCH");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{2048};
+  }();
+  return bytes;
+}
+#endif
 
 int64_t count_nonzeros(const PackedMatrix& w) {
   int64_t n = 0;

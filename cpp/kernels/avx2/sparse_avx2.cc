@@ -60,6 +60,7 @@ void gemv_group(const float* x, const PackedMatrix& w, int64_t g, float* y, int6
   const int64_t K = w.cols, nc = nchunks(K);
   alignas(32) float xt[kChunk];  // the last chunk's x, zero-padded (x past K is not ours to read)
   const uint8_t* p = record(w, g);
+  const int64_t ahead = decode_prefetch_bytes();
   __m256 acc[kGroup];
   for (int j = 0; j < kGroup; j++) acc[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < nc; c++) {
@@ -84,6 +85,7 @@ void gemv_group(const float* x, const PackedMatrix& w, int64_t g, float* y, int6
       acc[j] = _mm256_add_ps(acc[j], a);
       v += __builtin_popcount(mk);
     }
+    prefetch_ahead(p, reinterpret_cast<const uint8_t*>(v), ahead);
     p = reinterpret_cast<const uint8_t*>(v);
   }
   for (int j = 0; j < kGroup; j++) {

@@ -10,9 +10,7 @@
 // weights, the ranks slightly less, so AMD CPUs with BITALG take the ranks; on the Xeon with AMX a
 // 50%-sparse matrix in L3 streams at 13 GB/s with the ranks and 16.5 with VPEXPANDW
 // (docs/benchmarks.md), so every other CPU takes VPEXPANDW.
-// Where a chunk's non-zeros start depends on the popcounts of the chunk before, so the out-of-order
-// core cannot run ahead of the stream as it does over dense rows: decode prefetches the records
-// kPrefetchBytes ahead (without it a 50%-sparse matrix streamed from DRAM no faster than the dense one).
+// Decode prefetches the records ahead (sparse_layout.h: prefetch_ahead).
 // The AVX512_BF16 table (bf16_dot) multiplies a small batch (2..kRowExactRows rows) as its dense
 // kernels do, with VDPBF16PS on activations rounded to bf16, straight from the records: one
 // expansion per weight for the whole batch. Everything else expands a few hundred rows at a time into
@@ -40,8 +38,7 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
 // What the CPU offers; CORELM_SPARSE_WITHOUT=bf16|bitalg|vbmi2 takes that instruction set away (and
 // the ones before it in this list), and CORELM_SPARSE_EXPAND=ranks|vpexpandw picks the expansion where
-// both run, so the tests run every path on one machine. CORELM_SPARSE_PREFETCH=bytes (0: none) sets
-// decode's prefetch distance, for measuring.
+// both run, so the tests run every path on one machine.
 std::string env_or(const char* name, const char* fallback) {
   const char* e = std::getenv(name);
   return e ? e : fallback;
@@ -55,7 +52,7 @@ const bool kVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && k
 const bool kBitalg = kVbmi2 && cpu_features().avx512_bitalg && kWithout < 2;
 const bool kBf16 = kVbmi2 && cpu_features().avx512_bf16 && kWithout < 1;
 const bool kRanks = kBitalg && env_or("CORELM_SPARSE_EXPAND", cpu_features().amd ? "ranks" : "vpexpandw") == "ranks";
-const int64_t kPrefetchBytes = std::max<int64_t>(0, std::atoll(env_or("CORELM_SPARSE_PREFETCH", "2048").c_str()));
+const int64_t kPrefetchBytes = decode_prefetch_bytes();
 constexpr int kMaxRows = 3;  // activation rows per pass over a group (VDPBF16PS: 8 x 3 accumulators)
 
 #define CORELM_SPARSE_TARGET __attribute__((target("avx512vbmi2,avx512bitalg,avx512bf16")))
@@ -96,15 +93,6 @@ inline const uint8_t* read_chunk(const uint8_t* p, Chunk& ch) {
   return reinterpret_cast<const uint8_t*>(ch.v + s);
 }
 
-// Decode's prefetch: the lines kPrefetchBytes past the bytes [from, to) just read. (Past the matrix's end
-// it touches nothing: a prefetch does not fault.)
-inline void prefetch_ahead(const uint8_t* from, const uint8_t* to) {
-  if (kPrefetchBytes == 0) return;
-  const uintptr_t end = (uintptr_t)to + kPrefetchBytes;
-  for (uintptr_t a = ((uintptr_t)from + kPrefetchBytes + 63) & ~(uintptr_t)63; a < end; a += 64)
-    _mm_prefetch((const char*)a, _MM_HINT_T0);
-}
-
 // Group g's rows of MR activation rows through VDPBF16PS: y[i * ldy + r] for the group's rows r in
 // [n0, n1).
 template <bool PERM, int MR>
@@ -128,7 +116,7 @@ CORELM_SPARSE_TARGET void group_dp(const float* x, int64_t ldx, const PackedMatr
     Chunk ch;
     const uint8_t* const at = p;
     p = read_chunk(p, ch);
-    prefetch_ahead(at, p);
+    prefetch_ahead(at, p, kPrefetchBytes);
 #pragma GCC unroll 8
     for (int j = 0; j < kGroup; j++) {
       const __m512bh wv = (__m512bh)expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
@@ -168,7 +156,7 @@ CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float*
       Chunk ch;
       const uint8_t* const at = p;
       p = read_chunk(p, ch);
-      prefetch_ahead(at, p);
+      prefetch_ahead(at, p, kPrefetchBytes);
 #pragma GCC unroll 8
       for (int j = 0; j < kGroup; j++) {
         const __m512i wv = expand<PERM>(ch.mask[j], ch.v + ch.start[j]);
