@@ -136,7 +136,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 }
 
 #if defined(CORELM_HAVE_X86)
-int64_t decode_prefetch_bytes() {
+int64_t record_prefetch_bytes() {
   static const int64_t bytes = [] {
     const char* e = std::getenv("CORELM_SPARSE_PREFETCH");
     return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{2048};

@@ -52,12 +52,13 @@ int64_t count_nonzeros(const PackedMatrix& w);
 
 #if defined(CORELM_HAVE_X86)
 // Where a chunk's non-zeros start depends on the popcounts of the chunk before, so the out-of-order
-// core cannot run ahead of the stream as it does over dense rows: decode prefetches the records
-// decode_prefetch_bytes() ahead (CORELM_SPARSE_PREFETCH, default 2 KiB; 0: none), after each chunk the
-// lines that far past the bytes [from, to) it just read. Without it a 50%-sparse matrix streamed from DRAM
-// at 0.5-0.7 of a plain read on the Xeon with AMX (docs/benchmarks.md). A prefetch past the matrix's end
-// touches nothing: prefetches do not fault.
-int64_t decode_prefetch_bytes();
+// core cannot run ahead of the stream as it does over dense rows. The kernels that stream records
+// (decode, and expanding them for a prompt) prefetch them record_prefetch_bytes() ahead
+// (CORELM_SPARSE_PREFETCH, default 2 KiB; 0: none): after each chunk, the lines that far past the bytes
+// [from, to) just read. Without it a 50%-sparse matrix streamed from DRAM at 0.55 (AVX-512) and 0.25
+// (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62 (docs/benchmarks.md). A prefetch
+// past the matrix's end touches nothing: prefetches do not fault.
+int64_t record_prefetch_bytes();
 inline void prefetch_ahead(const uint8_t* from, const uint8_t* to, int64_t distance) {
   const uintptr_t end = (uintptr_t)to + distance;
   for (uintptr_t a = ((uintptr_t)from + distance + 63) & ~(uintptr_t)63; distance > 0 && a < end; a += 64)

@@ -60,7 +60,7 @@ void gemv_group(const float* x, const PackedMatrix& w, int64_t g, float* y, int6
   const int64_t K = w.cols, nc = nchunks(K);
   alignas(32) float xt[kChunk];  // the last chunk's x, zero-padded (x past K is not ours to read)
   const uint8_t* p = record(w, g);
-  const int64_t ahead = decode_prefetch_bytes();
+  const int64_t ahead = record_prefetch_bytes();
   __m256 acc[kGroup];
   for (int j = 0; j < kGroup; j++) acc[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < nc; c++) {
@@ -109,6 +109,7 @@ void expand_panel(const PackedMatrix& w, int64_t g, uint16_t* panel) {
   const int64_t K = w.cols, nc = nchunks(K);
   alignas(32) uint16_t tile[kAvx2Panel][kChunk];
   const uint8_t* rec[2] = {record(w, g), (g + 1) * kGroup < w.rows ? record(w, g + 1) : nullptr};
+  const int64_t ahead = record_prefetch_bytes();
   for (int64_t c = 0; c < nc; c++) {
     for (int h = 0; h < 2; h++) {
       if (!rec[h]) {
@@ -125,6 +126,7 @@ void expand_panel(const PackedMatrix& w, int64_t g, uint16_t* panel) {
           v += __builtin_popcount(b);
         }
       }
+      prefetch_ahead(rec[h], reinterpret_cast<const uint8_t*>(v), ahead);
       rec[h] = reinterpret_cast<const uint8_t*>(v);
     }
     const int64_t n = std::min(kChunk, K - c * kChunk);

@@ -52,7 +52,7 @@ const bool kVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && k
 const bool kBitalg = kVbmi2 && cpu_features().avx512_bitalg && kWithout < 2;
 const bool kBf16 = kVbmi2 && cpu_features().avx512_bf16 && kWithout < 1;
 const bool kRanks = kBitalg && env_or("CORELM_SPARSE_EXPAND", cpu_features().amd ? "ranks" : "vpexpandw") == "ranks";
-const int64_t kPrefetchBytes = decode_prefetch_bytes();
+const int64_t kPrefetchBytes = record_prefetch_bytes();
 constexpr int kMaxRows = 3;  // activation rows per pass over a group (VDPBF16PS: 8 x 3 accumulators)
 
 #define CORELM_SPARSE_TARGET __attribute__((target("avx512vbmi2,avx512bitalg,avx512bf16")))
@@ -179,7 +179,9 @@ CORELM_SPARSE_TARGET void expand_group_simd(const PackedMatrix& w, int64_t g, ui
   const uint8_t* p = record(w, g);
   for (int64_t c = 0; c < nc; c++, dst += chunk_stride) {
     Chunk ch;
+    const uint8_t* const at = p;
     p = read_chunk(p, ch);
+    prefetch_ahead(at, p, kPrefetchBytes);
     for (int j = 0; j < kGroup; j++)
       _mm512_storeu_si512((void*)(dst + j * row_stride), expand<PERM>(ch.mask[j], ch.v + ch.start[j]));
   }
