@@ -97,6 +97,34 @@ static PackedMatrix& down_of(LayerWeights& L, const WeightName& w) {
   return w.expert < 0 ? L.w_down : L.experts[w.expert].w_down;
 }
 
+template <class T>
+std::vector<T> Model::SpareBuffers<T>::take(size_t n) {
+  // the smallest spare that holds n elements, else the largest one (grown, its old pages go back)
+  auto fits = [n](const std::vector<T>& v) { return v.capacity() >= n; };
+  auto before = [&](const std::vector<T>& a, const std::vector<T>& b) {
+    if (fits(a) != fits(b)) return fits(a);
+    return fits(a) ? a.capacity() < b.capacity() : a.capacity() > b.capacity();
+  };
+  auto best = std::min_element(spare.begin(), spare.end(), before);
+  std::vector<T> v;
+  if (best != spare.end()) v = std::move(*best), spare.erase(best);
+  v.resize(n);
+  return v;
+}
+
+std::vector<float> Model::copy_f32(const float* data, int64_t n) {
+  std::vector<float> v = spare_f32_.take((size_t)n);
+  std::copy(data, data + n, v.begin());
+  return v;
+}
+
+// A partner copy that is no longer needed: its buffer goes to the spares.
+void Model::drop_pending(const std::string& key) {
+  if (auto it = pending_.find(key); it != pending_.end()) spare_f32_.give(std::move(it->second)), pending_.erase(it);
+  if (auto it = pending_raw_.find(key); it != pending_raw_.end())
+    spare_raw_.give(std::move(it->second.second)), pending_raw_.erase(it);
+}
+
 void Model::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   require(!ready_, "weights can't change after finalize()");
   const WeightName w = parse_weight_name(name, cfg_.n_layers, cfg_.n_experts);
@@ -144,13 +172,14 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
     L.router = kt_.pack(data, cfg_.n_experts, d, WeightType::F32, &pack_threads_);
   } else if (part == "wq" || part == "wk" || part == "wv") {
     check_shape(name, shape, {part == "wq" ? q_rows : kv_rows, d});
-    pending_[key] = vec(shape[0] * d);
+    pending_[key] = copy_f32(data, shape[0] * d);
     if (all_pending()) {  // q, k and v rows one after the other
-      std::vector<float> fused;
-      fused.reserve((q_rows + 2 * kv_rows) * d);
-      for (const std::string& p : partners) fused.insert(fused.end(), pending_[p].begin(), pending_[p].end());
+      std::vector<float> fused = spare_f32_.take((q_rows + 2 * kv_rows) * d);
+      float* at = fused.data();
+      for (const std::string& p : partners) at = std::copy(pending_[p].begin(), pending_[p].end(), at);
       L.wqkv = kt_.pack(fused.data(), q_rows + 2 * kv_rows, d, cfg_.weight_type, &pack_threads_);
-      for (const std::string& p : partners) pending_.erase(p);
+      spare_f32_.give(std::move(fused));
+      for (const std::string& p : partners) drop_pending(p);
     }
   } else if (part == "bq" || part == "bk" || part == "bv") {
     require(cfg_.attention_bias, "weight " + name + " given for a model without attention bias");
@@ -164,12 +193,13 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
     L.wo = kt_.pack(data, d, q_rows, cfg_.weight_type, &pack_threads_);
   } else if (part == "w_gate" || part == "w_up") {
     check_shape(name, shape, {f, d});
-    pending_[key] = vec(f * d);
+    pending_[key] = copy_f32(data, f * d);
     if (all_pending()) {
-      std::vector<float> fused((size_t)2 * f * d);
+      std::vector<float> fused = spare_f32_.take((size_t)2 * f * d);
       interleave_gate_up(pending_[partners[0]].data(), pending_[partners[1]].data(), f, d * sizeof(float), fused.data());
       gate_up_of(L, w) = kt_.pack(fused.data(), 2 * f, d, cfg_.weight_type, &pack_threads_);
-      for (const std::string& p : partners) pending_.erase(p);
+      spare_f32_.give(std::move(fused));
+      for (const std::string& p : partners) drop_pending(p);
     }
   } else if (part == "w_down") {
     check_shape(name, shape, {d, f});
@@ -188,6 +218,7 @@ void Model::raw_partners_to_f32(const WeightName& w) {
     const int64_t rows = (int64_t)(it->second.second.size() / quant::ggml_row_bytes(it->second.first, cols));
     std::vector<float> f((size_t)rows * cols);
     quant::dequantize_ggml(it->second.first, it->second.second.data(), rows, cols, f.data());
+    spare_raw_.give(std::move(it->second.second));
     pending_raw_.erase(it);
     set_weight(p, f.data(), {rows, cols});
   }
@@ -236,7 +267,9 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
       raw_partners_to_f32(w);  // float partners, or gate/up of two types: everything fuses as fp32
       return as_f32();
     }
-  pending_raw_[key] = {type, std::vector<uint8_t>(raw, raw + nbytes)};
+  std::vector<uint8_t> copy = spare_raw_.take(nbytes);
+  std::memcpy(copy.data(), raw, nbytes);
+  pending_raw_[key] = {type, std::move(copy)};
   for (const std::string& p : partners)
     if (!pending_raw_.count(p)) return;
   // q, k and v of different types: consecutive ones of one type fused, stacked (each in its own bits).
@@ -246,37 +279,42 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
     stacked.cols = d;
     for (size_t i = 0; i < partners.size();) {
       const WeightType t = pending_raw_[partners[i]].first;
-      std::vector<uint8_t> run;
-      size_t j = i;
-      for (; j < partners.size() && pending_raw_[partners[j]].first == t; j++)
-        run.insert(run.end(), pending_raw_[partners[j]].second.begin(), pending_raw_[partners[j]].second.end());
+      size_t j = i, bytes = 0;
+      for (; j < partners.size() && pending_raw_[partners[j]].first == t; j++) bytes += pending_raw_[partners[j]].second.size();
+      std::vector<uint8_t> run = spare_raw_.take(bytes);
+      uint8_t* at = run.data();
+      for (size_t k = i; k < j; k++) at = std::copy(pending_raw_[partners[k]].second.begin(), pending_raw_[partners[k]].second.end(), at);
       const int64_t rows = (int64_t)(run.size() / quant::ggml_row_bytes(t, d));
       stacked.parts.push_back(kt_.pack_raw(t, run.data(), rows, d, &pack_threads_));
       stacked.rows += rows;
       stacked.nbytes += stacked.parts.back().nbytes;
+      spare_raw_.give(std::move(run));
       i = j;
     }
     stacked.type = stacked.parts.front().type;
     stacked.packed_by = &kt_;
     layers_[w.layer].wqkv = std::move(stacked);
-    for (const std::string& p : partners) pending_raw_.erase(p);
+    for (const std::string& p : partners) drop_pending(p);
     return;
   }
   // All partners are raw blocks of one type: concatenate (q, k, v) or interleave (gate/up) whole rows.
-  std::vector<uint8_t> fused;
+  size_t bytes = 0;
+  for (const std::string& p : partners) bytes += pending_raw_[p].second.size();
+  std::vector<uint8_t> fused = spare_raw_.take(bytes);
   int64_t rows = 0;
   if (partners.size() == 3) {
-    for (const std::string& p : partners) fused.insert(fused.end(), pending_raw_[p].second.begin(), pending_raw_[p].second.end());
+    uint8_t* at = fused.data();
+    for (const std::string& p : partners) at = std::copy(pending_raw_[p].second.begin(), pending_raw_[p].second.end(), at);
     rows = q_rows + 2 * kv_rows;
   } else {
     const std::vector<uint8_t>&g = pending_raw_[partners[0]].second, &u = pending_raw_[partners[1]].second;
-    fused.resize(2 * g.size());
     interleave_gate_up(g.data(), u.data(), f, quant::ggml_row_bytes(type, d), fused.data());
     rows = 2 * f;
   }
   LayerWeights& L = layers_[w.layer];
   (partners.size() == 3 ? L.wqkv : gate_up_of(L, w)) = kt_.pack_raw(type, fused.data(), rows, d, &pack_threads_);
-  for (const std::string& p : partners) pending_raw_.erase(p);
+  spare_raw_.give(std::move(fused));
+  for (const std::string& p : partners) drop_pending(p);
 }
 
 void Model::finalize() {
@@ -305,6 +343,8 @@ void Model::finalize() {
   }
   pending_.clear();
   pending_raw_.clear();
+  spare_f32_ = {};
+  spare_raw_ = {};
   // Decode reads every matrix once per token in this order: one stream on 2 MiB pages instead of a
   // few hundred buffers (the small ones on 4 KiB pages). Kernel stream alone, q4, one thread: 0.8 -> 0.9
   // of a plain read (tools/bench_quant.py --stream).
