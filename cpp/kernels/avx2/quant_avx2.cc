@@ -24,6 +24,7 @@
 #include "kernels/kernel_util.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
+#include "kernels/sparse_quant.h"
 
 namespace corelm {
 namespace quant {
@@ -486,24 +487,28 @@ void matmul_any(const void* qa, int64_t m, const PackedMatrix& w, float* y, int6
 }  // namespace
 
 PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack(src, rows, cols, type, par, &kAvx2Kernels);
   require_packable(type);
   return grouped_pack(src, rows, cols, type, par, &kAvx2Kernels);
 }
 
 PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
   if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_grouped_ggml(type)) return grouped_ggml_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx2Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
 }
 
 size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (sparse::is_sparse_quant(w.type)) return avx2_quant_act_bytes(sparse::as_dense_type(w), m, act);
   if (is_grouped_ggml(w.type)) return ggml_act_bytes(w, m, ActType::I16);  // int16 quants either way
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? plain_act_bytes(m, nblocks(w), act_elem_bytes(act)) : 0;
 }
 
 void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (sparse::is_sparse_quant(w.type)) return avx2_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
   if (is_grouped_ggml(w.type)) return grouped_ggml_quantize_act_avx2(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   const int64_t nb = nblocks(w);
@@ -515,6 +520,10 @@ void avx2_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatri
                        int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
+  // sparse Q8/Q4: panels expanded into the dense layout, multiplied by the dense kernels
+  if (sparse::is_sparse_quant(w.type))
+    return sparse::quant_matmul_panels(qa, m, act, w, y, ldy, n0, n1, sparse::DenseLayout::Grouped, avx2_matmul_quant,
+                                       nullptr);
   if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx2(qa, m, w, y, ldy, n0, n1);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) return matmul_any<int16_t>(qa, m, w, y, ldy, n0, n1);
