@@ -60,17 +60,11 @@ void walk_record(WeightType t, const uint8_t* rec, int64_t nb, int64_t ns, F f) 
 
 // The 256 codes of a group's block from its masks and codes.
 inline void expand_codes(WeightType t, const uint64_t* mask, const uint8_t* codes, uint8_t* e) {
-  const uint8_t z = zero_code(t);
+  std::memset(e, zero_code(t), kPositions);
   for (int w = 0; w < 4; w++) {
     int k = 0;
-    for (int c = 0; c < 64; c++) {
-      uint8_t v = z;
-      if (mask[w] >> c & 1) {
-        v = t == WeightType::SQ8 ? codes[k] : (uint8_t)(codes[k / 2] >> (4 * (k % 2)) & 0x0f);
-        k++;
-      }
-      e[64 * w + c] = v;
-    }
+    for (uint64_t m = mask[w]; m; m &= m - 1, k++)  // the set bits, lowest first
+      e[64 * w + __builtin_ctzll(m)] = t == WeightType::SQ8 ? codes[k] : (uint8_t)(codes[k / 2] >> (4 * (k % 2)) & 0x0f);
     codes += window_bytes(t, k);
   }
 }

@@ -93,7 +93,11 @@ void dequant_panel(const void* ctx, int64_t panel, uint16_t* dst) {
     static thread_local std::vector<uint8_t> buf;
     buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
     uint8_t* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-    sparse::expand_supers(w, layout, s, s + 1, d);
+#if defined(CORELM_HAVE_X86)
+    if (Native && layout == sparse::DenseLayout::Grouped) sparse::expand_supers_avx512(w, s, s + 1, d);
+    else
+#endif
+      sparse::expand_supers(w, layout, s, s + 1, d);
     const PackedMatrix v = sparse::dense_view(w, layout, s, s + 1, d);
     return dequant_panel<Native>(&v, panel - s * sparse::kQuantSuperRows / 16, dst);
   }
