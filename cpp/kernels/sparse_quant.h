@@ -29,7 +29,10 @@
 #pragma once
 #include <cstdint>
 
+#include <cstring>
+
 #include "kernels/kernels.h"
+#include "kernels/quant_layout.h"
 #include "kernels/sparse_layout.h"
 
 namespace corelm {
@@ -80,9 +83,32 @@ void quant_matmul_panels(const void* qa, int64_t m, ActType act, const PackedMat
 void quant_row_to_f32(const PackedMatrix& w, int64_t row, float* out);
 int64_t count_quant_nonzeros(const PackedMatrix& w);
 
+namespace {  // each ISA file's own copy, built with its flags (see kernels/kernel_util.h)
+// expand_supers' walk for the grouped layout: copies each block's scales to dst and calls
+// group(masks, codes, qs) for each group's block (qs: where the dense layout puts its quants), which
+// writes them and returns the next group's codes.
+template <class Group>
+inline void expand_grouped(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst, Group group) {
+  const WeightType dt = dense_type(w.type);
+  const int64_t nb = quant::nblocks(w), groups = quant::ngroups(w.rows), qsb = quant::qs_bytes(dt);
+  for (int64_t s = s0; s < s1; s++) {
+    const int64_t ns = std::min<int64_t>(quant::kSuper, groups - s * quant::kSuper), rb = quant::row_bytes(dt, ns);
+    const uint8_t* rec = quant_record(w, s);
+    for (int64_t b = 0; b < nb; b++, dst += rb) {
+      const uint8_t* blk = quant_block(rec, b);
+      std::memcpy(dst + ns * qsb, blk, 16 * ns);
+      const uint8_t* p = blk + 48 * ns;
+      for (int64_t i = 0; i < ns; i++) p = group(blk + 16 * ns + 32 * i, p, dst + i * qsb);
+    }
+  }
+}
+}  // namespace
+
 #if defined(CORELM_HAVE_X86)
 // expand_supers (grouped) with VPEXPANDB where the CPU has VBMI2, else plain code (the same bytes).
 void expand_supers_avx512(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst);
+// The same with PSHUFB, 8 positions at a time (the AVX2 table's).
+void expand_supers_avx2(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst);
 #endif
 
 }  // namespace sparse

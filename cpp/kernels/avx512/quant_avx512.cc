@@ -707,28 +707,17 @@ void sparse_gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y,
 // Super-groups [s0, s1) expanded into the dense grouped layout with VPEXPANDB.
 template <WeightType T>
 CORELM_VBMI2_TARGET void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
-  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
-  const int64_t nb = nblocks(w), groups = ngroups(w.rows);
-  for (int64_t s = s0; s < s1; s++) {
-    const int64_t ns = std::min<int64_t>(kSuper, groups - s * kSuper), rb = row_bytes(T, ns);
-    const uint8_t* rec = sparse::quant_record(w, s);
-    for (int64_t b = 0; b < nb; b++, dst += rb) {
-      const uint8_t* blk = sparse::quant_block(rec, b);
-      std::memcpy(dst + ns * QSB, blk, 16 * ns);
-      const uint8_t* p = blk + 48 * ns;
-      for (int64_t i = 0; i < ns; i++) {
-        __m512i wv[4];
-        p = sparse_load_w<T>(blk + 16 * ns + 32 * i, p, wv);
-        uint8_t* q = dst + i * QSB;
-        if constexpr (T == WeightType::Q8) {
-          for (int t = 0; t < 4; t++) _mm512_storeu_si512((void*)(q + 64 * t), wv[t]);
-        } else {
-          for (int u = 0; u < 2; u++)
-            _mm512_storeu_si512((void*)(q + 64 * u), _mm512_or_si512(wv[2 * u], _mm512_slli_epi16(wv[2 * u + 1], 4)));
-        }
-      }
+  sparse::expand_grouped(w, s0, s1, dst, [](const uint8_t* masks, const uint8_t* p, uint8_t* q) CORELM_VBMI2_TARGET {
+    __m512i wv[4];
+    p = sparse_load_w<T>(masks, p, wv);
+    if constexpr (T == WeightType::Q8) {
+      for (int t = 0; t < 4; t++) _mm512_storeu_si512((void*)(q + 64 * t), wv[t]);
+    } else {
+      for (int u = 0; u < 2; u++)
+        _mm512_storeu_si512((void*)(q + 64 * u), _mm512_or_si512(wv[2 * u], _mm512_slli_epi16(wv[2 * u + 1], 4)));
     }
-  }
+    return p;
+  });
 }
 
 void sparse_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
