@@ -2,9 +2,9 @@
 Qwen2.5-0.5B-shaped model of random weights pruned by magnitude per row (embedding and lm_head kept dense, as
 convert keeps them).
 
-    python tools/bench_sparse.py [--dtype bf16|q8|q4] [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7]
+    python tools/bench_sparse.py [--dtype bf16,q8,q4] [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7]
                                  [--threads 1,2] [--hog]
-    python tools/bench_sparse.py --stream [--dtype bf16|q8|q4] [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
+    python tools/bench_sparse.py --stream [--dtype bf16,q8,q4] [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
 
 Every model is built once; the measurements alternate between them round by round (medians reported,
 with the ratio to the dense format at the same thread count). --stream times decode's weight stream alone
@@ -158,8 +158,9 @@ def decode(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "q8", "q4"],
-                    help="the dense format, against its sparse one (sbf16, sq8, sq4)")
+    ap.add_argument("--dtype", default="bf16",
+                    help="the dense formats, comma-separated (bf16, q8, q4), each against its sparse one (sbf16, sq8, "
+                         "sq4)")
     ap.add_argument("--activations", default="int8", choices=["int8", "int16"],
                     help="--stream: how q8/q4 weights take the activation row")
     ap.add_argument("--rounds", type=int, default=3)
@@ -171,7 +172,15 @@ def main():
     ap.add_argument("--table", default=None, help="--stream: the kernel table (default: the best one)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
-    res = stream(a) if a.stream else decode(a)
+    dtypes = a.dtype.split(",")
+    if not set(dtypes) <= {"bf16", "q8", "q4"}:
+        ap.error(f"--dtype: bf16, q8 or q4, not {a.dtype}")
+    res = {}
+    for dt in dtypes:
+        print(f"--- {dt} against s{dt}")
+        one = argparse.Namespace(**dict(vars(a), dtype=dt))
+        res[dt] = stream(one) if a.stream else decode(one)
+    res = res[dtypes[0]] if len(dtypes) == 1 else {"by_dtype": res}
     if a.out:
         import json
         import subprocess
