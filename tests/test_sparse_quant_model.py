@@ -125,3 +125,20 @@ def test_a_sparse_size_short_of_its_scales_is_refused(folders, tmp_path):
     _rewrite_header(os.path.join(d, WEIGHTS_FILE), edit)
     with pytest.raises(ModelLoadError, match=r"'layers.0.wq' claims 700 bytes.*from 768 \(its bitmap and scales\)"):
         load_model(d)
+
+
+def test_wanda_and_auto(folders, tmp_path):
+    """wanda (the default) prunes every sparse row to at least the target (q4_0: small weights round to the
+    zero code too); auto stores sparse exactly the matrices whose zero codes save bytes, block for block."""
+    out = convert(STORIES, str(tmp_path / "wanda"), weights="q4_0", sparsity=0.5)
+    m, stored = load_model(out), CorelmWeights(os.path.join(out, WEIGHTS_FILE)).tensors
+    assert json.load(open(os.path.join(out, "config.json")))["sparsity"]["method"] == "wanda"
+    w = m.get_weight("layers.3.w_up")
+    assert stored["layers.3.w_up"].type == "sq4" and ((w == 0).sum(1) >= w.shape[1] // 2).all()
+    auto = convert(folders["q8_0"], str(tmp_path / "auto"), weights="q8_0", sparsity="auto")
+    got = CorelmWeights(os.path.join(auto, WEIGHTS_FILE)).tensors
+    assert got["layers.0.wq"].type == "sq8" and got["layers.1.wk"].type == "q8"   # kept dense in the source
+    a, b = load_model(auto), load_model(folders["q8_0"])
+    assert np.array_equal(a.get_weight("layers.0.wq"), b.get_weight("layers.0.wq"))
+    dense = convert(STORIES, str(tmp_path / "none"), weights="q8_0", sparsity="auto")
+    assert all(t.type != "sq8" for t in CorelmWeights(os.path.join(dense, WEIGHTS_FILE)).tensors.values())
