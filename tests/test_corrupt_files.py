@@ -35,7 +35,7 @@ def probe(path):
             f.get(name)
 
 
-FOLDER_CASES = tool.folder_cases() + tool.sparse_folder_cases()
+FOLDER_CASES = tool.folder_cases() + tool.sparse_folder_cases() + tool.sparse_quant_folder_cases()
 
 
 def test_corpus_is_committed_and_up_to_date():

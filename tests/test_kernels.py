@@ -175,11 +175,11 @@ def test_bad_kernel_arguments_raise():
 def test_option_names_are_canonical():
     names = _core.option_names()
     ggml = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
-    assert names == {"weight_type": ["fp32", "bf16", "q8", "q4", "q4m"] + ggml + ["sbf16"],
+    assert names == {"weight_type": ["fp32", "bf16", "q8", "q4", "q4m"] + ggml + ["sbf16", "sq8", "sq4"],
                      "kv_type": ["fp32", "bf16", "int8"],
                      "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
                      "numa": ["default", "distribute", "isolate"],
-                     "raw_weight": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "BF16"],
+                     "raw_weight": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "BF16", "SQ8", "SQ4"],
                      "activation": ["silu", "gelu_tanh"]}
     # agreement with corelm.options: tests/test_options.py
     x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)

@@ -32,13 +32,14 @@ def test_every_format_is_described_once():
     assert set(QUANTIZED) == {f.name for f in WEIGHT_FORMATS.values() if f.gguf and f.from_floats}
     assert set(GGUF_BLOCK_FORMATS) == {f.name for f in WEIGHT_FORMATS.values() if not f.from_floats}
     assert set(CHOICES["dtype"].values) == {"auto"} | set(PACKABLE) and "q4_k" not in CHOICES["dtype"].values
-    # sparse storage is convert's --sparsity over bf16, not a --weights kind; dtype="sbf16" packs sparse at load
-    assert SPARSE == ("sbf16",) and set(CHOICES["weights"].values) == set(CONVERT_TARGETS) == \
-        set(PACKABLE) - {"sbf16"} | set(K_QUANT_TARGETS)
+    # sparse storage is convert's --sparsity over bf16, q8_0 or q4_0, not a --weights kind; dtype="sbf16"
+    # (sq8_0, sq4_0) packs sparse at load
+    assert SPARSE == ("sbf16", "sq8_0", "sq4_0") and set(CHOICES["weights"].values) == set(CONVERT_TARGETS) == \
+        set(PACKABLE) - set(SPARSE) | set(K_QUANT_TARGETS)
     assert sorted(RAW_GGML_TYPES) == sorted(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
     assert TYPES == {f.file_type: f for f in WEIGHT_FORMATS.values()}
     assert {f.name: f.bits for f in WEIGHT_FORMATS.values()} == {
-        "fp32": 32, "bf16": 16, "sbf16": None, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0,
+        "fp32": 32, "bf16": 16, "sbf16": None, "sq8_0": None, "sq4_0": None, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0,
         "q2_k": 2.625, "q3_k": 3.4375, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "iq4_nl": 4.5, "iq4_xs": 4.25}
     for f in WEIGHT_FORMATS.values():
         assert format_of_core(f.core) is f and weight_format(f.name) is f
@@ -51,7 +52,7 @@ def test_every_format_is_described_once():
     # what loading keeps as stored: every dtype keeps sparse matrices sparse but fp32, which expands them
     assert set(KEEP_AS_STORED) == set(CHOICES["dtype"].values) - {"fp32"}
     assert all("sbf16" in keep for keep in KEEP_AS_STORED.values())
-    assert set(KEEP_AS_STORED["bf16"]) == set(KEEP_AS_STORED["sbf16"]) == {"sbf16"}
+    assert set(KEEP_AS_STORED["bf16"]) == set(KEEP_AS_STORED["sbf16"]) == set(SPARSE)
 
 
 def test_aliases_and_errors():

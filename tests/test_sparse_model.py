@@ -196,7 +196,7 @@ def test_auto_stores_the_zeros_a_source_has(folders, tmp_path):
 
 def test_bad_options_are_refused(tmp_path):
     out = str(tmp_path / "x")
-    for kwargs, msg in [(dict(weights="q8_0", sparsity=0.5), "bf16 weights only"),
+    for kwargs, msg in [(dict(weights="q4_1", sparsity=0.5), "sparse storage exists for bf16, q8_0, q4_0"),
                         (dict(weights="bf16", sparsity=1.0), "fraction in"),
                         (dict(weights="bf16", sparsity=-0.1), "fraction in"),
                         (dict(weights="bf16", sparsity="half"), "fraction in"),
@@ -221,20 +221,22 @@ def test_cli_convert_and_info(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "28 matrices sparse (sbf16): 75.0% zeros on average (75.0-75.0% per matrix)" in printed
     assert matrices(out)["layers.4.wq"][0] == "bf16"
-    assert cli_main(["convert", STORIES, "-o", str(tmp_path / "q"), "--sparsity", "0.5", "--no-progress"]) == 1
-    assert "bf16 weights only" in capsys.readouterr().err
+    assert cli_main(["convert", STORIES, "-o", str(tmp_path / "q"), "--weights", "q4_1", "--sparsity", "0.5",
+                     "--no-progress"]) == 1
+    assert "sparse storage exists for bf16, q8_0, q4_0" in capsys.readouterr().err
 
     assert cli_main(["info", out]) == 0
     shown = capsys.readouterr().out
     assert "Sparse:    28 matrices sparse (sbf16): 75.0% zeros" in shown and "read per token" in shown
     assert "layers.1.wq" not in shown
     assert cli_main(["info", out, "-v"]) == 0
-    assert "layers.1.wq      64x64: 75.0% zeros" in capsys.readouterr().out
+    assert "layers.1.wq      64x64 sbf16: 75.0% zeros" in capsys.readouterr().out
     assert cli_main(["info", out, "--json"]) == 0
     storage = json.loads(capsys.readouterr().out)["model"]["storage"]
     w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
     assert storage["bytes_per_token"] == sum(t.nbytes for n, t in w.tensors.items() if n != "tok_embeddings")
-    assert storage["sparse"]["layers.1.w_down"] == {"shape": [64, 172], "bytes": 4 * 64 * 6 + 2 * 64 * 43,
+    assert storage["sparse"]["layers.1.w_down"] == {"shape": [64, 172], "type": "sbf16",
+                                                    "bytes": 4 * 64 * 6 + 2 * 64 * 43, "dense_bytes": 2 * 64 * 172,
                                                     "sparsity": 0.75}
 
 

@@ -1,11 +1,13 @@
-"""Decode and prefill with sparse bf16 weights (sbf16) against dense bf16, on a Qwen2.5-0.5B-shaped model
-of random weights pruned by magnitude per row (embedding and lm_head kept dense, as convert keeps them).
+"""Decode and prefill with sparse weights (sbf16, sq8, sq4) against their dense format (bf16, q8, q4), on a
+Qwen2.5-0.5B-shaped model of random weights pruned by magnitude per row (embedding and lm_head kept dense, as
+convert keeps them).
 
-    python tools/bench_sparse.py [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
-    python tools/bench_sparse.py --stream [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
+    python tools/bench_sparse.py [--dtype bf16,q8,q4] [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7]
+                                 [--threads 1,2] [--hog]
+    python tools/bench_sparse.py --stream [--dtype bf16,q8,q4] [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
 
 Every model is built once; the measurements alternate between them round by round (medians reported,
-with the ratio to dense bf16 at the same thread count). --stream times decode's weight stream alone
+with the ratio to the dense format at the same thread count). --stream times decode's weight stream alone
 (the kernel table's matmul over 24 layers of the model's matrices, _core.testing.bench_gemv_stream):
 ms per pass over the same matrices, so the ratio is the speedup, and the share of the bandwidth roofline
 (the bytes actually stored, streamed at the GB/s of a plain read alternated with it in the same call). --hog adds runs with one thread while
@@ -22,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 from corelm import _core  # noqa: E402
-from corelm.convert import to_bf16  # noqa: E402
+from corelm.convert import quantize_q4_0, quantize_q8_0, to_bf16  # noqa: E402
 from corelm.engine.model_builder import core_config  # noqa: E402
 from corelm.loader.spec import weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,22 +67,24 @@ def runs_of(a):
     out = []
     for t in map(int, a.threads.split(",")):
         for hogged in ((False, True) if a.hog and t == 1 else (False,)):
-            out.append(("bf16", "bf16", 0.0, t, hogged))
-            out += [(f"sbf16@{s:g}", "sbf16", s, t, hogged) for s in map(float, a.sparsity.split(","))]
+            out.append((a.dtype, a.dtype, 0.0, t, hogged))
+            out += [(f"s{a.dtype}@{s:g}", "s" + a.dtype, s, t, hogged) for s in map(float, a.sparsity.split(","))]
     return out
 
 
 def report(runs, values, unit, better_low, out=None):
-    """Prints each run's median and its ratio to dense bf16; with out (a dict), records them there too."""
+    """Prints each run's median and its ratio to the dense format (the first run); with out (a dict), records
+    them there too."""
+    dense = runs[0][1]
     for r in runs:
         med = float(np.median(values[r]))
-        base = float(np.median(values[("bf16", "bf16", 0.0, r[3], r[4])]))
+        base = float(np.median(values[(dense, dense, 0.0, r[3], r[4])]))
         ratio = base / med if better_low else med / base
-        print(f"{r[0]:10s} {r[3]}t{' +hog' if r[4] else '     '}  {med:8.2f} {unit}  x{ratio:.2f} vs bf16  "
+        print(f"{r[0]:10s} {r[3]}t{' +hog' if r[4] else '     '}  {med:8.2f} {unit}  x{ratio:.2f} vs {dense}  "
               f"(rounds: {', '.join(f'{v:.2f}' for v in values[r])})")
         if out is not None:
             out.setdefault(unit, []).append({"weights": r[0], "threads": r[3], "hog": r[4], "median": med,
-                                             "vs_bf16": ratio, "rounds": values[r]})
+                                             f"vs_{dense}": ratio, "rounds": values[r]})
 
 
 def stream(a):
@@ -95,7 +99,7 @@ def stream(a):
         for r in runs if rnd % 2 == 0 else runs[::-1]:
             with Hog() if r[4] else contextlib.nullcontext():
                 d = _core.testing.bench_gemv_stream(f"{table}_{r[1]}", shapes, SPEC.num_layers, 5, r[3], True,
-                                                    "int8", r[2])
+                                                    a.activations, r[2])
             ms[r].append(d["bytes"] / d["gemv_GBps"] / 1e6)
             roof[r].append(100 * d["gemv_GBps"] / d["read_GBps"])
     print(f"kernel table {table}: ms per pass over 24 layers of the model's matrices")
@@ -120,12 +124,15 @@ def decode(a):
         key = (r[1], r[2], r[3])
         if key in models:
             continue
-        m = _core.Model(dict(core_config(SPEC, "bf16", r[3], 1024), pin_threads=False))
+        m = _core.Model(dict(core_config(SPEC, a.dtype, r[3], 1024), pin_threads=False))
         for name, w in weights.items():
-            if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == "bf16":
+            if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == a.dtype:
                 m.set_weight(name, w)
-            else:  # the matrix pruned, as dense bf16 bytes, which the core stores sparse
+            elif a.dtype == "bf16":  # the matrix pruned, as dense bf16 bytes, which the core stores sparse
                 m.set_weight_raw(name, "SBF16", to_bf16(prune(w, r[2])).view(np.uint8).ravel(), list(w.shape))
+            else:  # pruned, as the dense format's blocks, whose zero codes the core drops
+                blocks = (quantize_q8_0 if a.dtype == "q8" else quantize_q4_0)(prune(w, r[2]))
+                m.set_weight_raw(name, "SQ8" if a.dtype == "q8" else "SQ4", blocks.ravel(), list(w.shape))
         m.finalize()
         models[key] = m
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
@@ -151,6 +158,11 @@ def decode(a):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bf16",
+                    help="the dense formats, comma-separated (bf16, q8, q4), each against its sparse one (sbf16, sq8, "
+                         "sq4)")
+    ap.add_argument("--activations", default="int8", choices=["int8", "int16"],
+                    help="--stream: how q8/q4 weights take the activation row")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--sparsity", default="0.5,0.7")
@@ -160,7 +172,15 @@ def main():
     ap.add_argument("--table", default=None, help="--stream: the kernel table (default: the best one)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
-    res = stream(a) if a.stream else decode(a)
+    dtypes = a.dtype.split(",")
+    if not set(dtypes) <= {"bf16", "q8", "q4"}:
+        ap.error(f"--dtype: bf16, q8 or q4, not {a.dtype}")
+    res = {}
+    for dt in dtypes:
+        print(f"--- {dt} against s{dt}")
+        one = argparse.Namespace(**dict(vars(a), dtype=dt))
+        res[dt] = stream(one) if a.stream else decode(one)
+    res = res[dtypes[0]] if len(dtypes) == 1 else {"by_dtype": res}
     if a.out:
         import json
         import subprocess

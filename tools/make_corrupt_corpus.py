@@ -592,10 +592,10 @@ def folder_cases() -> List[FolderCase]:
     ]
 
 
-def tiny_sparse_corelm_folder() -> Dict[str, bytes]:
+def tiny_sparse_corelm_folder(weights: str = "bf16") -> Dict[str, bytes]:
     """file name -> bytes of the tiny HF model converted by corelm itself to a corelm folder whose layer
-    matrices are pruned to 50% and stored sparse (sbf16), its source path made relative so that the bytes
-    do not depend on where the conversion ran."""
+    matrices are pruned to 50% and stored sparse (weights bf16: sbf16; q8_0: sq8), its source path made
+    relative so that the bytes do not depend on where the conversion ran."""
     import tempfile
     import zlib
     from corelm.convert import convert
@@ -605,7 +605,7 @@ def tiny_sparse_corelm_folder() -> Dict[str, bytes]:
         for fname, data in tiny_hf_folder().items():
             with open(os.path.join(src, fname), "wb") as f:
                 f.write(data)
-        convert(src, os.path.join(tmp, "out"), weights="bf16", sparsity=0.5, prune="magnitude")
+        convert(src, os.path.join(tmp, "out"), weights=weights, sparsity=0.5, prune="magnitude")
         files = {}
         for fname in sorted(os.listdir(os.path.join(tmp, "out"))):
             with open(os.path.join(tmp, "out", fname), "rb") as f:
@@ -620,6 +620,21 @@ def tiny_sparse_corelm_folder() -> Dict[str, bytes]:
     struct.pack_into("<I", w, 24, zlib.crc32(bytes(w[:24]) + header) & 0xffffffff)
     files["weights.corelm"] = bytes(w)
     return files
+
+
+def _header_edit(files: Dict[str, bytes], edit) -> Dict[str, bytes]:
+    """files with edit(tensor entries) applied to weights.corelm's header (its length kept, its CRC redone)."""
+    import zlib
+    w = bytearray(files["weights.corelm"])
+    h = struct.unpack_from("<Q", w, 16)[0]
+    doc = json.loads(bytes(w[32:32 + h]))
+    edit(doc["tensors"])
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    assert len(header) <= h
+    header += b" " * (h - len(header))
+    w[32:32 + h] = header
+    struct.pack_into("<I", w, 24, zlib.crc32(bytes(w[:24]) + header) & 0xffffffff)
+    return dict(files, **{"weights.corelm": bytes(w)})
 
 
 def _sparse_tensor_edit(files: Dict[str, bytes], name: str, edit) -> Dict[str, bytes]:
@@ -641,19 +656,40 @@ def _mask_word_edit(change):
     return edit
 
 
-def sparse_folder_cases() -> List[FolderCase]:
-    """A corelm folder with sparse (sbf16) matrices: valid, and with a bitmap marking one non-zero more or
-    one fewer than the values the tensor holds."""
-    good = tiny_sparse_corelm_folder()
+def _bitmap_cases(good: Dict[str, bytes], prefix: str, suffix: str, messages: Tuple[str, str]) -> List[FolderCase]:
+    """The valid sparse folder `good`, and it with layers.0.wq's bitmap marking one non-zero more and one fewer
+    than it holds (messages: the errors each gives)."""
     one_more = _mask_word_edit(lambda w: w | (~w & (w + 1)))   # the lowest clear bit set
     one_fewer = _mask_word_edit(lambda w: w & (w - 1))         # the lowest set bit cleared
     return [
-        FolderCase("valid_corelm_sparse", good, None),
-        FolderCase("corelm_sparse_bitmap_one_more_than_values", _sparse_tensor_edit(good, "layers.0.wq", one_more),
-                   "marks 513 non-zeros, the tensor holds 512 values"),
-        FolderCase("corelm_sparse_bitmap_one_fewer_than_values", _sparse_tensor_edit(good, "layers.0.wq", one_fewer),
-                   "marks 511 non-zeros, the tensor holds 512 values"),
+        FolderCase(f"valid_{prefix}", good, None),
+        FolderCase(f"{prefix}_bitmap_one_more_than_{suffix}", _sparse_tensor_edit(good, "layers.0.wq", one_more),
+                   messages[0]),
+        FolderCase(f"{prefix}_bitmap_one_fewer_than_{suffix}", _sparse_tensor_edit(good, "layers.0.wq", one_fewer),
+                   messages[1]),
     ]
+
+
+def sparse_folder_cases() -> List[FolderCase]:
+    """A corelm folder with sparse (sbf16) matrices: valid, and with a bitmap marking one non-zero more or
+    one fewer than the values the tensor holds."""
+    return _bitmap_cases(tiny_sparse_corelm_folder(), "corelm_sparse", "values",
+                         ("marks 513 non-zeros, the tensor holds 512 values",
+                          "marks 511 non-zeros, the tensor holds 512 values"))
+
+
+def sparse_quant_folder_cases() -> List[FolderCase]:
+    """A corelm folder with sparse q8_0 (sq8) matrices: valid, with a bitmap marking one non-zero code more or
+    one fewer than the codes the tensor holds, and with a tensor's offset past the end of the data."""
+    good = tiny_sparse_corelm_folder("q8_0")
+
+    def past_the_end(tensors):
+        next(t for t in tensors if t["name"] == "layers.0.wq")["offset"] = 1 << 20
+    return _bitmap_cases(good, "corelm_sparse_q8", "codes",
+                         ("sq8 tensor 'layers.0.wq': bitmap marks 513 non-zero codes, the tensor holds 512 codes",
+                          "sq8 tensor 'layers.0.wq': bitmap marks 511 non-zero codes, the tensor holds 512 codes")) + [
+        FolderCase("corelm_sparse_q8_offset_past_the_end", _header_edit(good, past_the_end),
+                   "extends past the end of the data section")]
 
 
 def write_corpus(out: str) -> List[str]:
@@ -664,7 +700,7 @@ def write_corpus(out: str) -> List[str]:
         with open(os.path.join(out, case.name), "wb") as f:
             f.write(case.data)
         names.append(case.name)
-    for fc in folder_cases() + sparse_folder_cases():
+    for fc in folder_cases() + sparse_folder_cases() + sparse_quant_folder_cases():
         d = os.path.join(out, fc.name)
         os.makedirs(d, exist_ok=True)
         for stale in set(os.listdir(d)) - set(fc.files):

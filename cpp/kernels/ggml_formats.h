@@ -29,13 +29,13 @@ namespace quant {
 
 // Every raw type a table takes (pack_raw): GGUF block types by ggml's names (Q8_0/Q4_0/Q4_1 are
 // repacked as Q8/Q4/Q4M, the others kept as stored), BF16 rows (packed with no float round trip) and
-// SBF16 as dense bf16 rows, which the packer makes sparse.
+// SBF16 as dense bf16 rows and SQ8/SQ4 as dense Q8_0/Q4_0 blocks, which the packer makes sparse.
 inline constexpr EnumName<WeightType> kGgufRawNames[] = {
     {WeightType::Q8, "Q8_0"},     {WeightType::Q4, "Q4_0"},     {WeightType::Q4M, "Q4_1"},
     {WeightType::Q5_0, "Q5_0"},   {WeightType::Q5_1, "Q5_1"},   {WeightType::Q2_K, "Q2_K"},
     {WeightType::Q3_K, "Q3_K"},   {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
     {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}, {WeightType::SBF16, "SBF16"},
-    {WeightType::BF16, "BF16"}};
+    {WeightType::BF16, "BF16"}, {WeightType::SQ8, "SQ8"}, {WeightType::SQ4, "SQ4"}};
 
 inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
 
@@ -43,7 +43,9 @@ namespace {
 
 // The types multiplied straight from their GGUF blocks.
 inline bool is_ggml_block(WeightType t) { return (int)t >= (int)WeightType::Q5_0 && (int)t <= (int)WeightType::IQ4_XS; }
-inline bool is_raw_type(WeightType t) { return is_quant(t) || is_ggml_block(t) || sparse::is_sparse(t); }
+inline bool is_raw_type(WeightType t) {
+  return is_quant(t) || is_ggml_block(t) || sparse::is_sparse(t) || sparse::is_sparse_quant(t);
+}
 // Raw bf16 rows: SBF16's, and BF16 matrices taken without a float round trip (not a packing type of
 // the quantized code, so not is_raw_type).
 inline bool is_bf16_rows(WeightType t) { return t == WeightType::BF16 || sparse::is_sparse(t); }
@@ -66,7 +68,7 @@ inline size_t ggml_type_block_bytes(WeightType t) {
     case WeightType::Q6_K: return 210;
     case WeightType::IQ4_NL: return 18;
     case WeightType::IQ4_XS: return 136;
-    default: return ggml_block_bytes(t);  // Q8_0, Q4_0, Q4_1
+    default: return ggml_block_bytes(sparse::dense_type(t));  // Q8_0, Q4_0, Q4_1 (SQ8, SQ4 as Q8_0, Q4_0)
   }
 }
 inline size_t ggml_row_bytes(WeightType t, int64_t cols) {
@@ -243,6 +245,7 @@ inline void dequantize_ggml(WeightType t, const uint8_t* raw, int64_t rows, int6
     for (int64_t r = 0; r < rows; r++) dequantize_ggml_row(t, raw + r * ggml_row_bytes(t, cols), cols, out + r * cols);
     return;
   }
+  t = sparse::dense_type(t);  // SQ8, SQ4: dense Q8_0, Q4_0 blocks
   const size_t bb = ggml_block_bytes(t);
   int8_t q[32];
   for (int64_t r = 0; r < rows; r++)

@@ -51,16 +51,8 @@ PackedMatrix build(WeightType type, int64_t rows, int64_t cols, const ParallelFo
   std::vector<uint64_t> off(groups + 1);
   off[0] = (uint64_t)header_bytes(groups);
   for (int64_t g = 0; g < groups; g++) off[g + 1] = off[g] + (uint64_t)size[g];
-  PackedMatrix m;
-  m.type = type;
-  m.rows = rows;
-  m.cols = cols;
-  m.ld = nc * kChunk;
-  m.nbytes = (size_t)off[groups] + kSlack;
-  m.packed_by = by;
-  m.storage = aligned_buffer(m.nbytes);  // zeroed
+  PackedMatrix m = with_offsets(type, rows, cols, nc * kChunk, off, by);
   uint8_t* base = static_cast<uint8_t*>(m.storage.get());
-  std::memcpy(base, off.data(), off.size() * 8);
   run([&](int64_t g0, int64_t g1) {
     std::vector<uint16_t> buf(kGroup * cols);
     for (int64_t g = g0; g < g1; g++) {
@@ -85,6 +77,20 @@ PackedMatrix build(WeightType type, int64_t rows, int64_t cols, const ParallelFo
 }
 
 }  // namespace
+
+PackedMatrix with_offsets(WeightType type, int64_t rows, int64_t cols, int64_t ld, const std::vector<uint64_t>& off,
+                          const KernelTable* by) {
+  PackedMatrix m;
+  m.type = type;
+  m.rows = rows;
+  m.cols = cols;
+  m.ld = ld;
+  m.nbytes = (size_t)off.back() + kSlack;
+  m.packed_by = by;
+  m.storage = aligned_buffer(m.nbytes);  // zeroed
+  std::memcpy(m.storage.get(), off.data(), off.size() * 8);
+  return m;
+}
 
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par,
                   const KernelTable* by) {

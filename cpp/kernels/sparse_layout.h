@@ -16,6 +16,7 @@
 // rows (pack_raw, what the loader expands a sparse file tensor into).
 #pragma once
 #include <cstdint>
+#include <vector>
 #if defined(CORELM_HAVE_X86)
 #include <xmmintrin.h>
 #endif
@@ -30,6 +31,12 @@ constexpr int64_t kChunk = 32;  // columns per mask word
 constexpr int64_t kSlack = 64;  // zero bytes after the records
 
 inline bool is_sparse(WeightType t) { return t == WeightType::SBF16; }
+// Sparse Q8/Q4 (kernels/sparse_quant.h), and the dense type whose products a sparse type gives.
+inline bool is_sparse_quant(WeightType t) { return t == WeightType::SQ8 || t == WeightType::SQ4; }
+inline WeightType dense_type(WeightType t) {
+  return t == WeightType::SQ8 ? WeightType::Q8 : t == WeightType::SQ4 ? WeightType::Q4
+                              : t == WeightType::SBF16 ? WeightType::BF16 : t;
+}
 inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
 inline int64_t nchunks(int64_t cols) { return (cols + kChunk - 1) / kChunk; }
 inline const uint64_t* offsets(const PackedMatrix& w) { return static_cast<const uint64_t*>(w.data()); }
@@ -37,6 +44,10 @@ inline const uint8_t* record(const PackedMatrix& w, int64_t g) {
   return static_cast<const uint8_t*>(w.data()) + offsets(w)[g];
 }
 
+// A zeroed matrix of a sparse type whose storage starts with the records' offsets `off` (the last:
+// their end), with kSlack bytes after the records.
+PackedMatrix with_offsets(WeightType type, int64_t rows, int64_t cols, int64_t ld, const std::vector<uint64_t>& off,
+                          const KernelTable* by);
 PackedMatrix pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par,
                   const KernelTable* by);
 PackedMatrix pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par,

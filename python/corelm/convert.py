@@ -18,10 +18,12 @@ activation weighting (cpp/kernels/quantize.h).
 Norms, biases and MoE routers stay fp32. GGUF tensors already in blocks the target keeps (RAW_KEEP; under
 a K-quant target: the type chosen for that matrix) are copied block for block, never through floats.
 
-Sparse bf16 (weights="bf16" only so far): sparsity=0.5 prunes every matrix but the embedding, lm_head and
-those keep_dense names to half zeros per row (prune="wanda": the smallest |W| * sqrt(mean x^2 of the input
-column) on the calibration text; "magnitude": the smallest |W|) and stores them as sbf16 (a bitmap and the
-non-zeros); sparsity="auto" prunes nothing and stores sbf16 the matrices whose zeros already save bytes.
+Sparse storage (weights "bf16", "q8_0" or "q4_0"): sparsity=0.5 prunes every matrix but the embedding,
+lm_head and those keep_dense names to half zeros per row (prune="wanda": the smallest |W| * sqrt(mean x^2
+of the input column) on the calibration text; "magnitude": the smallest |W|) and stores them as sbf16,
+sq8_0 or sq4_0 (a bitmap and the non-zeros; quantized: the pruned matrix quantized as the dense format,
+then its zero codes dropped); sparsity="auto" prunes nothing and stores sparse the matrices whose zeros
+already save bytes.
 config.json records each sparse matrix's stored fraction of zeros.
 
     convert("models/SmolLM2-135M-Instruct", "out/smollm2-s50", weights="bf16", sparsity=0.5,
@@ -45,9 +47,10 @@ import numpy as np
 
 from .loader import load_model
 from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, bitmap_nbytes,
-                                   is_corelm_folder, pack_sbf16, spec_to_dict, stored_sparsity)
+                                   is_corelm_folder, pack_sbf16, pack_sparse_blocks, spec_to_dict,
+                                   stored_sparsity)
 from .loader.spec import LoadedModel
-from .options import GGUF_BLOCK_FORMATS, K_QUANT_TARGETS, WEIGHT_FORMATS, choose, format_of_gguf
+from .options import GGUF_BLOCK_FORMATS, K_QUANT_TARGETS, SPARSE_OF, WEIGHT_FORMATS, choose, format_of_gguf
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
            "quantize_q4_1_search", "quantize_ggml_search", "k_quant_type", "to_bf16", "prune_rows", "cache_dir"]
@@ -184,7 +187,7 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pruning, for sparse bf16 (sbf16).
+# Pruning, for sparse storage (sbf16, sq8_0, sq4_0).
 
 # Kept dense under every sparsity, as Wanda and SparseGPT do: a token reads one row of the embedding
 # (nothing to save), and lm_head's errors go straight into the logits.
@@ -212,8 +215,8 @@ def sparsity_option(sparsity: Union[None, str, float], prune: Optional[str] = No
         if prune is not None or patterns:
             raise ValueError("prune and keep_dense choose how a sparse conversion prunes; give a sparsity too")
         return None
-    if weights != "bf16":
-        raise ValueError(f"sparse storage exists for bf16 weights only so far: use weights bf16 (--weights bf16) "
+    if weights not in SPARSE_OF:
+        raise ValueError(f"sparse storage exists for {', '.join(SPARSE_OF)} weights: use one of them (--weights) "
                          f"with a sparsity, not {weights}")
     if isinstance(sparsity, str) and sparsity.strip().lower() == "auto":
         if prune is not None:
@@ -246,19 +249,24 @@ def prune_rows(w: np.ndarray, sparsity: float, importance: Optional[np.ndarray] 
     return w
 
 
-def _zeros_save_bytes(loaded: LoadedModel, name: str) -> bool:
-    """Whether a matrix's bf16 zeros (sparsity auto) make sbf16 smaller than dense bf16."""
-    bits = to_bf16(loaded.get_weight(name))
+def _zeros_save_bytes(loaded: LoadedModel, name: str, weights: str) -> bool:
+    """Whether a matrix's zeros (sparsity auto; quantized: its zero codes) make its sparse format smaller than
+    the dense one."""
+    w = loaded.get_weight(name)
     loaded.release_weight(name)
-    return bitmap_nbytes(bits.shape) + 2 * np.count_nonzero(bits & 0x7FFF) < 2 * bits.size
+    if weights == "bf16":
+        bits = to_bf16(w)
+        return bitmap_nbytes(bits.shape) + 2 * np.count_nonzero(bits & 0x7FFF) < 2 * bits.size
+    blocks = _quantize(weights, w)
+    return pack_sparse_blocks(blocks, WEIGHT_FORMATS[SPARSE_OF[weights]].file_type).size < blocks.size
 
 
-def sparsity_summary(fractions: Iterable[float]) -> str:
-    """"N matrices sparse: z% zeros on average (a-b% per matrix)" for the stored fractions of zeros."""
+def sparsity_summary(fractions: Iterable[float], fmt: str = "sbf16") -> str:
+    """"N matrices sparse (fmt): z% zeros on average (a-b% per matrix)" for the stored fractions of zeros."""
     f = list(fractions)
     if not f:
         return "no matrix sparse"
-    return (f"{len(f)} matri{'x' if len(f) == 1 else 'ces'} sparse (sbf16): {100 * sum(f) / len(f):.1f}% zeros on "
+    return (f"{len(f)} matri{'x' if len(f) == 1 else 'ces'} sparse ({fmt}): {100 * sum(f) / len(f):.1f}% zeros on "
             f"average ({100 * min(f):.1f}-{100 * max(f):.1f}% per matrix)")
 
 
@@ -299,8 +307,8 @@ def _plan(loaded: LoadedModel, weights: str,
             plan[name] = ("fp32", shape, False)
             continue
         if sparse is not None and not sparse.dense(name) and \
-                (sparse.target is not None or _zeros_save_bytes(loaded, name)):
-            plan[name] = ("sbf16", shape, False)
+                (sparse.target is not None or _zeros_save_bytes(loaded, name, weights)):
+            plan[name] = (SPARSE_OF[weights], shape, False)
             continue
         raw_type = stored_raw_type(loaded, name) if quantized else None
         raw_format = format_of_gguf(raw_type) if raw_type is not None else None
@@ -325,14 +333,21 @@ def _tensor_bytes(loaded: LoadedModel, name: str, type_: str, from_raw: bool,
         return np.ascontiguousarray(w, dtype=np.float32)
     if type_ == "bf16":
         return to_bf16(w)
-    if type_ == "sbf16":
+    if WEIGHT_FORMATS[type_].sparse:
         if sparse.target is not None:     # an expert no calibration token reached has no importance: magnitude
             w = prune_rows(w, sparse.target, importance.get(name) if sparse.method == "wanda" else None)
-        return pack_sbf16(to_bf16(w))
+        if type_ == "sbf16":
+            return pack_sbf16(to_bf16(w))
+        dense = next(d for d, s in SPARSE_OF.items() if s == type_)     # zeros quantize to the zero code
+        return pack_sparse_blocks(_quantize(dense, w), WEIGHT_FORMATS[type_].file_type)
     if type_ == "q4_1":
         return quantize_q4_1_search(w, importance.get(name))
     if type_ in GGML_SEARCHED:
         return quantize_ggml_search(w, type_, importance.get(name))
+    return _quantize(type_, w)
+
+
+def _quantize(type_: str, w: np.ndarray) -> np.ndarray:
     return {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}[type_](w)
 
 
@@ -341,7 +356,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
             keep_dense: Union[None, str, Sequence[str]] = None) -> str:
     """Converts `src` (HF folder, .gguf file or corelm folder) to the corelm folder `out`; returns `out`.
     The folder appears complete or not at all (written beside it, then renamed). sparsity (with weights
-    "bf16"): a fraction in [0, 1) of each row to prune (prune "wanda", the default, or "magnitude"), or
+    "bf16", "q8_0" or "q4_0"): a fraction in [0, 1) of each row to prune (prune "wanda", the default, or "magnitude"), or
     "auto"; keep_dense: fnmatch patterns of internal names (a list or "a,b") kept dense besides the
     embedding and lm_head."""
     weights = choose("weights", weights)
@@ -353,7 +368,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         _check_patterns(sparse.keep_dense, loaded)
     plan = _plan(loaded, weights, sparse)
     importance = {}
-    if any((t in ("q4_1",) + GGML_SEARCHED and not from_raw) or (t == "sbf16" and sparse.method == "wanda")
+    if any((t in ("q4_1",) + GGML_SEARCHED and not from_raw) or (WEIGHT_FORMATS[t].sparse and sparse.method == "wanda")
            for t, _, from_raw in plan.values()):
         from .calibrate import activation_importance, calibration_ids
         importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
@@ -374,8 +389,8 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         zeros = {}      # sparse matrix -> its stored fraction of zeros
         for name, (type_, shape, from_raw) in items:
             nbytes = writer.add(name, _tensor_bytes(loaded, name, type_, from_raw, importance, sparse))
-            if type_ == "sbf16":
-                zeros[name] = stored_sparsity(shape, nbytes)
+            if WEIGHT_FORMATS[type_].sparse:
+                zeros[name] = stored_sparsity(shape, nbytes, WEIGHT_FORMATS[type_].file_type)
             loaded.release_weight(name)
             if bar is not None:
                 bar.update(1)
@@ -384,7 +399,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         writer.close()
         extra = {}
         if sparse is not None:
-            log.info("%s: %s", out, sparsity_summary(zeros.values()))
+            log.info("%s: %s", out, sparsity_summary(zeros.values(), SPARSE_OF[weights]))
             extra["sparsity"] = {"method": sparse.method, "target": sparse.target,
                                  "keep_dense": list(sparse.keep_dense),
                                  "matrices": {n: round(z, 6) for n, z in zeros.items()}}

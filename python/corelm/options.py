@@ -24,20 +24,23 @@ class WeightFormat:
     block_bytes: int            # bytes per block, scales included
     description: str
     from_floats: bool = True    # the core quantizes float weights into it (else: only a GGUF's own blocks)
-    # Exact zeros are dropped, so a matrix's bytes follow its sparsity: a bitmap of 1 bit per weight plus
-    # block_bytes per non-zero (docs/model-format.md).
+    # Exact zeros (quantized: zero codes) are dropped, so a matrix's bytes follow its sparsity: a bitmap of
+    # 1 bit per weight plus the non-zeros (docs/model-format.md); block and block_bytes are then the dense
+    # form's (every weight non-zero).
     sparse: bool = False
     raw_name: Optional[str] = None  # Model.set_weight_raw's name for it where that is not a GGUF type
 
     @property
     def raw(self) -> Optional[str]:
         """The name `Model.set_weight_raw` takes this format's matrices under (`_core.option_names()
-        ["raw_weight"]`): the GGUF block type, or "BF16" / "SBF16" for bf16 rows (the latter stored sparse)."""
+        ["raw_weight"]`): the GGUF block type, "BF16" / "SBF16" for bf16 rows (the latter stored sparse), or
+        "SQ8" / "SQ4" for Q8_0 / Q4_0 blocks stored sparse."""
         return self.raw_name or self.gguf
 
     @property
     def bits(self) -> Optional[float]:
-        """Bits per weight, scales included; None for a sparse format (16 per non-zero + 1 per weight)."""
+        """Bits per weight, scales included; None for a sparse format (a bit per weight, the non-zeros' bits
+        and, quantized, the dense scales)."""
         return None if self.sparse else 8 * self.block_bytes / self.block
 
 
@@ -48,6 +51,12 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("sbf16", ("sparse_bf16", "bf16_sparse"), "sbf16", "sbf16", None, 1, 2,
                  "unstructured-sparse bfloat16: a bitmap of the non-zeros and their values (SparAMX); zeros "
                  "cost 1 bit", sparse=True, raw_name="SBF16"),
+    WeightFormat("sq8_0", ("sq8", "sparse_q8"), "sq8", "sq8", None, 32, 34,
+                 "unstructured-sparse q8_0: a bitmap of the non-zero codes, the dense blocks' fp16 scales and the "
+                 "non-zero int8 codes; zeros cost 1 bit", sparse=True, raw_name="SQ8"),
+    WeightFormat("sq4_0", ("sq4", "sparse_q4"), "sq4", "sq4", None, 32, 18,
+                 "unstructured-sparse q4_0: a bitmap of the non-zero codes (q != 8), the dense blocks' fp16 scales "
+                 "and the non-zero 4-bit codes; zeros cost 1 bit", sparse=True, raw_name="SQ4"),
     WeightFormat("q8_0", ("q8",), "q8", "q8", "Q8_0", 32, 34, "blocks of 32 int8 with an fp16 scale, as ggml's Q8_0"),
     WeightFormat("q4_0", ("q4",), "q4", "q4", "Q4_0", 32, 18,
                  "blocks of 32 4-bit codes with an fp16 scale, as ggml's Q4_0"),
@@ -67,7 +76,7 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
 # Formats that exist only as a GGUF's own blocks, multiplied as stored (kernels/ggml_formats.h).
 GGUF_BLOCK_FORMATS = tuple(f.name for f in WEIGHT_FORMATS.values() if not f.from_floats)
-# Formats that drop exact zeros (a bitmap of the non-zeros, then their values).
+# Formats that drop exact zeros or zero codes (a bitmap of the non-zeros, then their values).
 SPARSE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.sparse)
 # The formats a float matrix can be packed into at load (dtype=).
 PACKABLE = tuple(f.name for f in WEIGHT_FORMATS.values() if f.from_floats)
@@ -86,7 +95,10 @@ KEEP_AS_STORED: Dict[str, Tuple[str, ...]] = {
     "auto": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE, "bf16": SPARSE, "sbf16": SPARSE,
     "q8_0": ("q8_0",) + GGUF_BLOCK_FORMATS + SPARSE,
     "q4_0": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE, "q4_1": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE,
+    "sq8_0": ("q8_0",) + GGUF_BLOCK_FORMATS + SPARSE, "sq4_0": QUANTIZED + GGUF_BLOCK_FORMATS + SPARSE,
 }
+# The sparse format convert --sparsity stores each --weights kind's matrices in.
+SPARSE_OF = {"bf16": "sbf16", "q8_0": "sq8_0", "q4_0": "sq4_0"}
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@
 // other tables.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels/amx/amx.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/kernels.h"
 #include "kernels/sparse_layout.h"
+#include "kernels/sparse_quant.h"
 
 namespace corelm {
 namespace amx {
@@ -75,13 +77,30 @@ const bool kQuantPrefill = [] {
   const char* e = std::getenv("CORELM_AMX_PREFILL");
   return !(e && e[0] == '0');
 }();
-bool dequantizes(WeightType t) { return kQuantPrefill && (quant::is_quant(t) || quant::is_grouped_ggml(t)); }
+bool dequantizes(WeightType t) {
+  return kQuantPrefill && (quant::is_quant(t) || quant::is_grouped_ggml(t) || sparse::is_sparse_quant(t));
+}
 
 // Panel p of a quantized matrix as bf16 tiles: AVX-512 where it runs; otherwise (and on the emulation,
 // where it is the reference) the base table's rows.
 template <bool Native>
 void dequant_panel(const void* ctx, int64_t panel, uint16_t* dst) {
   const PackedMatrix& w = *static_cast<const PackedMatrix*>(ctx);
+  if (sparse::is_sparse_quant(w.type)) {  // the panel's super-group expanded into the base table's dense layout
+    const int64_t s = panel * 16 / sparse::kQuantSuperRows;
+    const auto layout = std::strcmp(base_table()->name, "scalar") == 0 ? sparse::DenseLayout::GgmlRows
+                                                                       : sparse::DenseLayout::Grouped;
+    static thread_local std::vector<uint8_t> buf;
+    buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
+    uint8_t* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+#if defined(CORELM_HAVE_X86)
+    if (Native && layout == sparse::DenseLayout::Grouped) sparse::expand_supers_avx512(w, s, s + 1, d);
+    else
+#endif
+      sparse::expand_supers(w, layout, s, s + 1, d);
+    const PackedMatrix v = sparse::dense_view(w, layout, s, s + 1, d);
+    return dequant_panel<Native>(&v, panel - s * sparse::kQuantSuperRows / 16, dst);
+  }
 #if defined(CORELM_HAVE_X86)
   if (Native && quant::panel_bf16_pairs_avx512(w, panel, dst)) return;
 #endif

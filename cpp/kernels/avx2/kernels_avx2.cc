@@ -13,6 +13,7 @@
 #include "kernels/avx2/avx2_util.h"
 #include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
+#include "kernels/sparse_quant.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
 #include "kernels/sparse_layout.h"
@@ -328,6 +329,7 @@ void matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, float
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   if (sparse::is_sparse(w.type)) return sparse::row_to_f32(w, row, out);
+  if (sparse::is_sparse_quant(w.type)) return sparse::quant_row_to_f32(w, row, out);
   if (quant::is_grouped_ggml(w.type)) return quant::grouped_ggml_row_to_f32(w, row, out);
   if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "kernels/kernel_util.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
+#include "kernels/sparse_quant.h"
 
 namespace corelm {
 namespace quant {
@@ -483,27 +485,101 @@ void matmul_any(const void* qa, int64_t m, const PackedMatrix& w, float* y, int6
   return matmul_t<WeightType::Q4M>(a, m, w, y, ldy, n0, n1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Sparse Q8/Q4 (kernels/sparse_quant.h): panels expanded into the dense layout, 8 positions per
+// PSHUFB: for each byte of a window's mask, a table gives the shuffle that moves the next codes to
+// the set positions (0x80 elsewhere) and the byte mask of those positions, under which the zero code
+// is filled in.
+struct ExpandTables {
+  uint64_t shuffle[256], bytes[256];
+  ExpandTables() {
+    for (int v = 0; v < 256; v++) {
+      uint64_t s = 0, b = 0;
+      for (int i = 0, k = 0; i < 8; i++) {
+        const uint64_t set = v >> i & 1;
+        s |= (set ? (uint64_t)k++ : 0x80ull) << (8 * i);
+        b |= (set ? 0xffull : 0ull) << (8 * i);
+      }
+      shuffle[v] = s, bytes[v] = b;
+    }
+  }
+};
+const ExpandTables kExpand;
+
+// A window of 64 codes (one byte each at src) expanded under mask into out; returns the codes read.
+inline int expand_window(uint64_t mask, const uint8_t* src, uint8_t zero, uint8_t* out) {
+  const __m128i z = _mm_set1_epi8((char)zero);
+  int k = 0;
+  for (int j = 0; j < 8; j++) {
+    const unsigned mb = (unsigned)(mask >> (8 * j)) & 0xff;
+    const __m128i codes = _mm_loadl_epi64((const __m128i*)(src + k));
+    const __m128i v = _mm_shuffle_epi8(codes, _mm_loadl_epi64((const __m128i*)&kExpand.shuffle[mb]));
+    _mm_storel_epi64((__m128i*)(out + 8 * j), _mm_or_si128(v, _mm_andnot_si128(_mm_loadl_epi64((const __m128i*)&kExpand.bytes[mb]), z)));
+    k += __builtin_popcount(mb);
+  }
+  return k;
+}
+
+template <WeightType T>
+void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
+  sparse::expand_grouped(w, s0, s1, dst, [](const uint8_t* masks, const uint8_t* p, uint8_t* q) {
+    uint64_t mk[4];
+    std::memcpy(mk, masks, 32);
+    alignas(32) uint8_t e[256], nib[64 + 16];
+    for (int t = 0; t < 4; t++) {
+      if constexpr (T == WeightType::Q8) {
+        p += expand_window(mk[t], p, 0x80, e + 64 * t);
+      } else {  // the window's nibbles as bytes first
+        const __m128i m4 = _mm_set1_epi8(0x0f);
+        for (int h = 0; h < 2; h++) {
+          const __m128i x = _mm_loadu_si128((const __m128i*)(p + 16 * h));
+          const __m128i lo = _mm_and_si128(x, m4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m4);
+          _mm_storeu_si128((__m128i*)(nib + 32 * h), _mm_unpacklo_epi8(lo, hi));
+          _mm_storeu_si128((__m128i*)(nib + 32 * h + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+        const int n = expand_window(mk[t], nib, 8, e + 64 * t);
+        p += (n + 1) / 2;
+      }
+    }
+    if constexpr (T == WeightType::Q8) {
+      std::memcpy(q, e, 256);
+    } else {  // vector u: W_{2u} in the low nibbles, W_{2u+1} in the high ones
+      for (int u = 0; u < 2; u++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i a = _mm256_load_si256((const __m256i*)(e + 128 * u + 32 * h));
+          const __m256i b = _mm256_load_si256((const __m256i*)(e + 128 * u + 64 + 32 * h));
+          _mm256_storeu_si256((__m256i*)(q + 64 * u + 32 * h), _mm256_or_si256(a, _mm256_slli_epi16(b, 4)));
+        }
+    }
+    return p;
+  });
+}
+
 }  // namespace
 
 PackedMatrix avx2_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack(src, rows, cols, type, par, &kAvx2Kernels);
   require_packable(type);
   return grouped_pack(src, rows, cols, type, par, &kAvx2Kernels);
 }
 
 PackedMatrix avx2_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
   if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_grouped_ggml(type)) return grouped_ggml_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx2Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx2Kernels);
 }
 
 size_t avx2_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (sparse::is_sparse_quant(w.type)) return avx2_quant_act_bytes(sparse::as_dense_type(w), m, act);
   if (is_grouped_ggml(w.type)) return ggml_act_bytes(w, m, ActType::I16);  // int16 quants either way
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? plain_act_bytes(m, nblocks(w), act_elem_bytes(act)) : 0;
 }
 
 void avx2_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (sparse::is_sparse_quant(w.type)) return avx2_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
   if (is_grouped_ggml(w.type)) return grouped_ggml_quantize_act_avx2(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   const int64_t nb = nblocks(w);
@@ -515,6 +591,10 @@ void avx2_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatri
                        int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
+  // sparse Q8/Q4: panels expanded into the dense layout, multiplied by the dense kernels
+  if (sparse::is_sparse_quant(w.type))
+    return sparse::quant_matmul_panels(qa, m, act, w, y, ldy, n0, n1, sparse::DenseLayout::Grouped, avx2_matmul_quant,
+                                       sparse::expand_supers_avx2);
   if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx2(qa, m, w, y, ldy, n0, n1);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) return matmul_any<int16_t>(qa, m, w, y, ldy, n0, n1);
@@ -530,4 +610,13 @@ void avx2_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
 }
 
 }  // namespace quant
+}  // namespace corelm
+
+namespace corelm {
+namespace sparse {
+void expand_supers_avx2(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
+  if (w.type == WeightType::SQ8) return quant::sparse_expand<WeightType::Q8>(w, s0, s1, dst);
+  quant::sparse_expand<WeightType::Q4>(w, s0, s1, dst);
+}
+}  // namespace sparse
 }  // namespace corelm

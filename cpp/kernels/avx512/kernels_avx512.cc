@@ -12,6 +12,7 @@
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/kernel_util.h"
 #include "kernels/kernels.h"
+#include "kernels/sparse_quant.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
 #include "kernels/sparse_layout.h"
@@ -498,6 +499,7 @@ void softmax(float* x, int64_t n) {
 
 void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
   if (sparse::is_sparse(w.type)) return sparse::row_to_f32(w, row, out);
+  if (sparse::is_sparse_quant(w.type)) return sparse::quant_row_to_f32(w, row, out);
   if (quant::is_grouped_ggml(w.type)) return quant::grouped_ggml_row_to_f32(w, row, out);
   if (quant::is_ggml_block(w.type)) return quant::ggml_row_to_f32(w, row, out);
   if (quant::is_quant(w.type)) return quant::grouped_row_to_f32(w, row, out);

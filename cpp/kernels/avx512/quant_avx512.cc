@@ -24,6 +24,7 @@
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
+#include "kernels/sparse_quant.h"
 
 namespace corelm {
 namespace quant {
@@ -539,27 +540,226 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Sparse Q8/Q4 (SQ8/SQ4, kernels/sparse_quant.h). Decode (one row, int8 or int16 activations)
+// streams each super-group's record once: per block the ns groups' scales and masks, then the
+// non-zero codes, each 64-position window expanded in registers by one VPEXPANDB (VBMI2) over a
+// merge source holding the zero code (Q4: the window's nibbles spread to bytes first) into exactly
+// the W_t vectors load_w gives the dense kernel (int16: its pieces, widened), multiplied in the
+// dense decode's order: the dense matrix's bits. Everything else (several rows, CPUs without VBMI2)
+// expands panels of super-groups into the dense layout and runs the dense kernels on them.
+
+const bool kSparseVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && [] {
+  const char* e = std::getenv("CORELM_SPARSE_WITHOUT");
+  return !(e && std::strcmp(e, "vbmi2") == 0);
+}();
+
+#define CORELM_VBMI2_TARGET __attribute__((target("avx512vbmi2")))
+
+// Software prefetch of the sparse stream (sparse_layout.h: record_prefetch_bytes, 0: none).
+const int64_t kSparsePrefetch = sparse::record_prefetch_bytes();
+
+// One group's block (its masks at mp, its codes at p) into the four W_t vectors; returns the next
+// group's codes.
+template <WeightType T>
+CORELM_VBMI2_TARGET inline const uint8_t* sparse_load_w(const uint8_t* mp, const uint8_t* p, __m512i w[4]) {
+  uint64_t mk[4];
+  std::memcpy(mk, mp, 32);
+  for (int t = 0; t < 4; t++) {
+    const int n = (int)_mm_popcnt_u64(mk[t]);
+    if constexpr (T == WeightType::Q8) {
+      __m512i raw = _mm512_loadu_si512((const void*)p);
+      __asm__("" : "+v"(raw));  // a plain load: VPEXPANDB's memory form is slower
+      w[t] = _mm512_mask_expand_epi8(_mm512_set1_epi8((char)0x80), (__mmask64)mk[t], raw);
+      p += n;
+    } else {  // nibbles k, k + 1 in byte k / 2 -> bytes k, k + 1
+      const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+      const __m512i bytes = _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x000f)),
+                                            _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0f00)));
+      w[t] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[t], bytes);
+      p += (n + 1) / 2;
+    }
+  }
+  return p;
+}
+
+// Block b of a record of NS groups (prefetching the bytes of one block kSparsePrefetch ahead: the next
+// record's past the end).
+template <int NS>
+inline const uint8_t* sparse_block(const uint8_t* rec, int64_t b, int64_t nb) {
+  const uint8_t* blk = sparse::quant_block(rec, b);
+  if (kSparsePrefetch) {
+    const int64_t n = b + 1 < nb ? sparse::quant_block(rec, b + 1) - blk : 48 * NS;
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)blk + kSparsePrefetch + o, _MM_HINT_T0);
+  }
+  return blk;
+}
+
+// The NS groups' W_t vectors of a block.
+template <WeightType T, int NS>
+CORELM_VBMI2_TARGET inline void sparse_load_groups(const uint8_t* blk, __m512i wv[NS][4]) {
+  const uint8_t* p = blk + 48 * NS;
+  for (int g = 0; g < NS; g++) p = sparse_load_w<T>(blk + 16 * NS + 32 * g, p, wv[g]);
+}
+
+// A record's NS groups against one int8 activation row, summed as gemv_groups sums them.
+template <WeightType T, bool VNNI, int NS>
+CORELM_VBMI2_TARGET void sparse_gemv_super(const QuantAct& qx, const uint8_t* rec, int64_t nb, __m256 out[NS]) {
+  for (int64_t b0 = 0; b0 < nb; b0 += kKC) {
+    __m512 acc[NS];
+    for (int g = 0; g < NS; g++) acc[g] = _mm512_setzero_ps();
+    const int64_t b1 = std::min(nb, b0 + kKC);
+    for (int64_t b = b0; b < b1; b++) {
+      __m512i xq[4];
+      const __m512i xb = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qx.q + b * kBlock)));
+      for (int t = 0; t < 4; t++) xq[t] = spread(xb, t);
+      const __m512i c = _mm512_set1_epi32(qx.corr[b]);
+      const __m512 d = _mm512_set1_ps(qx.dx[b]);
+      const uint8_t* blk = sparse_block<NS>(rec, b, nb);
+      const uint16_t* dp = reinterpret_cast<const uint16_t*>(blk);
+      __m512i wv[NS][4];
+      sparse_load_groups<T, NS>(blk, wv);
+      for (int g = 0; g < NS; g++) {
+        __m512i s = c;
+        for (int t = 0; t < 4; t++) s = dpbusd<VNNI>(s, wv[g][t], xq[t]);
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scales8x2(dp + 8 * g), d), acc[g]);
+      }
+    }
+    for (int g = 0; g < NS; g++) {
+      const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(acc[g]), _mm512_extractf32x8_ps(acc[g], 1));
+      out[g] = b0 == 0 ? r : _mm256_add_ps(r, out[g]);
+    }
+  }
+}
+
+// A record's NS groups against one int16 activation row, summed as gemv16_groups sums them: piece p of
+// a group's block is half p % 2 of its W_{p/2}, widened.
+template <WeightType T, bool VNNI, int NS>
+CORELM_VBMI2_TARGET void sparse_gemv16_super(const PlainAct<int16_t>& qx, const uint8_t* rec, int64_t nb, __m256 out[NS]) {
+  __m512 facc[NS];
+  for (int g = 0; g < NS; g++) facc[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* blk = sparse_block<NS>(rec, b, nb);
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(blk);
+    __m512i wv[NS][4];
+    sparse_load_groups<T, NS>(blk, wv);
+    const int16_t* xb = qx.q + b * kBlock;
+    __m512i acc[2][NS];
+    for (int g = 0; g < NS; g++) acc[0][g] = _mm512_set1_epi32(qx.corr[b] / 2), acc[1][g] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+      const __m512i x = bcast8(xb + 4 * p);
+      for (int g = 0; g < NS; g++) {
+        const __m256i half = p % 2 ? _mm512_extracti64x4_epi64(wv[g][p / 2], 1) : _mm512_castsi512_si256(wv[g][p / 2]);
+        acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], _mm512_cvtepu8_epi16(half), x);
+      }
+    }
+    const __m512 d = _mm512_set1_ps(qx.dx[b]);
+    for (int g = 0; g < NS; g++) {
+      const __m512i a = pair_sums(_mm512_add_epi32(acc[0][g], acc[1][g]));
+      facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scales_pairs(dp + 8 * g), d), facc[g]);
+    }
+  }
+  for (int g = 0; g < NS; g++) out[g] = _mm256_add_ps(even_lanes(facc[g]), _mm256_setzero_ps());
+}
+
+// Decode's walk over the records of rows [n0, n1): super(std::integral_constant<int, NS>, record, out)
+// computes a record's NS groups' 8 rows each.
+template <class Super>
+void sparse_gemv_rows(const PackedMatrix& w, float* y, int64_t n0, int64_t n1, Super super) {
+  const int64_t groups = ngroups(w.rows);
+  for (int64_t s = n0 / sparse::kQuantSuperRows; s * sparse::kQuantSuperRows < n1; s++) {
+    const int64_t ns = std::min<int64_t>(kSuper, groups - s * kSuper);
+    const uint8_t* rec = sparse::quant_record(w, s);
+    __m256 r[kSuper];
+    switch (ns) {
+      case 4: super(std::integral_constant<int, 4>(), rec, r); break;
+      case 3: super(std::integral_constant<int, 3>(), rec, r); break;
+      case 2: super(std::integral_constant<int, 2>(), rec, r); break;
+      default: super(std::integral_constant<int, 1>(), rec, r); break;
+    }
+    for (int64_t i = 0; i < ns; i++) {
+      const int64_t g = s * kSuper + i;
+      if (g * kGroup < n1 && g * kGroup + kGroup > n0) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
+    }
+  }
+}
+
+template <WeightType T, bool VNNI>
+void sparse_gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  sparse_gemv_rows(w, y, n0, n1, [&](auto ns, const uint8_t* rec, __m256* r) {
+    sparse_gemv_super<T, VNNI, decltype(ns)::value>(qx, rec, nblocks(w), r);
+  });
+}
+
+template <WeightType T, bool VNNI>
+void sparse_gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  sparse_gemv_rows(w, y, n0, n1, [&](auto ns, const uint8_t* rec, __m256* r) {
+    sparse_gemv16_super<T, VNNI, decltype(ns)::value>(qx, rec, nblocks(w), r);
+  });
+}
+
+// Super-groups [s0, s1) expanded into the dense grouped layout with VPEXPANDB.
+template <WeightType T>
+CORELM_VBMI2_TARGET void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
+  sparse::expand_grouped(w, s0, s1, dst, [](const uint8_t* masks, const uint8_t* p, uint8_t* q) CORELM_VBMI2_TARGET {
+    __m512i wv[4];
+    p = sparse_load_w<T>(masks, p, wv);
+    if constexpr (T == WeightType::Q8) {
+      for (int t = 0; t < 4; t++) _mm512_storeu_si512((void*)(q + 64 * t), wv[t]);
+    } else {
+      for (int u = 0; u < 2; u++)
+        _mm512_storeu_si512((void*)(q + 64 * u), _mm512_or_si512(wv[2 * u], _mm512_slli_epi16(wv[2 * u + 1], 4)));
+    }
+    return p;
+  });
+}
+
+void sparse_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
+                         int64_t n0, int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+  if (m == 1 && kSparseVbmi2) {  // decode: the codes expanded in registers
+    const bool q8 = w.type == WeightType::SQ8, vnni = use_vnni();
+    if (act == ActType::I16) {
+      const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
+      if (vnni) return q8 ? sparse_gemv16<WeightType::Q8, true>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4, true>(a, w, y, n0, n1);
+      return q8 ? sparse_gemv16<WeightType::Q8, false>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4, false>(a, w, y, n0, n1);
+    }
+    const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
+    if (vnni) return q8 ? sparse_gemv<WeightType::Q8, true>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, true>(a, w, y, n0, n1);
+    return q8 ? sparse_gemv<WeightType::Q8, false>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, false>(a, w, y, n0, n1);
+  }
+  sparse::quant_matmul_panels(qa, m, act, w, y, ldy, n0, n1, sparse::DenseLayout::Grouped, avx512_matmul_quant,
+                              kSparseVbmi2 ? sparse::expand_supers_avx512 : nullptr);
+}
+
 }  // namespace
 
 PackedMatrix avx512_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack(src, rows, cols, type, par, &kAvx512Kernels);
   require_packable(type);
   return grouped_pack(src, rows, cols, type, par, &kAvx512Kernels);
 }
 
 PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
   if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
   if (is_grouped_ggml(type)) return grouped_ggml_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kAvx512Kernels);
   return grouped_pack_raw(type, raw, rows, cols, par, &kAvx512Kernels);
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (sparse::is_sparse_quant(w.type)) return avx512_quant_act_bytes(sparse::as_dense_type(w), m, act);
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
 }
 
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (sparse::is_sparse_quant(w.type)) return avx512_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
   if (is_grouped_ggml(w.type)) return grouped_ggml_quantize_act_avx512(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
@@ -568,6 +768,7 @@ void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMat
 
 void avx512_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
+  if (sparse::is_sparse_quant(w.type)) return sparse_matmul_quant(qa, m, act, w, y, ldy, n0, n1);
   if (is_grouped_ggml(w.type)) return grouped_ggml_matmul_avx512(qa, m, act, w, y, ldy, n0, n1);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_avx2(qa, m, act, w, y, ldy, n0, n1);
   if (act == ActType::I16) {
@@ -591,4 +792,14 @@ void avx512_matmul(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w
 }
 
 }  // namespace quant
+}  // namespace corelm
+
+namespace corelm {
+namespace sparse {
+void expand_supers_avx512(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
+  if (!quant::kSparseVbmi2) return expand_supers(w, DenseLayout::Grouped, s0, s1, dst);
+  if (w.type == WeightType::SQ8) return quant::sparse_expand<WeightType::Q8>(w, s0, s1, dst);
+  quant::sparse_expand<WeightType::Q4>(w, s0, s1, dst);
+}
+}  // namespace sparse
 }  // namespace corelm

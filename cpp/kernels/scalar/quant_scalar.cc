@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/ggml_formats.h"
+#include "kernels/sparse_quant.h"
 
 namespace corelm {
 namespace quant {
@@ -37,6 +38,7 @@ const uint8_t* block_at(const PackedMatrix& w, int64_t row, int64_t b) {
 }  // namespace
 
 PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightType type, const ParallelFor* par) {
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack(src, rows, cols, type, par, &kScalarKernels);
   require_packable(type);
   PackedMatrix m = empty_matrix(type, rows, cols);
   const size_t bb = ggml_block_bytes(type);
@@ -56,6 +58,7 @@ PackedMatrix scalar_pack(const float* src, int64_t rows, int64_t cols, WeightTyp
 
 PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols, const ParallelFor* par) {
   if (sparse::is_sparse(type)) return sparse::pack_raw(type, raw, rows, cols, par, &kScalarKernels);
+  if (sparse::is_sparse_quant(type)) return sparse::quant_pack_raw(type, raw, rows, cols, par, &kScalarKernels);
   if (is_ggml_block(type)) return ggml_pack_raw(type, raw, rows, cols, &kScalarKernels);
   check_raw(type, (size_t)rows * (cols / kBlock) * ggml_block_bytes(type), rows, cols);
   PackedMatrix m = empty_matrix(type, rows, cols);
@@ -64,6 +67,7 @@ PackedMatrix scalar_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
 }
 
 void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
+  if (sparse::is_sparse_quant(w.type)) return sparse::quant_row_to_f32(w, row, out);
   if (is_ggml_block(w.type)) return ggml_row_to_f32(w, row, out);
   int8_t q[32];
   for (int64_t b = 0; b * kBlock < w.cols; b++) {
@@ -76,6 +80,7 @@ void scalar_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 // Quantized activations: xq [m][ld] (int8 or int16 by act), then dx float [m][nb] and sxq int32 [m][nb].
 size_t scalar_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
+  if (sparse::is_sparse_quant(w.type)) return scalar_quant_act_bytes(sparse::as_dense_type(w), m, act);
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? (size_t)m * (w.ld * act_elem_bytes(act) + 8 * (w.ld / kBlock)) : 0;
 }
@@ -123,6 +128,7 @@ void matmul_rows(const ActRows& a, int64_t m, const PackedMatrix& w, float* y, i
 }  // namespace
 
 void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
+  if (sparse::is_sparse_quant(w.type)) return scalar_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   const ActRows a = act_rows(qa, m, act, w);
   if (act == ActType::I16) return quantize_rows<int16_t>(x, m, ldx, w, a);
@@ -131,6 +137,10 @@ void scalar_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMat
 
 void scalar_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMatrix& w, float* y, int64_t ldy,
                          int64_t n0, int64_t n1) {
+  // sparse Q8/Q4: super-groups expanded into ggml rows, multiplied as the dense rows are
+  if (sparse::is_sparse_quant(w.type))
+    return sparse::quant_matmul_panels(qa, m, act, w, y, ldy, n0, n1, sparse::DenseLayout::GgmlRows,
+                                       scalar_matmul_quant, nullptr);
   if (is_ggml_block(w.type)) return ggml_matmul_quant_scalar(qa, m, act, w, y, ldy, n0, n1);
   const ActRows a = act_rows(const_cast<void*>(qa), m, act, w);
   if (n1 > w.rows) n1 = w.rows;

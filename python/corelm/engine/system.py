@@ -150,8 +150,9 @@ def model_info(model: str) -> Dict[str, Any]:
 def storage_info(loaded) -> Optional[Dict[str, Any]]:
     """A corelm folder's tensors as stored (None for other models, whose storage the dtype decides at load):
     the bytes a decoded token reads (every tensor but the embedding table, of which it reads one row; MoE
-    experts at the share a token uses), and each sparse matrix's shape, bytes and fraction of zeros."""
-    from ..loader.corelm_format import TYPES, stored_sparsity
+    experts at the share a token uses), and each sparse matrix's shape, format, bytes (and its dense format's)
+    and fraction of zeros."""
+    from ..loader.corelm_format import TYPES, bitmap_nbytes, stored_sparsity, tensor_nbytes
     if loaded.stored_tensors is None:
         return None
     spec = loaded.spec
@@ -161,5 +162,7 @@ def storage_info(loaded) -> Optional[Dict[str, Any]]:
         if name != "tok_embeddings" or spec.tie_word_embeddings:
             per_token += nbytes * (spec.num_experts_used / spec.num_experts if ".experts." in name else 1)
         if TYPES[type_].sparse:
-            sparse[name] = {"shape": list(shape), "bytes": nbytes, "sparsity": stored_sparsity(shape, nbytes)}
+            sparse[name] = {"shape": list(shape), "type": TYPES[type_].name, "bytes": nbytes,
+                            "dense_bytes": tensor_nbytes(type_, shape) - bitmap_nbytes(shape),
+                            "sparsity": stored_sparsity(shape, nbytes, type_)}
     return {"bytes_per_token": int(per_token), "sparse": sparse}

@@ -16,8 +16,10 @@ weights.corelm (little-endian):
 
 Tensor types: f32, bf16 (raw little-endian elements, row-major), q8 / q4 / q4m (and the other ggml
 types): rows of blocks laid out exactly as GGUF's Q8_0 / Q4_0 / Q4_1 ..., so the engine repacks them with
-`Model.set_weight_raw` and no float round trip, and sbf16 (sparse bf16: a bitmap of the non-zeros, then
-the non-zero values; expanded to dense bf16 rows for `set_weight_raw(..., "SBF16", ...)`). Every count,
+`Model.set_weight_raw` and no float round trip, sbf16 (sparse bf16: a bitmap of the non-zeros, then
+the non-zero values; expanded to dense bf16 rows for `set_weight_raw(..., "SBF16", ...)`) and sq8 / sq4
+(sparse q8_0 / q4_0: a bitmap of the non-zero codes, the blocks' scales, then the non-zero codes; expanded
+to dense Q8_0 / Q4_0 blocks for `set_weight_raw(..., "SQ8" / "SQ4", ...)`). Every count,
 offset and size is checked against the file before use, as the GGUF and safetensors parsers do; failures
 are ModelLoadError.
 """
@@ -63,8 +65,10 @@ def tensor_nbytes(type_: str, shape: Tuple[int, ...]) -> int:
     """The bytes a tensor of this type and shape takes; for a sparse type, the most it can take (every
     weight non-zero)."""
     f = TYPES[type_]
+    if f.sparse and shape[1] % f.block:
+        raise ValueError(f"rows of {shape[1]} elements are not a multiple of the {type_} block size {f.block}")
     if f.sparse:
-        return bitmap_nbytes(shape) + f.block_bytes * shape[0] * shape[1]
+        return bitmap_nbytes(shape) + f.block_bytes * shape[0] * shape[1] // f.block
     n = 1
     for d in shape:
         n *= d
@@ -81,9 +85,26 @@ def bitmap_nbytes(shape: Tuple[int, ...]) -> int:
     return 4 * shape[0] * -(-shape[1] // 32)
 
 
-def stored_sparsity(shape: Tuple[int, ...], nbytes: int) -> float:
-    """The fraction of zeros in an sbf16 tensor of `nbytes` (its header says as much: 2 bytes per non-zero)."""
-    return 1.0 - (nbytes - bitmap_nbytes(shape)) / 2 / (shape[0] * shape[1])
+# sq8 / sq4 (sparse q8_0 / q4_0, cols a multiple of 32): the same bitmap, of the non-zero codes (q8_0: q != 0;
+# q4_0: q != 8, the code of a zero weight), then the dense blocks' fp16 scales [rows][cols/32] as they are,
+# then the non-zero codes in row-major order: sq8 one int8 each, sq4 one 4-bit code each, two per byte (low
+# nibble first; an odd count ends with a zero nibble).
+CODE_BITS = {"sbf16": 16, "sq8": 8, "sq4": 4}   # bits per stored non-zero
+
+
+def sparse_head_nbytes(type_: str, shape: Tuple[int, ...]) -> int:
+    """A sparse tensor's bytes before its non-zeros: the bitmap, and a quantized one's scales."""
+    return bitmap_nbytes(shape) + (0 if type_ == "sbf16" else 2 * shape[0] * (shape[1] // 32))
+
+
+def values_nbytes(type_: str, count: int) -> int:
+    return (count * CODE_BITS[type_] + 7) // 8
+
+
+def stored_sparsity(shape: Tuple[int, ...], nbytes: int, type_: str = "sbf16") -> float:
+    """The fraction of zeros in a sparse tensor of `nbytes` (its header says as much: the bytes after the
+    bitmap and scales are the non-zeros)."""
+    return 1.0 - (nbytes - sparse_head_nbytes(type_, shape)) * 8 / CODE_BITS[type_] / (shape[0] * shape[1])
 
 
 def pack_sbf16(bits: np.ndarray) -> np.ndarray:
@@ -99,19 +120,74 @@ def unpack_sbf16(raw: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
     """The sbf16 bytes of a [rows, cols] tensor -> its dense bf16 bits (uint16 [rows, cols]). ValueError
     when the bitmap disagrees with the values (the header check already made nbytes even and at least the
     bitmap)."""
-    rows, cols = shape
     nbitmap = bitmap_nbytes(shape)
-    mask = np.unpackbits(raw[:nbitmap].reshape(rows, -1), axis=1, bitorder="little").view(bool)
-    if mask[:, cols:].any():
-        row = int(np.nonzero(mask[:, cols:].any(1))[0][0])
-        raise ValueError(f"bitmap row {row} has bits set past its {cols} columns")
-    mask = mask[:, :cols]
+    mask = _bitmap(raw, shape)
     values = raw[nbitmap:].view("<u2")
     if np.count_nonzero(mask) != len(values):
         raise ValueError(f"bitmap marks {np.count_nonzero(mask)} non-zeros, the tensor holds {len(values)} values")
     out = np.zeros(shape, np.uint16)
     out[mask] = values
     return out
+
+
+def _block_fields(type_: str) -> np.dtype:
+    return np.dtype([("d", "<u2"), ("qs", "u1", (32 if type_ == "sq8" else 16,))])
+
+
+def pack_sparse_blocks(blocks: np.ndarray, type_: str) -> np.ndarray:
+    """Dense Q8_0 (type_ "sq8") or Q4_0 ("sq4") blocks (uint8 [rows, cols/32 * block bytes]) -> the sparse
+    tensor's bytes, dropping the zero codes."""
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).view(_block_fields(type_)).reshape(rows, -1)
+    if type_ == "sq8":
+        codes = b["qs"].reshape(rows, -1)
+        mask = codes != 0
+    else:
+        codes = np.concatenate([b["qs"] & 15, b["qs"] >> 4], axis=2).reshape(rows, -1)
+        mask = codes != 8
+    values = codes[mask]
+    if type_ == "sq4":
+        values = np.append(values, np.uint8(0)) if len(values) % 2 else values
+        values = (values[0::2] | (values[1::2] << 4)).astype(np.uint8)
+    bitmap = np.packbits(mask, axis=1, bitorder="little")
+    return np.concatenate([bitmap.reshape(-1), np.ascontiguousarray(b["d"]).reshape(-1).view(np.uint8),
+                           values.view(np.uint8)])
+
+
+def _bitmap(raw: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """The bitmap at the start of a sparse tensor's bytes as bool [rows, cols]; ValueError for bits past cols."""
+    rows, cols = shape
+    mask = np.unpackbits(raw[:bitmap_nbytes(shape)].reshape(rows, -1), axis=1, bitorder="little").view(bool)
+    if mask[:, cols:].any():
+        row = int(np.nonzero(mask[:, cols:].any(1))[0][0])
+        raise ValueError(f"bitmap row {row} has bits set past its {cols} columns")
+    return mask[:, :cols]
+
+
+def unpack_sparse_blocks(raw: np.ndarray, shape: Tuple[int, ...], type_: str) -> np.ndarray:
+    """A sq8 / sq4 tensor's bytes -> its dense Q8_0 / Q4_0 blocks (uint8 [rows, cols/32 * block bytes]).
+    ValueError when the bitmap disagrees with the count of codes stored (the header check already made the
+    tensor at least its bitmap and scales)."""
+    rows, cols = shape
+    mask = _bitmap(raw, shape)
+    head = sparse_head_nbytes(type_, shape)
+    count = int(np.count_nonzero(mask))
+    if values_nbytes(type_, count) != raw.size - head:
+        held = raw.size - head if type_ == "sq8" else f"{raw.size - head} bytes of"
+        raise ValueError(f"bitmap marks {count} non-zero codes, the tensor holds {held} codes")
+    out = np.zeros((rows, cols // 32), _block_fields(type_))
+    out["d"] = raw[bitmap_nbytes(shape):head].view("<u2").reshape(rows, -1)
+    values = raw[head:]
+    if type_ == "sq8":
+        codes = np.zeros((rows, cols), np.uint8)
+        codes[mask] = values
+        out["qs"] = codes.reshape(rows, -1, 32)
+    else:
+        codes = np.full((rows, cols), 8, np.uint8)
+        codes[mask] = np.stack([values & 15, values >> 4], axis=1).reshape(-1)[:count]
+        c = codes.reshape(rows, -1, 32)
+        out["qs"] = c[:, :, :16] | (c[:, :, 16:] << 4)
+    return out.view(np.uint8).reshape(rows, -1)
 
 
 def pad(n: int, alignment: int = ALIGNMENT) -> int:
@@ -198,8 +274,11 @@ class CorelmWeights:
             out = raw.view("<f4").reshape(t.shape).copy()
         elif t.type == "bf16":
             out = bf16_to_f32(raw).reshape(t.shape)
-        elif TYPES[t.type].sparse:
+        elif t.type == "sbf16":
             out = bf16_to_f32(self.dense_bf16(name))
+        elif TYPES[t.type].sparse:
+            out = _DECODERS[{"sq8": "Q8_0", "sq4": "Q4_0"}[t.type]](self.dense_raw(name).reshape(-1), int(np.prod(t.shape)))
+            out = out.reshape(t.shape)
         else:
             n = int(np.prod(t.shape))
             out = _DECODERS[TYPES[t.type].gguf](raw, n).reshape(t.shape)
@@ -207,11 +286,18 @@ class CorelmWeights:
 
     def dense_bf16(self, name: str) -> np.ndarray:
         """An sbf16 tensor's dense bf16 bits (uint16 [rows, cols]), its bitmap checked against its values."""
+        return self.dense_raw(name).view("<u2")
+
+    def dense_raw(self, name: str) -> np.ndarray:
+        """A sparse tensor's dense form as set_weight_raw takes it (uint8 [rows, row bytes]): sbf16's bf16
+        rows, sq8 / sq4's Q8_0 / Q4_0 blocks; its bitmap checked against its values."""
         t = self.tensors[name]
         try:
-            return unpack_sbf16(self.raw(name), t.shape)
+            if t.type == "sbf16":
+                return unpack_sbf16(self.raw(name), t.shape).view(np.uint8)
+            return unpack_sparse_blocks(self.raw(name), t.shape, t.type)
         except ValueError as e:
-            raise _fail(self.path, f"sbf16 tensor {name!r}: {e}") from None
+            raise _fail(self.path, f"{t.type} tensor {name!r}: {e}") from None
 
     def release(self, name: str) -> None:
         t = self.tensors.get(name)
@@ -293,11 +379,13 @@ def _parse(buf, path: str) -> Tuple[Dict[str, Any], Dict[str, TensorEntry]]:
             want = tensor_nbytes(type_, tuple(shape))
         except ValueError as e:
             raise _fail(path, f"tensor {name!r}: {e}") from None
-        if fmt.sparse:      # a bitmap, then 2 bytes per non-zero
-            least = bitmap_nbytes(tuple(shape))
-            if not _is_int(nbytes) or not least <= nbytes <= want or nbytes % 2 or want > MAX_TENSOR_BYTES:
+        if fmt.sparse:      # a bitmap (sq8 / sq4: and the scales), then the non-zeros (sbf16: 2 bytes each)
+            least = sparse_head_nbytes(type_, tuple(shape))
+            even = type_ == "sbf16"
+            if not _is_int(nbytes) or not least <= nbytes <= want or (even and nbytes % 2) or want > MAX_TENSOR_BYTES:
                 raise _fail(path, f"tensor {name!r} claims {nbytes!r} bytes; a {type_} tensor of shape {shape} "
-                                  f"takes an even count from {least} (its bitmap) to {want}")
+                                  f"takes {'an even count' if even else 'a count'} from {least} (its "
+                                  f"{'bitmap' if even else 'bitmap and scales'}) to {want}")
         elif not _is_int(nbytes) or nbytes != want or want > MAX_TENSOR_BYTES:
             raise _fail(path, f"tensor {name!r} claims {nbytes!r} bytes; a {type_} tensor of shape {shape} "
                               f"takes {want}")
@@ -380,12 +468,13 @@ def load_corelm_folder(folder: str) -> LoadedModel:
         return None if t is None else TYPES[t.type].raw
 
     def get_raw_weight(name: str):
-        """Blocks as stored; an sbf16 matrix as the dense bf16 rows set_weight_raw takes for "SBF16"."""
+        """Blocks as stored; a sparse matrix in its dense form (sbf16: the bf16 rows set_weight_raw takes for
+        "SBF16"; sq8 / sq4: the Q8_0 / Q4_0 blocks it takes for "SQ8" / "SQ4")."""
         t = w.tensors.get(name)
         raw_type = raw_weight_type(name)
         if raw_type is None:
             return None
-        raw = w.dense_bf16(name).view(np.uint8) if TYPES[t.type].sparse else w.raw(name)
+        raw = w.dense_raw(name) if TYPES[t.type].sparse else w.raw(name)
         check_finite_blocks(raw_type, raw, w.path, name)
         return raw_type, raw.reshape(t.shape[0], -1), t.shape
 

@@ -174,7 +174,8 @@ _log = None
 # GGUF block type -> (bytes per block, offsets of the fp16 fields: scale d, and Q4_1's minimum m)
 _BLOCK_F16_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
                      "Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
-                     "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
+                     "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)),
+                     "SQ8": (34, (0,)), "SQ4": (18, (0,))}   # sparse q8_0 / q4_0 as their dense blocks
 
 
 def _warn(source: str, name: str, what: str) -> None:

@@ -37,6 +37,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ...convert import convert, sparsity_summary
+    from ...options import SPARSE_OF
     t0 = time.perf_counter()
     out = convert(args.src, args.output, weights=args.weights, progress=args.progress, overwrite=args.force,
                   sparsity=args.sparsity, prune=args.prune, keep_dense=args.keep_dense)
@@ -44,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({args.weights}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
     if args.sparsity is not None:
         with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
-            print(sparsity_summary(json.load(f)["sparsity"]["matrices"].values()))
+            config = json.load(f)
+        print(sparsity_summary(config["sparsity"]["matrices"].values(), SPARSE_OF[config["weights"]]))
     return 0

@@ -123,17 +123,20 @@ def format_numa(numa: Dict[str, Any], n_nodes: int) -> List[str]:
 def format_storage(storage: Dict[str, Any], verbose: bool = False) -> List[str]:
     """A corelm folder's bytes read per token and its sparse matrices (each one with verbose)."""
     from ...convert import sparsity_summary
+    from ...options import SPARSE_OF
     lines = [f"Storage:   {_bytes(storage['bytes_per_token'], 3)} read per token (every tensor as stored but the "
              f"embedding table, of which a token reads one row)"]
     sparse = storage["sparse"]
     if sparse:
-        stored = sum(m["bytes"] for m in sparse.values())
-        dense = sum(2 * m["shape"][0] * m["shape"][1] for m in sparse.values())
-        lines.append(f"Sparse:    {sparsity_summary(m['sparsity'] for m in sparse.values())}; "
-                     f"{_bytes(stored, 3)}, dense bf16 {_bytes(dense, 3)}" + ("" if verbose else " (-v: each)"))
+        for fmt in sorted({m["type"] for m in sparse.values()}):
+            of = [m for m in sparse.values() if m["type"] == fmt]
+            dense_fmt = next(d for d, s in SPARSE_OF.items() if s == fmt)
+            lines.append(f"Sparse:    {sparsity_summary((m['sparsity'] for m in of), fmt)}; "
+                         f"{_bytes(sum(m['bytes'] for m in of), 3)}, dense {dense_fmt} "
+                         f"{_bytes(sum(m['dense_bytes'] for m in of), 3)}" + ("" if verbose else " (-v: each)"))
         width = max(map(len, sparse))
-        lines += [f"           {name:<{width}}  {'x'.join(map(str, m['shape']))}: {100 * m['sparsity']:.1f}% zeros, "
-                  f"{_bytes(m['bytes'], 3)}" for name, m in sparse.items()] if verbose else []
+        lines += [f"           {name:<{width}}  {'x'.join(map(str, m['shape']))} {m['type']}: "
+                  f"{100 * m['sparsity']:.1f}% zeros, {_bytes(m['bytes'], 3)}" for name, m in sparse.items()] if verbose else []
     return lines
 
 
