@@ -66,7 +66,7 @@ int64_t count_nonzeros(const PackedMatrix& w);
 // core cannot run ahead of the stream as it does over dense rows. The kernels that stream records
 // (decode, and expanding them for a prompt) prefetch them record_prefetch_bytes() ahead
 // (CORELM_SPARSE_PREFETCH, default 2 KiB; 0: none): after each chunk, the lines that far past the bytes
-// [from, to) just read. Without it a 50%-sparse matrix streamed from DRAM at 0.55 (AVX-512) and 0.25
+// [from, to) just read. Without it a 50%-sparse matrix streamed from DRAM at 0.5 (AVX-512) and 0.25
 // (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62 (docs/benchmarks.md). A prefetch
 // past the matrix's end touches nothing: prefetches do not fault.
 int64_t record_prefetch_bytes();
