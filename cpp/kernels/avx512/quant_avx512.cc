@@ -589,10 +589,8 @@ CORELM_VBMI2_TARGET inline const uint8_t* sparse_load_w(const uint8_t* mp, const
 template <int NS>
 inline const uint8_t* sparse_block(const uint8_t* rec, int64_t b, int64_t nb) {
   const uint8_t* blk = sparse::quant_block(rec, b);
-  if (kSparsePrefetch) {
-    const int64_t n = b + 1 < nb ? sparse::quant_block(rec, b + 1) - blk : 48 * NS;
-    for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)blk + kSparsePrefetch + o, _MM_HINT_T0);
-  }
+  if (kSparsePrefetch) sparse::prefetch_ahead(blk, b + 1 < nb ? sparse::quant_block(rec, b + 1) : blk + 48 * NS,
+                                              kSparsePrefetch);
   return blk;
 }
 
