@@ -179,3 +179,25 @@ def test_streamed_text_never_splits_characters(smol):
     for c in chunks:
         c.encode("utf-8")  # no lone surrogates
         assert "\ufffd" not in c
+
+
+def test_tokenizer_built_while_the_weights_load(tmp_path):
+    """LLM builds a GGUF's tokenizer on a thread while the weights load: the same tokenizer, and a broken
+    one still fails the load with the loader's error."""
+    from corelm.loader import ModelLoadError, load_model
+    path = os.path.join(STORIES, "stories260K.gguf")
+    now, later = load_model(path), load_model(path, tokenizer_in_background=True)
+    assert later.tokenizer.encode("Once upon a time") == now.tokenizer.encode("Once upon a time")
+    assert later.tokenizer is later.tokenizer
+    assert corelm.LLM(path, threads=1, speculative_model=None).tokenizer.encode("Hi") == now.tokenizer.encode("Hi")
+    data = open(path, "rb").read()
+    key = b"tokenizer.ggml.model"
+    i = data.index(key) + len(key) + 4 + 8            # past the key, its value type and the string's length
+    assert data[i:i + 5] == b"llama"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:i] + b"bogus" + data[i + 5:])
+    loaded = load_model(str(bad), tokenizer_in_background=True)     # the header and the weights are fine
+    with pytest.raises(ModelLoadError, match="tokenizer model 'bogus' is not supported"):
+        loaded.tokenizer
+    with pytest.raises(ModelLoadError, match="tokenizer model 'bogus' is not supported"):
+        corelm.LLM(str(bad), threads=1, speculative_model=None)

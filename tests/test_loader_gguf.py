@@ -421,3 +421,69 @@ def test_smollm2_dequant_matches_gguf_package():
         t = ref[name]
         want = dequantize(t.data, t.tensor_type).reshape(ours.tensors[name].shape)
         np.testing.assert_array_equal(ours.dequantize(name), want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading fast: the string arrays in C++, the block scales' check in C++, the tokenizer on a thread.
+
+def _prefixed(strings):
+    return b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+
+
+def test_length_prefixed_strings_stop_at_the_first_bad_one():
+    from corelm import _core
+    good = ["a", "", "ĠHello", "日本", "x" * 300]
+    buf = b"pad" + _prefixed([s.encode() for s in good])
+    out, end = _core.read_length_prefixed_strings(buf, 3, len(good), 1000)
+    assert out == good and end == len(buf)
+    assert _core.read_length_prefixed_strings(buf, 3, 2, 1000) == (good[:2], 3 + 8 + 1 + 8)
+    for bad in (b"\xc3\x28", b"\xed\xa0\x80"):      # invalid UTF-8, a lone surrogate
+        out, end = _core.read_length_prefixed_strings(_prefixed([b"ok", bad, b"later"]), 0, 3, 1000)
+        assert out == ["ok"] and end == 10
+    assert _core.read_length_prefixed_strings(_prefixed([b"ok", b"y" * 20]), 0, 2, 10)[0] == ["ok"]   # too long
+    trunc = _prefixed([b"ok", b"abcdef"])[:-1]
+    assert _core.read_length_prefixed_strings(trunc, 0, 2, 100)[0] == ["ok"]                       # truncated
+    assert _core.read_length_prefixed_strings(b"\x05\x00", 0, 1, 100) == ([], 0)                     # no length
+
+
+def test_bad_string_in_a_vocabulary_names_its_element(tmp_path):
+    tokens = [f"t{i}" for i in range(512)]
+    path = _stories_gguf(tmp_path, extra_meta=[("tokenizer.ggml.tokens", tool.ARRAY, (tool.STRING, tokens))])
+    data = open(path, "rb").read()
+    i = data.index(b"t300")
+    with open(path, "wb") as f:
+        f.write(data[:i] + b"\xff300" + data[i + 4:])
+    with pytest.raises(ModelLoadError, match=r"element 300 of 'tokenizer.ggml.tokens' is not valid UTF-8"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("type_name,block,fields", [("Q4_K", 144, (0, 2)), ("Q6_K", 210, (208,)),
+                                                    ("Q8_0", 34, (0,)), ("Q5_1", 24, (0, 2))])
+def test_nonfinite_block_scales_are_counted(type_name, block, fields, caplog):
+    from corelm.loader.spec import check_finite_blocks
+    raw = np.zeros((7, block), np.uint8)
+    for b in range(7):    # finite fp16 everywhere: 65504 (0x7BFF), -0.0, a subnormal
+        for f in fields:
+            raw[b, f:f + 2] = np.frombuffer(struct.pack("<H", (0x7BFF, 0x8000, 0x0001)[b % 3]), np.uint8)
+    raw[2, fields[0]:fields[0] + 2] = (0x00, 0x7C)        # +Inf
+    raw[5, fields[-1]:fields[-1] + 2] = (0x01, 0xFE)      # a NaN
+    raw[6, fields[0] + 2 if fields[0] + 2 < block else 0] = 0xFF   # a code byte, not a scale: no matter
+    with caplog.at_level("WARNING", logger="corelm.loader"):
+        check_finite_blocks(type_name, raw.reshape(-1), "f.gguf", "layers.0.wq")
+    assert f"layers.0.wq has 2 non-finite {type_name} block scales" in caplog.text
+    caplog.clear()
+    raw[2] = raw[5] = 0
+    check_finite_blocks(type_name, raw, "f.gguf", "layers.0.wq")
+    assert "non-finite" not in caplog.text
+
+
+def test_nonfinite_bf16_values_are_counted(caplog):
+    from corelm import _core
+    from corelm.loader.spec import check_finite_blocks
+    v = np.array([0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC1, 0x0080, 0x8001, 0x3F80], np.uint16)   # 3 non-finite
+    with caplog.at_level("WARNING", logger="corelm.loader"):
+        check_finite_blocks("BF16", v.view(np.uint8).reshape(2, 8), "m", "layers.1.w_up")
+    assert "layers.1.w_up has 3 non-finite values" in caplog.text
+    with pytest.raises(ValueError, match="inside its block"):
+        _core.count_nonfinite(np.zeros(8, np.uint8), 4, [3])
+

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -126,6 +127,49 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("ggml_type"), py::arg("raw"), py::arg("numel"),
      "numel weights of raw GGUF blocks of a type the kernels take (option_names()['raw_weight']) as float32, "
      "bit for bit as gguf.quants dequantizes them.");
+  m.def("read_length_prefixed_strings", [](py::buffer buf, int64_t pos, int64_t n, int64_t max_len) {
+    // GGUF's string arrays (a 150k vocabulary and its merges) without a Python loop per string: stops at
+    // the first string that is truncated, too long or not UTF-8, and the caller's reader says why.
+    const py::buffer_info b = buf.request();
+    const auto* p = static_cast<const uint8_t*>(b.ptr);
+    const int64_t size = b.size * b.itemsize;
+    py::list out;
+    int64_t j = 0;
+    for (; j < n && pos >= 0 && size - pos >= 8; j++) {
+      uint64_t len;
+      std::memcpy(&len, p + pos, 8);
+      if (len > (uint64_t)max_len || len > (uint64_t)(size - pos - 8)) break;
+      PyObject* s = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(p + pos + 8), (Py_ssize_t)len, "strict");
+      if (!s) {
+        PyErr_Clear();
+        break;
+      }
+      out.append(py::reinterpret_steal<py::str>(s));
+      pos += 8 + (int64_t)len;
+    }
+    return py::make_tuple(out, pos);
+  }, py::arg("buf"), py::arg("pos"), py::arg("n"), py::arg("max_len"),
+     "(strings, position after them): up to n little-endian u64-length-prefixed UTF-8 strings of buf from pos, "
+     "stopping before the first that is truncated, longer than max_len or not UTF-8.");
+  m.def("count_nonfinite", [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw, int64_t block_bytes,
+                              std::vector<int64_t> offsets, bool bf16) {
+    if (block_bytes < 2) throw std::invalid_argument("block_bytes must be at least 2");
+    for (int64_t o : offsets)
+      if (o < 0 || o + 2 > block_bytes) throw std::invalid_argument("a 16-bit field must lie inside its block");
+    const uint8_t* p = raw.data();
+    const int64_t n = (int64_t)raw.size() / block_bytes;
+    // NaN or Inf: the exponent all ones (fp16: bits 10..14, bf16: bits 7..14), read from the high byte
+    const uint8_t hi_mask = bf16 ? 0x7F : 0x7C, lo_mask = bf16 ? 0x80 : 0x00;
+    int64_t bad = 0;
+    {
+      py::gil_scoped_release nogil;
+      for (int64_t b = 0; b < n; b++, p += block_bytes)
+        for (int64_t o : offsets) bad += (p[o + 1] & hi_mask) == hi_mask && (p[o] & lo_mask) == lo_mask;
+    }
+    return bad;
+  }, py::arg("raw"), py::arg("block_bytes"), py::arg("offsets"), py::arg("bf16") = false,
+     "How many of the little-endian fp16 (or bf16) fields at `offsets` of each block_bytes-long block of raw are "
+     "NaN or Inf.");
   m.def("option_names", [] {
     py::dict d;
     d["weight_type"] = names_of(kWeightTypeNames);
@@ -142,17 +186,24 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyModel>(m, "Model")
       .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
       .def("set_weight", [](PyModel& self, const std::string& name, FloatArray a) {
+        py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.set_weight(name, a.data(), shape_of(a));
       }, py::arg("name"), py::arg("array"))
       .def("set_weight_raw", [](PyModel& self, const std::string& name, const std::string& ggml_type,
                                 py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw,
                                 std::vector<int64_t> shape) {
+        const WeightType t = quant::type_of_ggml(ggml_type);
+        py::gil_scoped_release nogil;  // repacking: the tokenizer may be built meanwhile (LLMEngine)
         std::lock_guard<std::mutex> lock(self.mu);
-        self.model.set_weight_raw(name, quant::type_of_ggml(ggml_type), raw.data(), (size_t)raw.size(), shape);
+        self.model.set_weight_raw(name, t, raw.data(), (size_t)raw.size(), shape);
       }, py::arg("name"), py::arg("ggml_type"), py::arg("raw"), py::arg("shape"),
          "Takes a matrix in a stored form (uint8; option_names()['raw_weight']): GGUF blocks (Q8_0/Q4_0/Q4_1 repacked, the others multiplied as stored, never dequantized), or bf16 rows (BF16; SBF16, stored sparse).")
-      .def("finalize", [](PyModel& self) { self.model.finalize(); })
+      .def("finalize", [](PyModel& self) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> lock(self.mu);
+        self.model.finalize();
+      })
       .def("park_threads", [](PyModel& self) { self.model.park_threads(); },
            "The worker threads sleep at once instead of spinning for the next forward: call it before "
            "another model (a speculative draft) runs on the same cores.")

@@ -104,16 +104,17 @@ class LLMEngine:
                                  f"(weights= converts and keeps that format, dtype= repacks at load).")
             from ..convert import cached_conversion
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
-        self.loaded = load_model(self.model_path, revision=revision) if revision else load_model(self.model_path)
+        # a GGUF's tokenizer is built on a thread while the weights load (their C++ releases the GIL)
+        self.loaded = load_model(self.model_path, revision=revision, tokenizer_in_background=True)
         if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
             from ..convert import folder_dtype
             dtype = folder_dtype(self.loaded.source)
         self.spec = self.loaded.spec
-        self.tokenizer = self.loaded.tokenizer
         self.core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                                      progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
                                      kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa, schedule=schedule,
                                      activations=activations)
+        self.tokenizer = self.loaded.tokenizer
         self.threads = self.core.n_threads
         self.schedule = self.core.schedule
         self.activations = self.core.activations

@@ -19,10 +19,11 @@ __all__ = ["load_model", "LoadedModel", "ModelLoadError", "ModelSpec", "SUPPORTE
            "layer_weight_names"]
 
 
-def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
+def load_model(model: str, revision: Optional[str] = None, tokenizer_in_background: bool = False) -> LoadedModel:
     """Load `model`: a folder (config.json + safetensors), a .gguf file, or a hub reference ('owner/name',
     'owner/name:Q4_K_M', 'hf.co/owner/name:Q4_K_M'; see hub.py). `revision` (branch, tag or commit) applies
-    to hub downloads only."""
+    to hub downloads only. tokenizer_in_background: a GGUF's tokenizer is built on a thread while the
+    caller loads the weights (`LoadedModel.tokenizer` waits for it and raises what building it raised)."""
     from .gguf import GGUF_MAGIC, load_gguf_model
     from .hf import PICKLE_SUFFIXES, load_hf_folder
     from .hub import download_from_hub, looks_like_repo_id
@@ -46,10 +47,10 @@ def load_model(model: str, revision: Optional[str] = None) -> LoadedModel:
             raise ModelLoadError(f"{path}: pass the folder that holds this file and its config.json, "
                                  f"not the .safetensors file itself")
         if lower.endswith(".gguf") or _starts_with(path, GGUF_MAGIC):
-            return load_gguf_model(path)
+            return load_gguf_model(path, tokenizer_in_background)
         raise ModelLoadError(f"{path}: not a GGUF file or HF model folder")
     if looks_like_repo_id(model):
-        return load_model(download_from_hub(model, revision))   # a GGUF file or a snapshot folder
+        return load_model(download_from_hub(model, revision), tokenizer_in_background=tokenizer_in_background)
     raise ModelLoadError(f"no such file or folder: {model!r} (and it is not a Hugging Face hub reference "
                          f"of the form 'owner/name' or 'owner/name:QUANT')")
 

@@ -321,28 +321,13 @@ def _read_array(r: _Reader, key: str) -> list:
     return arr.astype(bool).tolist() if etype == GGUF_TYPE_BOOL else arr.tolist()
 
 
-_U64 = struct.Struct("<Q").unpack_from
-
-
 def _read_strings(r: _Reader, key: str, n: int) -> list:
-    """n strings (a vocabulary: 150k of them) in one tight loop; one that does not pass is read by
-    r.string, which raises the error that says why."""
-    buf, pos, size, out = r.buf, r.pos, r.size, []
-    append = out.append
-    for j in range(n):
-        if size - pos >= 8:
-            ln = _U64(buf, pos)[0]
-            if ln <= MAX_STRING_LEN and ln <= size - pos - 8:
-                try:
-                    append(bytes(buf[pos + 8:pos + 8 + ln]).decode("utf-8"))
-                    pos += 8 + ln
-                    continue
-                except UnicodeDecodeError:
-                    pass
-        r.pos = pos  # the slow path, which names what is wrong (truncated, too long, not UTF-8)
-        append(r.string(f"element {j} of {key!r}"))
-        pos = r.pos
-    r.pos = pos
+    """n strings (a vocabulary: 150k of them) in one C++ loop; one that does not pass is read by r.string,
+    which raises the error that says why."""
+    from .. import _core
+    out, r.pos = _core.read_length_prefixed_strings(r.buf, r.pos, n, MAX_STRING_LEN)
+    while len(out) < n:   # the slow path: names what is wrong (truncated, too long, not UTF-8)
+        out.append(r.string(f"element {len(out)} of {key!r}"))
     return out
 
 
@@ -462,9 +447,27 @@ _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _REQUIRED = object()
 
 
-def load_gguf_model(path: str):
-    """A GGUF file as a LoadedModel: weights dequantized to fp32 on demand, Llama q/k un-permuted."""
-    from .hf import SIZE_KEYS, check_experts, check_weight_shapes, load_tokenizer, source_shape
+# The tokenizer's big metadata arrays: dropped once the tokenizer is built (~20 MB of Python objects for a
+# 150k vocabulary that the file's tensor getters would otherwise keep alive).
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                     "tokenizer.ggml.token_type")
+
+
+def _build_tokenizer(g: GGUFFile):
+    from .hf import load_tokenizer
+    try:
+        return load_tokenizer("from_gguf_metadata", g.metadata, g.path)
+    finally:
+        for k in _TOKENIZER_ARRAYS:
+            g.metadata.pop(k, None)
+
+
+def load_gguf_model(path: str, tokenizer_in_background: bool = False):
+    """A GGUF file as a LoadedModel: weights dequantized to fp32 on demand, Llama q/k un-permuted.
+    tokenizer_in_background: the tokenizer is built on a thread while the caller loads the weights (its
+    Python runs while the weights' C++ holds no GIL); LoadedModel.tokenizer waits for it, and raises
+    what building it raised."""
+    from .hf import SIZE_KEYS, check_experts, check_weight_shapes, source_shape
     from .spec import LoadedModel
 
     g = read_gguf(path)
@@ -488,9 +491,17 @@ def load_gguf_model(path: str):
         spec=spec, get_weight=_gguf_getter(g, spec, names),
         release_weight=lambda n: g.release(*names.get(n, ("", 0, -1))),
         get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
-        tokenizer=load_tokenizer("from_gguf_metadata", g.metadata, g.path),
+        tokenizer=_tokenizer_thread(g) if tokenizer_in_background else _build_tokenizer(g),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
         source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))
+
+
+def _tokenizer_thread(g: GGUFFile) -> "concurrent.futures.Future":
+    import concurrent.futures
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="corelm-tokenizer")
+    future = pool.submit(_build_tokenizer, g)
+    pool.shutdown(wait=False)   # the thread ends with its one task
+    return future
 
 
 def _meta(g: GGUFFile, key: str, kind: str, default: Any = _REQUIRED) -> Any:

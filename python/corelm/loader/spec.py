@@ -1,6 +1,7 @@
 """What every loader produces: the model's hyper-parameters and its weights by internal name."""
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -107,7 +108,7 @@ class LoadedModel:
     `weight_shapes(spec)[name]`, materialised on demand so peak memory stays near one tensor."""
     spec: ModelSpec
     get_weight: Callable[[str], np.ndarray]
-    tokenizer: Any                  # corelm.tokenizer.Tokenizer
+    tokenizer: Any                  # corelm.tokenizer.Tokenizer (a Future of one while it is built: see below)
     chat_template: Optional[str] = None
     generation_config: Dict[str, Any] = field(default_factory=dict)
     source: str = ""                # path of the folder or file
@@ -127,6 +128,13 @@ class LoadedModel:
     raw_weight_type: Optional[Callable[[str], Optional[str]]] = None
     # corelm folders: name -> (file type, shape, bytes) of every tensor as stored (`corelm info`)
     stored_tensors: Optional[Dict[str, Tuple[str, Tuple[int, ...], int]]] = None
+
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if name == "tokenizer" and isinstance(value, concurrent.futures.Future):   # built on a thread
+            value = value.result()
+            object.__setattr__(self, name, value)
+        return value
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
@@ -202,16 +210,12 @@ def check_finite(w: np.ndarray, source: str, name: str) -> np.ndarray:
 def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str) -> None:
     """Warns when a quantized tensor's fp16 block scales (or minimums), or bf16 rows (dense or a sparse
     tensor's), hold NaN or Inf."""
-    if type_name in ("BF16", "SBF16"):    # bf16 rows: exponent all ones, counted a slice at a time
-        bits, step = raw.reshape(-1).view("<u2"), 1 << 20
-        _warn_nonfinite(source, name, sum(int(np.count_nonzero((bits[i:i + step] & 0x7F80) == 0x7F80))
-                                          for i in range(0, bits.size, step)))
+    from .. import _core
+    if type_name in ("BF16", "SBF16"):    # bf16 rows: every 16-bit value
+        _warn_nonfinite(source, name, _core.count_nonfinite(raw.reshape(-1).view(np.uint8), 2, [0], bf16=True))
         return
     layout = _BLOCK_F16_FIELDS.get(type_name)
     if layout is None or raw.size == 0 or raw.size % layout[0]:
         return
-    blocks = raw.reshape(-1, layout[0])
-    bad = 0
-    for off in layout[1]:   # an fp16's exponent is bits 2..6 of its high byte: all ones for NaN or Inf
-        bad += int(np.count_nonzero(np.bitwise_and(blocks[:, off + 1], 0x7C) == 0x7C))
-    _warn_nonfinite(source, name, bad, f"{type_name} block scale")
+    _warn_nonfinite(source, name, _core.count_nonfinite(raw.reshape(-1).view(np.uint8), layout[0], list(layout[1])),
+                    f"{type_name} block scale")
