@@ -8,39 +8,49 @@ namespace {
 // The byte offsets of a block's fp16 d (and dmin) in the file.
 inline int d_offset(WeightType t) { return t == WeightType::Q6_K ? 208 : 0; }
 
-// The 32 codes u of chunk c (the stored bits: v = u - offset, or the IQ4 table's entry for u).
-inline void chunk_codes(WeightType t, const uint8_t* blk, int c, uint8_t* u) {
+inline uint32_t load4(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return x;
+}
+
+// Bit b of m (b < 4) as bit 4 of byte b: four codes' fifth bits at once.
+inline uint32_t fifth_bits(uint32_t m) {
+  return ((m & 1u) | ((m & 2u) << 7) | ((m & 4u) << 14) | ((m & 8u) << 21)) << 4;
+}
+
+// The 32 codes u of chunk c (the stored bits: v = u - offset, or the IQ4 table's entry for u), four to a
+// word: u[4p..4p+3] in the bytes of w[p]. Whole words at a time, per type: packing is most of a load.
+template <WeightType T>
+inline void chunk_code_words(const uint8_t* blk, int c, uint32_t w[8]) {
+  constexpr uint32_t lo4 = 0x0f0f0f0fu;
   auto nibbles = [&](const uint8_t* qs) {  // element k < 16 in the low nibble of qs[k], k + 16 in the high
-    for (int k = 0; k < 16; k++) u[k] = qs[k] & 0xf, u[k + 16] = qs[k] >> 4;
+    for (int p = 0; p < 4; p++) w[p] = load4(qs + 4 * p) & lo4, w[p + 4] = (load4(qs + 4 * p) >> 4) & lo4;
   };
   auto bit4 = [&](uint32_t qh) {
-    for (int k = 0; k < 32; k++) u[k] |= (uint8_t)(((qh >> k) & 1) << 4);
+    for (int p = 0; p < 8; p++) w[p] |= fifth_bits((qh >> (4 * p)) & 0xf);
   };
-  uint32_t qh;
-  switch (t) {
-    case WeightType::Q5_0:
-      nibbles(blk + 6), std::memcpy(&qh, blk + 2, 4), bit4(qh);
-      return;
-    case WeightType::Q5_1:
-      nibbles(blk + 8), std::memcpy(&qh, blk + 4, 4), bit4(qh);
-      return;
-    case WeightType::IQ4_NL:
-      return nibbles(blk + 2);
-    case WeightType::IQ4_XS:
-      return nibbles(blk + 8 + 16 * c);
-    case WeightType::Q4_K:
-      for (int k = 0; k < 32; k++) u[k] = (blk[16 + 32 * (c / 2) + k] >> (4 * (c % 2))) & 0xf;
-      return;
-    case WeightType::Q5_K:
-      for (int k = 0; k < 32; k++)
-        u[k] = (uint8_t)(((blk[48 + 32 * (c / 2) + k] >> (4 * (c % 2))) & 0xf) | (((blk[16 + k] >> c) & 1) << 4));
-      return;
-    default: {  // Q6_K
-      const int h = c / 4, q = c % 4;
-      const uint8_t *ql = blk + 64 * h + 32 * (q % 2), *qhb = blk + 128 + 32 * h;
-      for (int k = 0; k < 32; k++) u[k] = (uint8_t)(((ql[k] >> (4 * (q / 2))) & 0xf) | (((qhb[k] >> (2 * q)) & 3) << 4));
-      return;
-    }
+  if constexpr (T == WeightType::Q5_0) {
+    nibbles(blk + 6), bit4(load4(blk + 2));
+  } else if constexpr (T == WeightType::Q5_1) {
+    nibbles(blk + 8), bit4(load4(blk + 4));
+  } else if constexpr (T == WeightType::IQ4_NL) {
+    nibbles(blk + 2);
+  } else if constexpr (T == WeightType::IQ4_XS) {
+    nibbles(blk + 8 + 16 * c);
+  } else if constexpr (T == WeightType::Q4_K) {
+    const uint8_t* q = blk + 16 + 32 * (c / 2);
+    for (int p = 0; p < 8; p++) w[p] = (load4(q + 4 * p) >> (4 * (c % 2))) & lo4;
+  } else if constexpr (T == WeightType::Q5_K) {
+    const uint8_t* q = blk + 48 + 32 * (c / 2);
+    for (int p = 0; p < 8; p++)
+      w[p] = ((load4(q + 4 * p) >> (4 * (c % 2))) & lo4) | (((load4(blk + 16 + 4 * p) >> c) & 0x01010101u) << 4);
+  } else {
+    static_assert(T == WeightType::Q6_K, "a grouped type");
+    const int h = c / 4, q = c % 4;
+    const uint8_t *ql = blk + 64 * h + 32 * (q % 2), *qhb = blk + 128 + 32 * h;
+    for (int p = 0; p < 8; p++)
+      w[p] = ((load4(ql + 4 * p) >> (4 * (q / 2))) & lo4) | (((load4(qhb + 4 * p) >> (2 * q)) & 0x03030303u) << 4);
   }
 }
 
@@ -58,21 +68,62 @@ inline void nibble_at(int j, int k, int* byte, int* shift) {
   *shift = 4 * ((p / 2) % 2);
 }
 
+// Rows of groups [g0, g1) of the file's rows raw into the grouped layout at base (zeroed): whole groups,
+// so ranges write disjoint bytes.
+template <WeightType T>
+void fill_groups(uint8_t* base, const uint8_t* raw, int64_t rows, int64_t nsb, int64_t groups, int64_t g0, int64_t g1) {
+  constexpr GroupedTraits tr = grouped_traits(T);
+  const size_t bb = ggml_type_block_bytes(T), rb = (size_t)nsb * bb;
+  // this range's super-groups are contiguous bytes (one shared with the next range at most)
+  const size_t sg_bytes = (size_t)nsb * grouped_sb_bytes(tr, kSuper);
+  const size_t first = (size_t)(g0 / kSuper) * sg_bytes, last = std::min((size_t)((g1 + kSuper - 1) / kSuper) * sg_bytes,
+                                                                          grouped_bytes(tr, nsb, groups));
+  prefault_for_write(base + first, last - first);
+  Chunk ch;
+  for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++) {
+    const GroupedView v = grouped_view(base, T, nsb, groups, r / kGroup);
+    const int j = (int)(r % kGroup);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+      const uint8_t* blk = raw + r * rb + sb * bb;
+      std::memcpy(const_cast<uint16_t*>(v.D(sb)) + j, blk + d_offset(T), 2);
+      if constexpr (tr.mins) {  // Q5_1: -m (w = d*u - (-m)*1), its sign bit flipped: exact
+        uint16_t dm;
+        std::memcpy(&dm, blk + 2, 2);
+        const_cast<uint16_t*>(v.Dm(sb))[j] = T == WeightType::Q5_1 ? (uint16_t)(dm ^ 0x8000u) : dm;
+      }
+      for (int c = 0; c < tr.chunks; c++) {
+        decode_int_scales(T, blk, c, &ch);
+        if constexpr (tr.scales)
+          for (int h = 0; h < (tr.halves ? 2 : 1); h++)
+            const_cast<int8_t*>(v.S(sb, tr.halves ? 2 * c + h : c))[j] = (int8_t)ch.s[h];
+        if constexpr (tr.mins) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
+        uint32_t w[8];
+        chunk_code_words<T>(blk, c, w);
+        uint8_t* qs = const_cast<uint8_t*>(v.qs(sb, c));
+        uint8_t* hi = const_cast<uint8_t*>(v.hi(sb, c));
+        for (int p = 0; p < 8; p++) {  // piece p: columns 4p..4p+3, the 4 bytes of row j (nibble_at)
+          or4(qs + 64 * (p / 4) + 32 * (p % 2) + 4 * j, (w[p] & 0x0f0f0f0fu) << (4 * ((p / 2) % 2)));
+          if constexpr (tr.hi_bits == 1) or4(hi + 4 * j, ((w[p] >> 4) & 0x01010101u) << p);
+          if constexpr (tr.hi_bits == 2) or4(hi + 32 * (p / 4) + 4 * j, ((w[p] >> 4) & 0x03030303u) << (2 * (p % 4)));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, int64_t cols,
                                    const ParallelFor* par, const KernelTable* by) {
   check_raw(type, (size_t)rows * ggml_row_bytes(type, cols), rows, cols);
   const GroupedTraits tr = grouped_traits(type);
-  const int64_t be = ggml_block_elems(type), nsb = cols / be, groups = ngroups(rows);
-  const size_t bb = ggml_type_block_bytes(type), rb = ggml_row_bytes(type, cols);
+  const int64_t nsb = cols / ggml_block_elems(type), groups = ngroups(rows);
   PackedMatrix m;
   m.type = type;
   m.rows = rows;
   m.cols = cols;
   m.ld = cols;
-  const int64_t full = groups / kSuper, tail = groups % kSuper;
-  m.nbytes = (size_t)(full * nsb * grouped_sb_bytes(tr, kSuper) + (tail ? nsb * grouped_sb_bytes(tr, tail) : 0));
+  m.nbytes = grouped_bytes(tr, nsb, groups);
   m.packed_by = by;
   // zeroed: rows past the matrix stay 0. On 4 KiB pages: decode's ~8 KiB prefetch into L2 keeps this
   // stream as fast as on 2 MiB pages (Xeon, bench_gemv_stream), and a VM that hands back free memory
@@ -80,44 +131,13 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
   m.storage = aligned_buffer(m.nbytes, /*huge_pages=*/false);
   m.small_pages = true;
   uint8_t* base = static_cast<uint8_t*>(m.storage.get());
-  auto fill = [&](int64_t g0, int64_t g1) {  // whole groups: disjoint bytes per range
-    Chunk ch;
-    for (int64_t r = g0 * kGroup; r < std::min(rows, g1 * kGroup); r++) {
-      const GroupedView v = grouped_view(base, type, nsb, groups, r / kGroup);
-      const int j = (int)(r % kGroup);
-      for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t* blk = raw + r * rb + sb * bb;
-        std::memcpy(const_cast<uint16_t*>(v.D(sb)) + j, blk + d_offset(type), 2);
-        if (tr.mins) {  // Q5_1: -m (w = d*u - (-m)*1), its sign bit flipped: exact
-          uint16_t dm;
-          std::memcpy(&dm, blk + 2, 2);
-          const_cast<uint16_t*>(v.Dm(sb))[j] = type == WeightType::Q5_1 ? (uint16_t)(dm ^ 0x8000u) : dm;
-        }
-        for (int c = 0; c < tr.chunks; c++) {
-          decode_int_scales(type, blk, c, &ch);
-          if (tr.scales)
-            for (int h = 0; h < (tr.halves ? 2 : 1); h++)
-              const_cast<int8_t*>(v.S(sb, tr.halves ? 2 * c + h : c))[j] = (int8_t)ch.s[h];
-          if (tr.mins) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
-          uint8_t u[32];
-          chunk_codes(type, blk, c, u);
-          uint8_t* qs = const_cast<uint8_t*>(v.qs(sb, c));
-          uint8_t* hi = const_cast<uint8_t*>(v.hi(sb, c));
-          for (int p = 0; p < 8; p++) {  // piece p: columns 4p..4p+3, the 4 bytes of row j (nibble_at), 4 codes at once
-            uint32_t w4;
-            std::memcpy(&w4, u + 4 * p, 4);
-            or4(qs + 64 * (p / 4) + 32 * (p % 2) + 4 * j, (w4 & 0x0f0f0f0fu) << (4 * ((p / 2) % 2)));
-            if (tr.hi_bits == 1) or4(hi + 4 * j, ((w4 >> 4) & 0x01010101u) << p);
-            if (tr.hi_bits == 2) or4(hi + 32 * (p / 4) + 4 * j, ((w4 >> 4) & 0x03030303u) << (2 * (p % 4)));
-          }
-        }
-      }
-    }
-  };
-  if (par)
-    (*par)(groups, fill);
-  else
-    fill(0, groups);
+  with_grouped_type(type, [&](auto t) {
+    auto fill = [&](int64_t g0, int64_t g1) { fill_groups<decltype(t)::value>(base, raw, rows, nsb, groups, g0, g1); };
+    if (par)
+      (*par)(groups, fill);
+    else
+      fill(0, groups);
+  });
   return m;
 }
 

@@ -81,6 +81,11 @@ inline int64_t grouped_chunk_bytes(const GroupedTraits& g, int64_t ns) {
 inline int64_t grouped_sb_bytes(const GroupedTraits& g, int64_t ns) {
   return grouped_header_bytes(g, ns) + g.chunks * grouped_chunk_bytes(g, ns);
 }
+// A whole matrix of `groups` 8-row groups: full super-groups, then a partial one.
+inline size_t grouped_bytes(const GroupedTraits& g, int64_t nsb, int64_t groups) {
+  const int64_t full = groups / kSuper, tail = groups % kSuper;
+  return (size_t)(full * nsb * grouped_sb_bytes(g, kSuper) + (tail ? nsb * grouped_sb_bytes(g, tail) : 0));
+}
 
 // Where group g (of `groups`) of a matrix with nsb super-blocks per row starts: its super-group's
 // first super-block, the group's index in it (i) and the super-group's size (ns).

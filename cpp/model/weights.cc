@@ -267,23 +267,34 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
       raw_partners_to_f32(w);  // float partners, or gate/up of two types: everything fuses as fp32
       return as_f32();
     }
-  std::vector<uint8_t> copy = spare_raw_.take(nbytes);
-  std::memcpy(copy.data(), raw, nbytes);
-  pending_raw_[key] = {type, std::move(copy)};
   for (const std::string& p : partners)
-    if (!pending_raw_.count(p)) return;
+    if (p != key && !pending_raw_.count(p)) {  // a partner still to come: keep a copy of this one
+      std::vector<uint8_t> copy = spare_raw_.take(nbytes);
+      std::memcpy(copy.data(), raw, nbytes);
+      pending_raw_[key] = {type, std::move(copy)};
+      return;
+    }
+  // The last partner is read where the caller has it (no copy), the others from their copies.
+  auto type_of = [&](const std::string& p) { return p == key ? type : pending_raw_[p].first; };
+  auto bytes_of = [&](const std::string& p) -> std::pair<const uint8_t*, size_t> {
+    if (p == key) return {raw, nbytes};
+    const std::vector<uint8_t>& v = pending_raw_[p].second;
+    return {v.data(), v.size()};
+  };
   // q, k and v of different types: consecutive ones of one type fused, stacked (each in its own bits).
-  if (partners.size() == 3 && (pending_raw_[partners[0]].first != pending_raw_[partners[1]].first ||
-                               pending_raw_[partners[1]].first != pending_raw_[partners[2]].first)) {
+  if (partners.size() == 3 && (type_of(partners[0]) != type_of(partners[1]) || type_of(partners[1]) != type_of(partners[2]))) {
     PackedMatrix stacked;
     stacked.cols = d;
     for (size_t i = 0; i < partners.size();) {
-      const WeightType t = pending_raw_[partners[i]].first;
+      const WeightType t = type_of(partners[i]);
       size_t j = i, bytes = 0;
-      for (; j < partners.size() && pending_raw_[partners[j]].first == t; j++) bytes += pending_raw_[partners[j]].second.size();
+      for (; j < partners.size() && type_of(partners[j]) == t; j++) bytes += bytes_of(partners[j]).second;
       std::vector<uint8_t> run = spare_raw_.take(bytes);
       uint8_t* at = run.data();
-      for (size_t k = i; k < j; k++) at = std::copy(pending_raw_[partners[k]].second.begin(), pending_raw_[partners[k]].second.end(), at);
+      for (size_t k = i; k < j; k++) {
+        const auto [src, n] = bytes_of(partners[k]);
+        at = std::copy(src, src + n, at);
+      }
       const int64_t rows = (int64_t)(run.size() / quant::ggml_row_bytes(t, d));
       stacked.parts.push_back(kt_.pack_raw(t, run.data(), rows, d, &pack_threads_));
       stacked.rows += rows;
@@ -299,16 +310,18 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   }
   // All partners are raw blocks of one type: concatenate (q, k, v) or interleave (gate/up) whole rows.
   size_t bytes = 0;
-  for (const std::string& p : partners) bytes += pending_raw_[p].second.size();
+  for (const std::string& p : partners) bytes += bytes_of(p).second;
   std::vector<uint8_t> fused = spare_raw_.take(bytes);
   int64_t rows = 0;
   if (partners.size() == 3) {
     uint8_t* at = fused.data();
-    for (const std::string& p : partners) at = std::copy(pending_raw_[p].second.begin(), pending_raw_[p].second.end(), at);
+    for (const std::string& p : partners) {
+      const auto [src, n] = bytes_of(p);
+      at = std::copy(src, src + n, at);
+    }
     rows = q_rows + 2 * kv_rows;
   } else {
-    const std::vector<uint8_t>&g = pending_raw_[partners[0]].second, &u = pending_raw_[partners[1]].second;
-    interleave_gate_up(g.data(), u.data(), f, quant::ggml_row_bytes(type, d), fused.data());
+    interleave_gate_up(bytes_of(partners[0]).first, bytes_of(partners[1]).first, f, quant::ggml_row_bytes(type, d), fused.data());
     rows = 2 * f;
   }
   LayerWeights& L = layers_[w.layer];
