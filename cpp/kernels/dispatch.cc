@@ -38,7 +38,9 @@ std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages) {
     // Weights are streamed end to end every token: 2 MiB pages take the TLB misses out of the stream
     // (THP is often "madvise" only; a hint, ignored where unsupported), and only 2 MiB-aligned ranges
     // can have them, so a large buffer starts on a 2 MiB boundary (the unused head stays untouched).
-    // CORELM_HUGE_PAGES=0: never (faster loads where fresh 2 MiB pages are slow to get, slower decode)
+    // CORELM_HUGE_PAGES=0: never. A VM that hands freed memory back to its host (balloon free page
+    // reporting) can spend ~10 ms of CPU on each fresh 2 MiB page, seconds per GB of weights; on 4 KiB
+    // pages the 1.5B Q4_K_M loads ~5x faster there and decodes 2-7% slower (docs/benchmarks.md).
     static const bool thp_off = [] { const char* e = std::getenv("CORELM_HUGE_PAGES"); return e && std::strcmp(e, "0") == 0; }();
     const size_t extra = huge_pages && !thp_off && bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
     void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -78,18 +80,16 @@ void pack_contiguously(const std::vector<PackedMatrix*>& ms) {
   };
   std::map<const void*, size_t> offset;  // storage already placed (a tied lm_head and embedding)
   size_t total = 0;
-  bool huge = false;
   for (PackedMatrix* m : ms)
     if (m->storage && m->nbytes < kHugePageBytes && !offset.count(m->data())) {
       const size_t at = place_at(total, m->nbytes);
       offset[m->data()] = at;
       total = end_of(at, m->nbytes);
-      huge |= !m->small_pages;
     }
   if (total == 0) return;
   std::shared_ptr<void> arena;
   try {
-    arena = aligned_buffer(total, huge);
+    arena = aligned_buffer(total);
   } catch (const std::bad_alloc&) {
     return;  // no room for a second copy while moving: the separate buffers work as they are
   }

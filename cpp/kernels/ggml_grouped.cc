@@ -125,11 +125,7 @@ PackedMatrix grouped_ggml_pack_raw(WeightType type, const uint8_t* raw, int64_t 
   m.ld = cols;
   m.nbytes = grouped_bytes(tr, nsb, groups);
   m.packed_by = by;
-  // zeroed: rows past the matrix stay 0. On 4 KiB pages: decode's ~8 KiB prefetch into L2 keeps this
-  // stream as fast as on 2 MiB pages (Xeon, bench_gemv_stream), and a VM that hands back free memory
-  // (balloon page reporting) can take ~10 ms of CPU per fresh 2 MiB page: 5 s more to load 1 GB.
-  m.storage = aligned_buffer(m.nbytes, /*huge_pages=*/false);
-  m.small_pages = true;
+  m.storage = aligned_buffer(m.nbytes);  // zeroed: rows past the matrix stay 0
   uint8_t* base = static_cast<uint8_t*>(m.storage.get());
   with_grouped_type(type, [&](auto t) {
     auto fill = [&](int64_t g0, int64_t g1) { fill_groups<decltype(t)::value>(base, raw, rows, nsb, groups, g0, g1); };

@@ -62,9 +62,6 @@ struct PackedMatrix {
   size_t nbytes = 0;
   const KernelTable* packed_by = nullptr;
   std::shared_ptr<void> storage;            // 64-byte aligned
-  // Stored on 4 KiB pages by its packer's choice (its decode prefetch hides the TLB misses: see
-  // aligned_buffer); pack_contiguously keeps such matrices off 2 MiB pages too.
-  bool small_pages = false;
   // Non-empty: the matrix is these matrices' rows one after the other (each with its own type and
   // storage; nbytes their sum, storage empty), as q, k and v kept in different GGUF types are. Kernels
   // take the parts one at a time; the model, which stacks them, walks them (model/forward.cc).
@@ -90,7 +87,7 @@ void prefault_for_write(void* p, size_t bytes);
 bool aligned_buffer_owns_pages(size_t bytes);
 // Moves the storage of the matrices under 2 MiB into one buffer, end to end in the given order (those
 // large enough to own their pages on pages of their own, as aligned_buffer gives them), so the small
-// ones stream on 2 MiB pages too (unless every one of them is small_pages); larger ones already have 2 MiB-aligned mappings of their own, and
+// ones stream on 2 MiB pages too; larger ones already have 2 MiB-aligned mappings of their own, and
 // copying them cost a second allocation and copy of the whole model at load. Matrices sharing storage
 // keep sharing it. Without memory for the one buffer, leaves them where they are.
 void pack_contiguously(const std::vector<PackedMatrix*>& ms);
