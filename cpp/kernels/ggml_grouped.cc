@@ -96,7 +96,7 @@ void fill_groups(uint8_t* base, const uint8_t* raw, int64_t rows, int64_t nsb, i
         if constexpr (tr.scales)
           for (int h = 0; h < (tr.halves ? 2 : 1); h++)
             const_cast<int8_t*>(v.S(sb, tr.halves ? 2 * c + h : c))[j] = (int8_t)ch.s[h];
-        if constexpr (tr.mins) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
+        if constexpr (tr.min_codes) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
         uint32_t w[8];
         chunk_code_words<T>(blk, c, w);
         uint8_t* qs = const_cast<uint8_t*>(v.qs(sb, c));
@@ -147,7 +147,7 @@ void grouped_ggml_row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
     const float d = f16_to_f32(v.D(sb)[j]), dm = tr.mins ? f16_to_f32(v.Dm(sb)[j]) : 0.f;
     for (int c = 0; c < tr.chunks; c++) {
       const uint8_t *qs = v.qs(sb, c), *hi = v.hi(sb, c);
-      const float dmm = unfused_product(dm, tr.mins ? (float)v.M(sb, c)[j] : 0.f);
+      const float dmm = unfused_product(dm, tr.min_codes ? (float)v.M(sb, c)[j] : tr.mins ? 1.f : 0.f);
       for (int k = 0; k < 32; k++) {
         int byte, shift;
         nibble_at(j, k, &byte, &shift);

@@ -6,8 +6,8 @@
 // A super-group (ns groups) is, super-block after super-block (256 columns; 32 for Q5_0/Q5_1/IQ4_NL):
 //   header  D[ns][8] fp16 (the file's d of each row), Dm[ns][8] fp16 (Q4_K/Q5_K: dmin; Q5_1: -m,
 //           the minimum with its sign bit flipped, exactly), S[ns][nsc][8] int8 (the sub-block scales
-//           s, nsc per super-block and row: 8, Q6_K 16), M[ns][chunks][8] uint8 (the minimums mn:
-//           Q4_K/Q5_K's, Q5_1's 1), padded to 64 bytes
+//           s, nsc per super-block and row: 8, Q6_K 16), M[ns][chunks][8] uint8 (Q4_K/Q5_K: the
+//           minimums mn; Q5_1's are all 1, not stored: its header is 32 bytes a row), padded to 64 bytes
 //   then per chunk of 32 columns
 //           qs[ns][128]  the low 4 bits of each code u, in quant_layout.h's Q4 order
 //           hi[ns][HB]   Q5_*: bit 4 of u (HB 32: byte i bit p = piece p's byte i); Q6_K: bits 4-5
@@ -32,20 +32,21 @@ struct GroupedTraits {
   int offset;     // v = u - offset (table types: 0, the table gives v)
   bool table;     // IQ4: v = kIq4Values[u]
   bool halves;    // sub-block scales per 16 columns
-  bool mins;      // Dm and M
+  bool mins;      // Dm
   bool scales;    // S (else s = 1)
+  bool min_codes; // M, the integer minimums under Dm (Q5_1's are all 1: not stored)
 };
 // The one list of grouped types and their traits; other types get chunks = 0.
 constexpr GroupedTraits grouped_traits(WeightType t) {
   switch (t) {
-    case WeightType::Q4_K: return {8, 0, 0, false, false, true, true};
-    case WeightType::Q5_K: return {8, 1, 0, false, false, true, true};
-    case WeightType::Q6_K: return {8, 2, 32, false, true, false, true};
-    case WeightType::IQ4_XS: return {8, 0, 0, true, false, false, true};
-    case WeightType::Q5_0: return {1, 1, 16, false, false, false, false};
-    case WeightType::Q5_1: return {1, 1, 0, false, false, true, false};
-    case WeightType::IQ4_NL: return {1, 0, 0, true, false, false, false};
-    default: return {0, 0, 0, false, false, false, false};
+    case WeightType::Q4_K: return {8, 0, 0, false, false, true, true, true};
+    case WeightType::Q5_K: return {8, 1, 0, false, false, true, true, true};
+    case WeightType::Q6_K: return {8, 2, 32, false, true, false, true, false};
+    case WeightType::IQ4_XS: return {8, 0, 0, true, false, false, true, false};
+    case WeightType::Q5_0: return {1, 1, 16, false, false, false, false, false};
+    case WeightType::Q5_1: return {1, 1, 0, false, false, true, false, false};
+    case WeightType::IQ4_NL: return {1, 0, 0, true, false, false, false, false};
+    default: return {0, 0, 0, false, false, false, false, false};
   }
 }
 inline bool is_grouped_ggml(WeightType t) { return grouped_traits(t).chunks > 0; }
@@ -72,7 +73,7 @@ inline void with_grouped_type(WeightType t, F f) {
 // Bytes per group of each part, and of a super-block's header and chunk row for ns groups.
 inline int64_t grouped_nsc(const GroupedTraits& g) { return g.scales ? g.chunks * (g.halves ? 2 : 1) : 0; }
 inline int64_t grouped_header_bytes(const GroupedTraits& g, int64_t ns) {
-  return (ns * (16 + (g.mins ? 16 + 8 * g.chunks : 0) + 8 * grouped_nsc(g)) + 63) / 64 * 64;
+  return (ns * (16 + (g.mins ? 16 : 0) + (g.min_codes ? 8 * g.chunks : 0) + 8 * grouped_nsc(g)) + 63) / 64 * 64;
 }
 inline int64_t grouped_hi_bytes(const GroupedTraits& g) { return g.hi_bits * 32; }
 inline int64_t grouped_chunk_bytes(const GroupedTraits& g, int64_t ns) {
@@ -136,7 +137,7 @@ inline GroupedAct grouped_act(const void* qa, int64_t m, const PackedMatrix& w, 
 template <WeightType T>
 struct Tr {
   static constexpr GroupedTraits g = grouped_traits(T);
-  static constexpr bool table = g.table, halves = g.halves, mins = g.mins, scales = g.scales;
+  static constexpr bool table = g.table, halves = g.halves, mins = g.mins, scales = g.scales, min_codes = g.min_codes;
   static constexpr int hi = g.hi_bits, offset = g.offset, chunks = g.chunks;
   static constexpr int nsc = scales ? chunks * (halves ? 2 : 1) : 0;
   static constexpr int hi_bytes = 32 * hi;

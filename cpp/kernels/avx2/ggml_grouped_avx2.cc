@@ -119,7 +119,7 @@ void tile(const GroupedAct& a, int64_t i0, const GroupedView& v, int64_t nsb, __
           for (int k = 0; k < H; k++) ds[k] = _mm256_mul_ps(s8(S + 8 * k), D);
         }
         __m256 dmm;
-        if constexpr (R::mins) dmm = _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g));
+        if constexpr (R::mins) dmm = R::min_codes ? _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g)) : f16x8(v.Dm(sb) + 8 * g);
         for (int i = 0; i < MR; i++) {
           const int64_t ib = (i0 + i) * a.nb + b;
           const __m256 dx = _mm256_set1_ps(a.dx[ib]);

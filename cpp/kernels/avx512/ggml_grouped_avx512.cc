@@ -231,7 +231,7 @@ void tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const GroupedView
           if constexpr (R::halves) ds1 = _mm256_mul_ps(s8(S + 8), D);
         }
         __m256 dmm;
-        if constexpr (R::mins) dmm = _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g));
+        if constexpr (R::mins) dmm = R::min_codes ? _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g)) : f16x8(v.Dm(sb) + 8 * g);
         for (int i = 0; i < MR; i++) {
           const int64_t ib = (i0 + i) * a.nb + b;
           const __m256 dx = _mm256_set1_ps(a.dx[ib]);
@@ -401,7 +401,7 @@ CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, ui
     const __m256 d = f16x8(v.D(sb)), dm = R::mins ? f16x8(v.Dm(sb)) : _mm256_setzero_ps();
     for (int c = 0; c < R::chunks; c++) {
       // value = (d * s) * v - dm * mn, each product rounded by itself (grouped_ggml_row_to_f32)
-      const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm, R::mins ? u8(v.M(sb, c)) : _mm256_setzero_ps()));
+      const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm, R::min_codes ? u8(v.M(sb, c)) : _mm256_set1_ps(R::mins ? 1.f : 0.f)));
       const RowAffine r0(R::scales ? unfused_mul8(d, s8(v.S(sb, R::halves ? 2 * c : c))) : unfused_mul8(d, _mm256_set1_ps(1.f)), minus);
       const RowAffine r1 = R::halves ? RowAffine(unfused_mul8(d, s8(v.S(sb, 2 * c + 1))), minus) : r0;
       uint32_t* pairs = dst + (sb * R::chunks + c) * 256;
