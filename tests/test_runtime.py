@@ -342,3 +342,17 @@ def test_info_formats_a_hybrid_plan():
     topo = system.topology_info(EPYC, threads=20)
     text = "\n".join(cli.info.format_topology(topo, topo.pop("thread_plan"), pinned=False))
     assert "4 NUMA nodes" in text and "node 3: CPUs 12-15,28-31 (4 cores)" in text and "4 more" in text
+
+
+@pytest.mark.parametrize("setting,expect", [("0", False), ("1", True), ("", None)])
+def test_huge_pages_setting(setting, expect):
+    """CORELM_HUGE_PAGES=0 never asks for 2 MiB pages, 1 always; unset asks until one is slow to come."""
+    import subprocess
+    import sys
+    code = ("import numpy as np, corelm._core as c; "
+            "w = c.testing.kernel_packed_bytes('avx2' if 'avx2' in c.kernel_tables() else 'scalar', "
+            "np.ones((2048, 1024), np.float32), 'bf16'); print(c.huge_pages_in_use())")
+    env = dict(os.environ, CORELM_HUGE_PAGES=setting)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in (("True", "False") if expect is None else (str(expect),))

@@ -229,6 +229,7 @@ def worker_main(engine, path, T, prompt_file):
     print("RESULT " + json.dumps({"prefill_tps": pf, "decode_tps": dc, "load_s": t_load, "tokens_head": toks[:8],
                                   "weight_type": str(getattr(llm, "dtype", var)),
                                   "weight_bytes": llm.engine.core.active_weight_bytes,
+                                  "huge_pages": corelm._core.huge_pages_in_use(),
                                   "threads": getattr(llm, "threads", T)}), flush=True)
 
 

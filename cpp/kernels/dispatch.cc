@@ -4,6 +4,9 @@
 #include "kernels/amx/amx.h"
 #include "kernels/stream_read.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -32,23 +35,76 @@ bool aligned_buffer_owns_pages(size_t bytes) {
 #endif
 }
 
+#if defined(__linux__)
+namespace {
+// Whether buffers may ask for 2 MiB pages. Weights are streamed end to end every token, and 2 MiB pages
+// take the TLB misses out of the stream (decode 2-15% faster on the Xeon). But a VM that hands freed
+// memory back to its host (balloon free page reporting) can spend ~10 ms of CPU on each fresh 2 MiB page
+// (0.1-0.3 ms elsewhere): seconds per GB of weights, where 4 KiB pages load in a fraction of that. So,
+// unless CORELM_HUGE_PAGES says 1 (always) or 0 (never), huge-page buffers are faulted in page by page
+// under a clock, and once a page takes longer than kSlowHugePageSeconds the process stops asking.
+constexpr double kSlowHugePageSeconds = 1e-3;
+std::atomic<int> g_huge_pages{-1};  // -1: not yet read, 0: off, 1: on, 2: on while they come cheap
+
+int huge_page_policy() {
+  int p = g_huge_pages.load(std::memory_order_relaxed);
+  if (p < 0) {
+    const char* e = std::getenv("CORELM_HUGE_PAGES");
+    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "1") == 0 ? 1 : 2;
+    int expected = -1;
+    if (!g_huge_pages.compare_exchange_strong(expected, p)) p = expected;
+  }
+  return p;
+}
+
+// Faults in [start, start + bytes) 2 MiB page by page under a clock. Returns the offset of the first page
+// that came slowly (bytes if none did, or where the kernel can't populate: then the packer faults them).
+size_t populate_huge_until_slow(char* start, size_t bytes) {
+#if defined(MADV_POPULATE_WRITE)
+  for (size_t off = 0; off < bytes; off += kHugePageBytes) {
+    const size_t n = std::min(kHugePageBytes, bytes - off);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (madvise(start + off, n, MADV_POPULATE_WRITE) != 0) return bytes;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > kSlowHugePageSeconds)
+      return off;
+  }
+#else
+  (void)start;
+#endif
+  return bytes;
+}
+}  // namespace
+#endif
+
+bool huge_pages_in_use() {
+#if defined(__linux__)
+  return huge_page_policy() != 0;
+#else
+  return false;
+#endif
+}
+
 std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages) {
 #if defined(__linux__)
   if (aligned_buffer_owns_pages(bytes)) {
-    // Weights are streamed end to end every token: 2 MiB pages take the TLB misses out of the stream
-    // (THP is often "madvise" only; a hint, ignored where unsupported), and only 2 MiB-aligned ranges
-    // can have them, so a large buffer starts on a 2 MiB boundary (the unused head stays untouched).
-    // CORELM_HUGE_PAGES=0: never. A VM that hands freed memory back to its host (balloon free page
-    // reporting) can spend ~10 ms of CPU on each fresh 2 MiB page, seconds per GB of weights; on 4 KiB
-    // pages the 1.5B Q4_K_M loads ~5x faster there and decodes 2-7% slower (docs/benchmarks.md).
-    static const bool thp_off = [] { const char* e = std::getenv("CORELM_HUGE_PAGES"); return e && std::strcmp(e, "0") == 0; }();
-    const size_t extra = huge_pages && !thp_off && bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
+    // Only 2 MiB-aligned ranges can have 2 MiB pages, so a large buffer starts on a 2 MiB boundary (the
+    // unused head stays untouched). THP is often "madvise" only: a hint, ignored where unsupported.
+    const int policy = huge_page_policy();
+    const size_t extra = huge_pages && policy != 0 && bytes >= kHugePageBytes ? kHugePageBytes : 0, len = bytes + extra;
     void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) throw std::bad_alloc();
     char* start = static_cast<char*>(m);
     if (extra) {
       start += (kHugePageBytes - (uintptr_t)m % kHugePageBytes) % kHugePageBytes;
       madvise(start, bytes, MADV_HUGEPAGE);
+      if (policy == 2) {
+        const size_t slow = populate_huge_until_slow(start, bytes);
+        if (slow < bytes) {  // fresh 2 MiB pages are slow here: the rest of this buffer and later ones on 4 KiB
+          g_huge_pages.store(0, std::memory_order_relaxed);
+          const size_t rest = std::min(bytes, slow + kHugePageBytes);
+          if (rest < bytes) madvise(start + rest, bytes - rest, MADV_NOHUGEPAGE);
+        }
+      }
     }
     std::shared_ptr<void> mapping(m, [len](void* q) { munmap(q, len); });
     return std::shared_ptr<void>(mapping, start);
