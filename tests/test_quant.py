@@ -556,7 +556,7 @@ def test_gemv_stream_benchmark_runs():
 def test_weights_are_one_stream_in_decode_order(dtype):
     """finalize() packs the matrices under 2 MiB end to end in decode's order (layers' wqkv, wo,
     w_gate_up, w_down, then lm_head), each that owns its pages starting on a page of its own; larger ones
-    keep mappings of their own that start on a 2 MiB boundary; a tied embedding keeps sharing lm_head's
+    keep mappings of their own that start on a 2 MiB boundary (where 2 MiB pages are asked for); a tied embedding keeps sharing lm_head's
     bytes (SmolLM2 ties them)."""
     llm = get_llm(DEFAULT_GGUF, dtype)
     spans = llm.engine.core.weight_spans()
@@ -570,9 +570,9 @@ def test_weights_are_one_stream_in_decode_order(dtype):
         assert a + n <= b < a + n + 4096 + 64, name           # next one right after (page or 64-byte aligned)
         if n >= 64 << 10:
             assert a % 4096 == 0
-    for _, a, n in spans[:-1]:
+    for _, a, n in spans[:-1]:    # on 4 KiB pages once the machine gave 2 MiB ones slowly (dispatch.cc)
         if n >= 2 << 20:
-            assert a % (2 << 20) == 0
+            assert a % (2 << 20) == 0 or (not _core.huge_pages_in_use() and a % 4096 == 0)
     assert sum(s[2] for s in spans[:-1]) == llm.engine.core.weight_bytes
 
 
