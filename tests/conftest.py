@@ -56,15 +56,21 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
+def child_env(**extra):
+    """os.environ for a child Python that imports the same corelm as these tests (with its compiled
+    _core: the installed package, or the checkout's python/ with an in-place build), plus `extra`."""
+    import corelm
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
+                **extra)
+
+
 def run_with_isa(isa, code, *args, timeout=600):
     """Runs `python -c code args...` with CORELM_ISA=isa (the kernel table is chosen at import, so a
     test of another table needs a process of its own), on this checkout's corelm."""
     import subprocess
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["corelm"].__file__)))
-    env = dict(os.environ, CORELM_ISA=isa,
-               PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code, *args], env=child_env(CORELM_ISA=isa), capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
 
 
 def amx_prefill():

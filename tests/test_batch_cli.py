@@ -403,7 +403,9 @@ def test_ctrl_c_stops_the_run_without_a_traceback_per_worker(tmp_path):
     src = write_input(tmp_path / "in.jsonl", [completion_line(f"k{i}", max_tokens=200, ignore_eos=True)
                                               for i in range(200)])
     out = str(tmp_path / "out.jsonl")
-    p = _cli_batch([src, "-o", out, "-w", "2", "--task-size", "1"], start_new_session=True)
+    # SIGINT at its default in the child: a shell's background job (`.ci/run &`) starts with it ignored
+    p = _cli_batch([src, "-o", out, "-w", "2", "--task-size", "1"], start_new_session=True,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not (os.path.exists(out) and os.path.getsize(out) > 0):
         assert time.monotonic() < deadline and p.poll() is None

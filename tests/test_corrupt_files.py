@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "tests", "data", "corrupt")
 
 
-from conftest import corpus_tool  # noqa: E402
+from conftest import child_env, corpus_tool  # noqa: E402
 
 tool = corpus_tool()
 CASES = tool.cases()
@@ -156,9 +156,8 @@ _SUBPROCESS_PROBE = textwrap.dedent("""
 
 
 def test_no_crash_in_a_subprocess():
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", _SUBPROCESS_PROBE, CORPUS], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=child_env(), timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     lines = r.stdout.splitlines()
     assert len(lines) == len(CASES)

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, "tests", "data", "models")
 
 
-from conftest import corpus_tool  # noqa: E402
+from conftest import child_env, corpus_tool  # noqa: E402
 
 tool = corpus_tool()
 
@@ -440,8 +440,7 @@ def test_hub_offline_gives_a_clear_error(tmp_path):
             "    load_model('corelm-test-nonexistent-owner/definitely-not-a-model-xyz')\n"
             "except ModelLoadError as e:\n"
             "    print('ModelLoadError:', e)\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -461,7 +460,7 @@ def test_real_tokenizer_integration():
             "from corelm.loader import load_model\n"
             "a = load_model(sys.argv[1]); b = load_model(sys.argv[1] + '/stories260K.gguf')\n"
             "print(a.tokenizer.encode('Once upon a time') == b.tokenizer.encode('Once upon a time'))\n")
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     r = subprocess.run([sys.executable, "-c", code, _stories_dir()], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -364,9 +364,9 @@ void Model::finalize() {
 #if defined(__GLIBC__)
   malloc_trim(0);  // the copies' freed heap: glibc keeps chunks under its (grown) mmap threshold
 #endif
-  // Decode reads every matrix once per token in this order: one stream on 2 MiB pages instead of a
-  // few hundred buffers (the small ones on 4 KiB pages). Kernel stream alone, q4, one thread: 0.8 -> 0.9
-  // of a plain read (tools/bench_quant.py --stream).
+  // Decode reads every matrix once per token in this order: one stream (on 2 MiB pages where the machine
+  // gives them cheaply: aligned_buffer) instead of a few hundred buffers. Kernel stream alone, q4, one
+  // thread: 0.8 -> 0.9 of a plain read (tools/bench_quant.py --stream).
   std::vector<PackedMatrix*> order;
   for (const NamedMatrix& nm : matrices_in_decode_order()) order.push_back(nm.m);
   pack_contiguously(order);
