@@ -344,9 +344,9 @@ def test_info_formats_a_hybrid_plan():
     assert "4 NUMA nodes" in text and "node 3: CPUs 12-15,28-31 (4 cores)" in text and "4 more" in text
 
 
-@pytest.mark.parametrize("setting,expect", [("0", False), ("1", True), ("", None)])
+@pytest.mark.parametrize("setting,expect", [("0", False), ("1", True), ("", True), ("auto", None)])
 def test_huge_pages_setting(setting, expect):
-    """CORELM_HUGE_PAGES=0 never asks for 2 MiB pages, 1 always; unset asks until one is slow to come."""
+    """CORELM_HUGE_PAGES=0 never asks for 2 MiB pages, 1 (and unset) always, auto until one is slow to come."""
     import subprocess
     import sys
     code = ("import numpy as np, corelm._core as c; "

@@ -152,8 +152,8 @@ PYBIND11_MODULE(_core, m) {
      "(strings, position after them): up to n little-endian u64-length-prefixed UTF-8 strings of buf from pos, "
      "stopping before the first that is truncated, longer than max_len or not UTF-8.");
   m.def("huge_pages_in_use", &huge_pages_in_use,
-        "Whether large buffers (weights) still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 always, 0 never; by "
-        "default until one takes longer than 1 ms to fault in (a VM whose fresh memory is slow).");
+        "Whether large buffers (weights) still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 (the default) always, 0 "
+        "never, auto until one takes longer than 1 ms to fault in (a VM whose fresh memory is slow).");
   m.def("count_nonfinite", [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw, int64_t block_bytes,
                               std::vector<int64_t> offsets, bool bf16) {
     if (block_bytes < 2) throw std::invalid_argument("block_bytes must be at least 2");

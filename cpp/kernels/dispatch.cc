@@ -40,9 +40,10 @@ namespace {
 // Whether buffers may ask for 2 MiB pages. Weights are streamed end to end every token, and 2 MiB pages
 // take the TLB misses out of the stream (decode 2-15% faster on the Xeon). But a VM that hands freed
 // memory back to its host (balloon free page reporting) can spend ~10 ms of CPU on each fresh 2 MiB page
-// (0.1-0.3 ms elsewhere): seconds per GB of weights, where 4 KiB pages load in a fraction of that. So,
-// unless CORELM_HUGE_PAGES says 1 (always) or 0 (never), huge-page buffers are faulted in page by page
-// under a clock, and once a page takes longer than kSlowHugePageSeconds the process stops asking.
+// (0.1-0.3 ms elsewhere): seconds per GB of weights, where 4 KiB pages load in a fraction of that, but
+// decode 7-15% slower there. Decode comes first: buffers ask for them (CORELM_HUGE_PAGES=1, the default),
+// or never (0), or (auto) are faulted in page by page under the thread's CPU clock until a page takes
+// longer than kSlowHugePageSeconds, and from then on the process stops asking.
 constexpr double kSlowHugePageSeconds = 1e-3;
 std::atomic<int> g_huge_pages{-1};  // -1: not yet read, 0: off, 1: on, 2: on while they come cheap
 
@@ -50,7 +51,7 @@ int huge_page_policy() {
   int p = g_huge_pages.load(std::memory_order_relaxed);
   if (p < 0) {
     const char* e = std::getenv("CORELM_HUGE_PAGES");
-    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "1") == 0 ? 1 : 2;
+    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "auto") == 0 ? 2 : 1;
     int expected = -1;
     if (!g_huge_pages.compare_exchange_strong(expected, p)) p = expected;
   }

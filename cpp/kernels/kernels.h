@@ -76,8 +76,8 @@ struct PackedMatrix {
 // data filled a little at a time in many places (the KV cache), where each first write would make
 // 2 MiB resident.
 std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages = true);
-// Whether large buffers still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 always, 0 never; by default until
-// one 2 MiB page takes longer than 1 ms to fault in (dispatch.cc: VMs whose fresh memory is slow).
+// Whether large buffers still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 (default) always, 0 never, auto
+// until one 2 MiB page takes longer than 1 ms to fault in (dispatch.cc: VMs whose fresh memory is slow).
 bool huge_pages_in_use();
 // Makes the pages of [p, p + bytes) resident and writable before a packer fills them. A packer that reads
 // a fresh page before writing it (OR-ing bits in) first maps the shared zero page, and the write that
