@@ -151,6 +151,10 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("buf"), py::arg("pos"), py::arg("n"), py::arg("max_len"),
      "(strings, position after them): up to n little-endian u64-length-prefixed UTF-8 strings of buf from pos, "
      "stopping before the first that is truncated, longer than max_len or not UTF-8.");
+  m.def("release_freed_heap", [] {
+    py::gil_scoped_release nogil;
+    release_freed_heap();
+  }, "Hands the C heap's freed memory back to the OS (glibc's malloc_trim; a no-op elsewhere).");
   m.def("huge_pages_in_use", &huge_pages_in_use,
         "Whether large buffers (weights) still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 (the default) always, 0 "
         "never, auto until one takes longer than 1 ms to fault in (a VM whose fresh memory is slow).");

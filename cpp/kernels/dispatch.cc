@@ -18,6 +18,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace corelm {
 
@@ -130,6 +133,12 @@ void prefault_for_write(void* p, size_t bytes) {
   if (bytes) madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);  // Linux 5.14+; else faults as before
 #else
   (void)p, (void)bytes;
+#endif
+}
+
+void release_freed_heap() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
 #endif
 }
 

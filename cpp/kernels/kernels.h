@@ -85,6 +85,9 @@ bool huge_pages_in_use();
 // other packing threads (in a VM, a VM exit each; 2.5x slower loads at 2 threads). A hint: no-op where
 // unsupported.
 void prefault_for_write(void* p, size_t bytes);
+// Hands the C heap's freed memory back to the OS (glibc keeps freed chunks under its mmap threshold, which
+// grows after large frees: the loader's transient copies); a no-op elsewhere.
+void release_freed_heap();
 // Whether aligned_buffer(bytes) gets a mapping of its own (no page shared with other data), so its
 // pages may be moved between NUMA nodes; smaller buffers can start on a page boundary by chance.
 bool aligned_buffer_owns_pages(size_t bytes);

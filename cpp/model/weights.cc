@@ -3,9 +3,6 @@
 #include "model/weights.h"
 
 #include <algorithm>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include <cctype>
 #include <cstring>
 #include <stdexcept>
@@ -361,9 +358,7 @@ void Model::finalize() {
   pending_raw_.clear();
   spare_f32_ = {};
   spare_raw_ = {};
-#if defined(__GLIBC__)
-  malloc_trim(0);  // the copies' freed heap: glibc keeps chunks under its (grown) mmap threshold
-#endif
+  release_freed_heap();  // the partner copies' freed heap
   // Decode reads every matrix once per token in this order: one stream (on 2 MiB pages where the machine
   // gives them cheaply: aligned_buffer) instead of a few hundred buffers. Kernel stream alone, q4, one
   // thread: 0.8 -> 0.9 of a plain read (tools/bench_quant.py --stream).

@@ -465,14 +465,11 @@ def _build_tokenizer(g: GGUFFile):
 
 def _return_freed_memory() -> None:
     """Hands the building's freed Python and C heap back to the OS before the weights arrive: 25-30 MB
-    off the peak RSS with a 150k vocabulary (glibc's malloc_trim; elsewhere a no-op)."""
-    import ctypes
+    off the peak RSS with a 150k vocabulary."""
     import gc
+    from .. import _core
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _core.release_freed_heap()
 
 
 def load_gguf_model(path: str, tokenizer_in_background: bool = False):
