@@ -328,26 +328,31 @@ def test_avx512_without_vnni_matches():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_decode_prefetch_switch_changes_no_result(tmp_path):
-    """CORELM_DECODE_PREFETCH=0|1 turns decode's software prefetch off or on in every table (a speed
-    choice per machine): the products are the same bits either way, past the ends of matrices included."""
+@pytest.mark.parametrize("switch", ["CORELM_DECODE_PREFETCH", "CORELM_DECODE_GROUP_MAJOR"])
+def test_decode_stream_switches_change_no_result(tmp_path, switch):
+    """CORELM_DECODE_PREFETCH=0|1 (decode's software prefetch) and CORELM_DECODE_GROUP_MAJOR=0|1 (the
+    order a super-group's groups are read in) are speed choices per machine: every table's products are
+    the same bits either way, with int8 and int16 activations, past the ends of matrices and over row
+    ranges that split a group (the rows written past the caches and the ones stored with a mask)."""
     code = (
         "import numpy as np, sys\n"
         "from corelm import _core\n"
         "rng = np.random.default_rng(1)\n"
         "out = []\n"
         "for isa in _core.kernel_tables():\n"
-        "    for wt in ('q8', 'q4', 'bf16', 'fp32'):\n"
-        "        for n, K in ((13, 96), (67, 4864)):\n"
+        "    for wt in ('q8', 'q4', 'q4m', 'bf16', 'fp32'):\n"
+        "        for n, K in ((13, 96), (67, 4864), (100, 256)):\n"
         "            w = rng.standard_normal((n, K)).astype(np.float32)\n"
         "            x = rng.standard_normal((1, K)).astype(np.float32)\n"
-        "            out.append(_core.testing.kernel_matmul(isa, x, w, wt))\n"
+        "            for act in ('int8', 'int16'):\n"
+        "                out.append(_core.testing.kernel_matmul(isa, x, w, wt, 0, -1, act))\n"
+        "                out.append(_core.testing.kernel_matmul(isa, x, w, wt, 3, n - 5, act))\n"
         "np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))\n"
     )
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(corelm.__file__)))
     got = []
     for flag in ("0", "1"):
-        env = dict(os.environ, CORELM_DECODE_PREFETCH=flag,
+        env = dict(os.environ, **{switch: flag},
                    PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
         path = str(tmp_path / f"y{flag}.npy")
         r = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True, cwd=ROOT)

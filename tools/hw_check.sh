@@ -4,7 +4,8 @@
 # where CPUID and the OS grant AMX), then the kernel benchmarks that decide the open questions:
 #   - decode's weight stream against a plain read, per table and thread count (the 90% roofline), with
 #     decode's software prefetch as the table sets it and switched the other way (CORELM_DECODE_PREFETCH:
-#     Zen 3 needs it, Zen 4 runs faster without it; which does this core want?);
+#     Zen 3 needs it, Zen 4 runs faster without it; which does this core want?), and the order the
+#     AVX-512 q4/q8 decode reads a block row's groups in (CORELM_DECODE_GROUP_MAJOR; unmeasured on AMD);
 #   - the quantized GEMV/GEMM with int8 and int16 activations (what "auto"'s int16 for q8 costs);
 #   - bf16 prefill and decode on the best AVX-512 table against CORELM_ISA=amx (the default where AMX runs);
 #   - the sparse bf16 weight stream against dense bf16 (does expanding non-zeros pay on this core?);
@@ -45,6 +46,12 @@ threads="1,$NT"
 for pf in 0 1; do
   log "decode's weight stream vs a plain read (kernel/read), threads $threads, CORELM_DECODE_PREFETCH=$pf"
   CORELM_DECODE_PREFETCH=$pf timeout 75 $PY tools/bench_quant.py --stream --dtypes q4,q8,bf16 --activations int8,int16 \
+    --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
+done
+
+for gm in 0 1; do
+  log "the AVX-512 q4/q8 decode's block rows side by side (0) or group after group (1): CORELM_DECODE_GROUP_MAJOR=$gm"
+  CORELM_DECODE_GROUP_MAJOR=$gm timeout 40 $PY tools/bench_quant.py --stream --dtypes q4,q8 --activations int16 \
     --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
 done
 

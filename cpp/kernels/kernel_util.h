@@ -38,6 +38,18 @@ inline bool decode_prefetch(bool table_default) {
   return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : table_default;
 }
 
+// Whether the AVX-512 decode GEMVs read a super-group's block row group after group (each group's
+// bytes in address order) rather than the groups side by side (one activation load for all of them).
+// On a Xeon (Granite Rapids class, one core, bench_gemv_stream on Qwen2.5-0.5B's shapes) the
+// side-by-side walk, jumping between the groups' lines, streamed int16 q4 at 0.72 of a plain read
+// and group after group at 0.79 (the model's q4 decode +10% on one thread); on Zen 3 (AVX2) pairs
+// side by side beat group after group (quant_avx2.cc). Default: group after group except on AMD,
+// whose AVX-512 cores were not measured this way; CORELM_DECODE_GROUP_MAJOR=0|1 overrides it.
+inline bool decode_group_major(bool amd) {
+  const char* e = std::getenv("CORELM_DECODE_GROUP_MAJOR");
+  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : !amd;
+}
+
 // Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a
 // compile-time constant, so an attention tile's accumulators live in registers.
 constexpr int kMaxHeadTile = 8;

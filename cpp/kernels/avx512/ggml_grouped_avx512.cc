@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/avx512/int_dot.h"
+#include "kernels/decode_store.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/kernel_util.h"
 
@@ -265,6 +266,19 @@ void run_tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const PackedM
     for (int k = 0; k < NG; k++) store_rows(y + (i0 + i) * ldy + (g + k) * kGroup, (g + k) * kGroup, n0, n1, out[i][k]);
 }
 
+// Decode of one whole super-group (one activation row): whole groups of [n0, n1) written past the
+// caches (decode_store.h; the caller ends with end_decode_stores).
+template <WeightType T, bool VNNI, ActForm F>
+void decode_tile(const GroupedAct& a, const SplitAct& sa, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g,
+                 float* y, int64_t n0, int64_t n1) {
+  __m256 out[1][kSuper];
+  tile<T, VNNI, F, 1, kSuper>(a, sa, 0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
+  for (int k = 0; k < kSuper; k++) {
+    const int64_t r0 = (g + k) * kGroup;
+    if (!(r0 >= n0 && r0 + kGroup <= n1 && stream_rows8(y + r0, out[0][k]))) store_rows(y + r0, r0, n0, n1, out[0][k]);
+  }
+}
+
 constexpr int kMR = 4;  // activation rows per prefill tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
 
 template <WeightType T, bool VNNI, ActForm F, int NG>
@@ -299,8 +313,8 @@ void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, i
       // Two rows so took 36 ms a step of Qwen2.5-1.5B Q4_K_M against 48 through the 2-group tiles (2
       // threads, Zen 4); 4 and 6 rows as pairs were no faster than the tiles, 3 and 5 slower.
       if (m == 2) run_tile<T, VNNI, F, 2, kSuper>(a, sa, 0, w, nsb, groups, g, y, ldy, n0, n1);
-      else if constexpr (kSplitRow) run_tile<T, VNNI, kSplit, 1, kSuper>(a, sa, 0, w, nsb, groups, g, y, ldy, n0, n1);
-      else run_tile<T, VNNI, F, 1, kSuper>(a, sa, 0, w, nsb, groups, g, y, ldy, n0, n1);
+      else if constexpr (kSplitRow) decode_tile<T, VNNI, kSplit>(a, sa, w, nsb, groups, g, y, n0, n1);
+      else decode_tile<T, VNNI, F>(a, sa, w, nsb, groups, g, y, n0, n1);
       g += kSuper;
     } else if (m > 1 && g + 2 <= g_end && (g + 1) / kSuper == g / kSuper) {
       rows_tiles<T, VNNI, F, 2>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
@@ -310,6 +324,7 @@ void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, i
       g += 1;
     }
   }
+  if (m == 1) end_decode_stores();
 }
 
 template <WeightType T>

@@ -22,6 +22,7 @@
 
 #include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
+#include "kernels/decode_store.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/quant_layout.h"
 #include "kernels/sparse_quant.h"
@@ -34,6 +35,7 @@ namespace {
 // both ways (Zen 4) the hardware prefetchers kept up better alone.
 constexpr int kPrefetchBlocks = 8;
 const bool kPrefetch = decode_prefetch(false);
+const bool kGroupMajor = decode_group_major(cpu_features().amd);
 
 // The block row kPrefetchBlocks ahead of the one at qs (qstride bytes each), when prefetching.
 inline void prefetch_ahead(const uint8_t* qs, int64_t qstride) {
@@ -198,8 +200,13 @@ void gemv_rows(const PackedMatrix& w, float* y, int64_t n0, int64_t n1, GroupsOf
     } else {
       groups_of(std::integral_constant<int, 1>(), v, r);
     }
-    for (int i = 0; i < ng; i++, g++) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
+    for (int i = 0; i < ng; i++, g++) {
+      float* yp = y + g * kGroup;  // whole groups past the caches (decode_store.h)
+      const bool whole = g * kGroup >= n0 && g * kGroup + kGroup <= n1;
+      if (!(whole && stream_rows8(yp, r[i]))) store_rows(yp, g * kGroup, n0, n1, r[i], true);
+    }
   }
+  end_decode_stores();
 }
 
 template <WeightType T, bool VNNI>
@@ -352,9 +359,12 @@ inline __m256 even_lanes(__m512 f) {  // one copy of each row: lanes 0, 2, .., 1
 
 // Calls piece(p, w) for the 8 pieces of block row qs of G groups (group g at qs + g * QSB), w[g] the
 // piece of group g widened to int16, so that one activation broadcast serves all G groups.
+template <WeightType T>
+constexpr int64_t kQsBytes = T == WeightType::Q8 ? 256 : 128;  // a group's quants of one block
+
 template <WeightType T, int G, class Piece>
 inline void for_pieces16(const uint8_t* qs, Piece piece) {
-  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  constexpr int64_t QSB = kQsBytes<T>;
   __m512i w[G];
   if constexpr (T == WeightType::Q8) {
 #pragma GCC unroll 8
@@ -380,7 +390,7 @@ inline void for_pieces16(const uint8_t* qs, Piece piece) {
 
 // Decode: the NG groups of a super-group against one activation row, block row by block row as
 // stored (one stream); two int32 accumulators per group (even and odd pieces) keep 2 * NG chains.
-template <WeightType T, bool VNNI, int NG>
+template <WeightType T, bool VNNI, bool GroupMajor, int NG>
 inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64_t nb, __m256 out[NG]) {
   __m512 facc[NG];
   __m256 macc[NG];
@@ -392,10 +402,17 @@ inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64
     const int16_t* xb = qx.q + b * kBlock;
     __m512i acc[2][NG];
     for (int g = 0; g < NG; g++) acc[0][g] = _mm512_set1_epi32(qx.corr[b] / 2), acc[1][g] = _mm512_setzero_si512();
-    for_pieces16<T, NG>(qs, [&](int p, const __m512i* w) {
-      const __m512i x = bcast8(xb + 4 * p);
-      for (int g = 0; g < NG; g++) acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[g], x);
-    });
+    if constexpr (GroupMajor) {  // group after group (kernel_util.h: decode_group_major)
+      __m512i x[8];
+      for (int p = 0; p < 8; p++) x[p] = bcast8(xb + 4 * p);
+      for (int g = 0; g < NG; g++)
+        for_pieces16<T, 1>(qs + g * kQsBytes<T>, [&](int p, const __m512i* w) { acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[0], x[p]); });
+    } else {  // the groups side by side
+      for_pieces16<T, NG>(qs, [&](int p, const __m512i* w) {
+        const __m512i x = bcast8(xb + 4 * p);
+        for (int g = 0; g < NG; g++) acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[g], x);
+      });
+    }
     const __m512 d = _mm512_set1_ps(qx.dx[b]);
     for (int g = 0; g < NG; g++) {
       const __m512i a = pair_sums(_mm512_add_epi32(acc[0][g], acc[1][g]));
@@ -408,11 +425,15 @@ inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64
   for (int g = 0; g < NG; g++) out[g] = _mm256_add_ps(even_lanes(facc[g]), macc[g]);
 }
 
-template <WeightType T, bool VNNI>
+template <WeightType T, bool VNNI, bool GroupMajor>
 void gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
   gemv_rows<T>(w, y, n0, n1, [&](auto ng, const GroupView& v, __m256* r) {
-    gemv16_groups<T, VNNI, decltype(ng)::value>(qx, v, nblocks(w), r);
+    gemv16_groups<T, VNNI, GroupMajor, decltype(ng)::value>(qx, v, nblocks(w), r);
   });
+}
+template <WeightType T, bool VNNI>
+void gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  kGroupMajor ? gemv16<T, VNNI, true>(qx, w, y, n0, n1) : gemv16<T, VNNI, false>(qx, w, y, n0, n1);
 }
 
 // Prefill: rows i0..i0+MR-1 x groups g0..g0+NG-1 over blocks [b0, b0 + nbk); each widened piece
