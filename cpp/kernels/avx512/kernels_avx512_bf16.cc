@@ -41,22 +41,6 @@ const uint16_t* to_bf16_rows(const float* x, int64_t m, int64_t ldx, int64_t K, 
 
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
-// The 16-lane sums of 8 accumulators as 8 floats, by three rounds of shuffles and adds (instead of 8
-// separate reductions): halves of 256 bits, then 128-bit lanes, then within lanes.
-inline __m256 sum8(const __m512 a[8]) {
-  __m512 t[4];
-  for (int p = 0; p < 4; p++)  // lanes [a.0+a.2, a.1+a.3, b.0+b.2, b.1+b.3] for a = a[2p], b = a[2p+1]
-    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
-  // lane l of u holds 4 partial sums of a[0], a[1], a[4], a[5]; of v: a[2], a[3], a[6], a[7]
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[2], 0x88), _mm512_shuffle_f32x4(t[0], t[2], 0xdd));
-  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(t[1], t[3], 0x88), _mm512_shuffle_f32x4(t[1], t[3], 0xdd));
-  __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
-  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));  // lane l: [u total, v total, u total, v total]
-  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 8, 12, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
-}
-
 // MR rows of x (bf16, [MR][ld]) against chunks [c0, c1) of weight group g: per chunk, each of the 8 rows'
 // 32 weights is one load that feeds MR dot products; the block is reused from L1 by the next MR rows.
 // The first block of K stores its sums, later ones add to them.

@@ -1,5 +1,5 @@
-// Shared by kernels_avx512.cc and kernels_avx512_bf16.cc: the AVX-512 fp32/bf16 weight layout and the
-// AVX512_BF16 matmul. Include only from files built with AVX-512 flags.
+// Shared by kernels_avx512.cc, kernels_avx512_bf16.cc and sparse_avx512.cc: the AVX-512 fp32/bf16
+// weight layout, its helpers and the AVX512_BF16 matmul. Include only from files built with AVX-512 flags.
 #pragma once
 #include <immintrin.h>
 
@@ -40,6 +40,23 @@ struct EvenOddX {
 // 32 bf16 weights (one 64-byte vector) as fp32: the even elements, then the odd ones.
 inline __m512 widen_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline __m512 widen_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
+
+// The 16-lane sums of 8 accumulators as 8 floats, by three rounds of shuffles and adds (instead of 8
+// separate reductions): halves of 256 bits, then 128-bit lanes, then within lanes. Each sum adds the
+// same pairs in the same order as _mm512_reduce_add_ps, so it has the same bits.
+inline __m256 sum8(const __m512 a[8]) {
+  __m512 t[4];
+  for (int p = 0; p < 4; p++)  // lanes [a.0+a.2, a.1+a.3, b.0+b.2, b.1+b.3] for a = a[2p], b = a[2p+1]
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
+  // lane l of u holds 4 partial sums of a[0], a[1], a[4], a[5]; of v: a[2], a[3], a[6], a[7]
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[2], 0x88), _mm512_shuffle_f32x4(t[0], t[2], 0xdd));
+  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(t[1], t[3], 0x88), _mm512_shuffle_f32x4(t[1], t[3], 0xdd));
+  __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));  // lane l: [u total, v total, u total, v total]
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 8, 12, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
+}
 
 }  // namespace
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/avx512/kernels_avx512_bf16.h"
+#include "kernels/decode_store.h"
 #include "kernels/kernel_util.h"
 #include "kernels/sparse_layout.h"
 
@@ -93,6 +94,17 @@ inline const uint8_t* read_chunk(const uint8_t* p, Chunk& ch) {
   return reinterpret_cast<const uint8_t*>(ch.v + s);
 }
 
+// Group g's rows in [n0, n1) of MR activation rows, from each row's 8 accumulators (their lanes summed
+// as _mm512_reduce_add_ps sums them); one row's whole group is written past the caches (decode_store.h).
+inline void store_group(float* y, int64_t ldy, int64_t g, int64_t n0, int64_t n1, const __m512 (*acc)[kGroup], int MR) {
+  const int64_t r0 = g * kGroup, lo = std::max<int64_t>(n0 - r0, 0), hi = std::min<int64_t>(n1 - r0, kGroup);
+  const __mmask8 keep = (__mmask8)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+  for (int i = 0; i < MR; i++) {
+    const __m256 s = avx512::sum8(acc[i]);
+    if (!(MR == 1 && keep == 0xff && stream_rows8(y + r0, s))) _mm256_mask_storeu_ps(y + i * ldy + r0, keep, s);
+  }
+}
+
 // Group g's rows of MR activation rows through VDPBF16PS: y[i * ldy + r] for the group's rows r in
 // [n0, n1).
 template <bool PERM, int MR>
@@ -123,11 +135,7 @@ CORELM_SPARSE_TARGET void group_dp(const float* x, int64_t ldx, const PackedMatr
       for (int i = 0; i < MR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xb[i]);
     }
   }
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < kGroup; j++) {
-      const int64_t r = g * kGroup + j;
-      if (r >= n0 && r < n1) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][j]);
-    }
+  store_group(y, ldy, g, n0, n1, acc, MR);
 }
 
 template <bool PERM>
@@ -139,6 +147,7 @@ void gemv_dp(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, floa
     if (m - i == 2) group_dp<PERM, 2>(x + i * ldx, ldx, w, y + i * ldy, ldy, g, n0, n1);
     if (m - i == 1) group_dp<PERM, 1>(x + i * ldx, ldx, w, y + i * ldy, ldy, g, n0, n1);
   }
+  end_decode_stores();
 }
 
 // Decode without AVX512_BF16: the dense bf16 gemv (kernels_avx512.cc) on expanded weights, in its order.
@@ -164,11 +173,10 @@ CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float*
         acc2[j] = _mm512_fmadd_ps(xo, avx512::widen_odd(wv), acc2[j]);
       }
     }
-    for (int j = 0; j < kGroup; j++) {
-      const int64_t r = g * kGroup + j;
-      if (r >= n0 && r < n1) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], acc2[j]));
-    }
+    for (int j = 0; j < kGroup; j++) acc[j] = _mm512_add_ps(acc[j], acc2[j]);
+    store_group(y, 0, g, n0, n1, &acc, 1);
   }
+  end_decode_stores();
 }
 
 // Group g expanded into dst (expand_group's strides).
