@@ -185,6 +185,13 @@ inline void store_rows(float* yp, int64_t r0, int64_t n0, int64_t n1, __m256 r, 
   _mm256_mask_storeu_ps(yp, keep, r);
 }
 
+// Decode's result for group g: its rows in [n0, n1), a whole group past the caches (decode_store.h;
+// the walk ends with end_decode_stores).
+inline void store_decode_group(float* y, int64_t g, int64_t n0, int64_t n1, __m256 r) {
+  const bool whole = g * kGroup >= n0 && g * kGroup + kGroup <= n1;
+  if (!(whole && stream_rows8(y + g * kGroup, r))) store_rows(y + g * kGroup, g * kGroup, n0, n1, r, true);
+}
+
 // Decode's walk over rows [n0, n1): whole super-groups at once, the groups of a partly covered one
 // one by one; groups_of(std::integral_constant<int, NG>, view, out) computes NG groups' 8 rows each.
 template <WeightType T, class GroupsOf>
@@ -200,11 +207,7 @@ void gemv_rows(const PackedMatrix& w, float* y, int64_t n0, int64_t n1, GroupsOf
     } else {
       groups_of(std::integral_constant<int, 1>(), v, r);
     }
-    for (int i = 0; i < ng; i++, g++) {
-      float* yp = y + g * kGroup;  // whole groups past the caches (decode_store.h)
-      const bool whole = g * kGroup >= n0 && g * kGroup + kGroup <= n1;
-      if (!(whole && stream_rows8(yp, r[i]))) store_rows(yp, g * kGroup, n0, n1, r[i], true);
-    }
+    for (int i = 0; i < ng; i++, g++) store_decode_group(y, g, n0, n1, r[i]);
   }
   end_decode_stores();
 }
@@ -700,9 +703,10 @@ void sparse_gemv_rows(const PackedMatrix& w, float* y, int64_t n0, int64_t n1, S
     }
     for (int64_t i = 0; i < ns; i++) {
       const int64_t g = s * kSuper + i;
-      if (g * kGroup < n1 && g * kGroup + kGroup > n0) store_rows(y + g * kGroup, g * kGroup, n0, n1, r[i], true);
+      if (g * kGroup < n1 && g * kGroup + kGroup > n0) store_decode_group(y, g, n0, n1, r[i]);
     }
   }
+  end_decode_stores();
 }
 
 template <WeightType T, bool VNNI>
