@@ -167,8 +167,20 @@ void tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const GroupedView
     for (int g = 0; g < NG; g++) acc[i][g] = _mm256_setzero_ps();
   const int64_t pf_lines = (v.sb_bytes + 63) / 64, pf_per_chunk = (pf_lines + R::chunks - 1) / R::chunks;
   const int64_t kPrefetchSuperBlocks = std::max<int64_t>(1, (kPrefetchBytes + v.sb_bytes / 2) / v.sb_bytes);
+  // The super-block's fp16 scales converted once, not per chunk, where registers allow: without high-bit
+  // planes (one Xeon core, bench_gemv_stream on Qwen2.5-1.5B's shapes: Q4_K 0.76 -> 0.81 of a plain read);
+  // with them the chains spill (Q5_K 0.75 -> 0.70), and those re-read them from L1 per chunk.
+  constexpr bool kHoist = Tr<T>::g.hi_bits == 0;
+  __m256 Dsb[NG], Dmsb[NG];
+  auto D_of = [&](int64_t sb, int g) { return kHoist ? Dsb[g] : f16x8(v.D(sb) + 8 * g); };
+  auto Dm_of = [&](int64_t sb, int g) { return kHoist ? Dmsb[g] : f16x8(v.Dm(sb) + 8 * g); };
   for (int64_t sb = 0; sb < nsb; sb++) {
-    for (int c = 0; c < R::chunks; c++) {  // (the super-block's scales are re-read from L1 per chunk: registers go to the sums)
+    if constexpr (kHoist)
+      for (int g = 0; g < NG; g++) {
+        Dsb[g] = f16x8(v.D(sb) + 8 * g);
+        if constexpr (R::mins) Dmsb[g] = f16x8(v.Dm(sb) + 8 * g);
+      }
+    for (int c = 0; c < R::chunks; c++) {
       if (kPrefetch) {  // the super-block kPrefetchSuperBlocks ahead, a chunk's share at a time
         const char* ahead = reinterpret_cast<const char*>(v.base) + (sb + kPrefetchSuperBlocks) * v.sb_bytes;
         for (int64_t l = c * pf_per_chunk; l < std::min(pf_lines, (c + 1) * pf_per_chunk); l++)
@@ -224,7 +236,7 @@ void tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const GroupedView
       }
       auto rows = [](__m512i acc) { return F == kWide ? rows8(acc) : rows8_i8(acc); };
       for (int g = 0; g < NG; g++) {
-        const __m256 D = f16x8(v.D(sb) + 8 * g);
+        const __m256 D = D_of(sb, g);
         __m256 ds0 = D, ds1 = D;
         if constexpr (R::scales) {
           const int8_t* S = v.S(sb, R::halves ? 2 * c : c) + g * 8 * R::nsc;
@@ -232,7 +244,7 @@ void tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const GroupedView
           if constexpr (R::halves) ds1 = _mm256_mul_ps(s8(S + 8), D);
         }
         __m256 dmm;
-        if constexpr (R::mins) dmm = R::min_codes ? _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), f16x8(v.Dm(sb) + 8 * g)) : f16x8(v.Dm(sb) + 8 * g);
+        if constexpr (R::mins) dmm = R::min_codes ? _mm256_mul_ps(u8(v.M(sb, c) + g * 8 * R::chunks), Dm_of(sb, g)) : Dm_of(sb, g);
         for (int i = 0; i < MR; i++) {
           const int64_t ib = (i0 + i) * a.nb + b;
           const __m256 dx = _mm256_set1_ps(a.dx[ib]);
