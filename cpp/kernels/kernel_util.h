@@ -40,11 +40,11 @@ inline bool decode_prefetch(bool table_default) {
 
 // Whether the AVX-512 decode GEMVs read a super-group's block row group after group (each group's
 // bytes in address order) rather than the groups side by side (one activation load for all of them).
-// On a Xeon (Granite Rapids class, one core, bench_gemv_stream on Qwen2.5-0.5B's shapes) the
-// side-by-side walk, jumping between the groups' lines, streamed int16 q4 at 0.72 of a plain read
-// and group after group at 0.79 (the model's q4 decode +10% on one thread); on Zen 3 (AVX2) pairs
-// side by side beat group after group (quant_avx2.cc). Default: group after group except on AMD,
-// whose AVX-512 cores were not measured this way; CORELM_DECODE_GROUP_MAJOR=0|1 overrides it.
+// On a Xeon (Granite Rapids class, one core, bench_gemv_stream on Qwen2.5-0.5B's shapes, the outputs
+// written past the caches: decode_store.h) the side-by-side walk, jumping between the groups' lines,
+// streams int16 q4 at 0.83 of a plain read and q8 at 0.78, group after group at 0.86 and 0.86; on Zen 3
+// (AVX2) pairs side by side beat group after group (quant_avx2.cc). Default: group after group except
+// on AMD, whose AVX-512 cores were not measured this way; CORELM_DECODE_GROUP_MAJOR=0|1 overrides it.
 inline bool decode_group_major(bool amd) {
   const char* e = std::getenv("CORELM_DECODE_GROUP_MAJOR");
   return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : !amd;
