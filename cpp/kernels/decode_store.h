@@ -1,9 +1,10 @@
-// How the decode GEMVs write their results, 8 fp32 rows of one group at a time (included by the AVX-512
-// files; any file built with AVX could use it). Each output line is written once per matrix, and the weights streamed
-// since y was last used have evicted it: an ordinary store first reads the line back from DRAM and
-// stalls the weight stream behind it, once per super-group (q4, one Xeon core, 32768 x 896: 0.77 of a
-// plain read with ordinary stores, 0.90 with these). Non-temporal stores write without that read;
-// end_decode_stores() orders them before the caller's barrier publishes y to other threads.
+// How the decode GEMVs write their results, 8 fp32 rows of one group at a time (included by the
+// AVX-512 files; any file built with AVX could use it). Each output line is written once per matrix,
+// and the weights streamed since y was last used have evicted it: an ordinary store first reads the
+// line back from DRAM and stalls the weight stream behind it, once per super-group (q4, one Xeon core,
+// 32768 x 896: 0.77 of a plain read with ordinary stores, 0.90 with these). Non-temporal stores write
+// without that read; end_decode_stores() orders them before the caller's barrier publishes y to other
+// threads.
 #pragma once
 #include <immintrin.h>
 
