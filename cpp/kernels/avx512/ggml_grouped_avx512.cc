@@ -441,14 +441,24 @@ CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, ui
 }
 
 // Q8 (q + 128 stored), Q4 (q - 8), Q4M (d * q + m): quant_layout.h, value as dequant_value.
+// A group's blocks are a quarter of each block row, too sparse a walk for the hardware prefetchers: a
+// third of the dequantization waited for the scales' line (`perf`, q4 prefill on AMX, one Xeon core).
+// Prefetching the block kPanelPrefetchBlocks ahead took a 128-token q4 prefill from 747 to 786 tok/s on 1
+// thread and 1341 to 1428 on 2 (3 rounds alternating; q8 unchanged); 4 to 16 blocks ahead measured alike.
+constexpr int64_t kPanelPrefetchBlocks = 8;
 CORELM_BF16_TARGET void quant_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
   const WeightType t = w.type;
   const int64_t nb = nblocks(w);
   const GroupView v = group_view(w.data(), t, nb, ngroups(w.rows), g);
   const __m512i m4 = _mm512_set1_epi16(0x0f);
   const __m512i off = _mm512_set1_epi16(t == WeightType::Q8 ? 128 : t == WeightType::Q4 ? 8 : 0);
+  const int64_t qbytes = qs_bytes(t);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* qs = v.qs + b * v.qstride;
+    const char* ahead = reinterpret_cast<const char*>(qs + kPanelPrefetchBlocks * v.qstride);  // prefetch never faults
+    for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v.d + (b + kPanelPrefetchBlocks) * v.dstride), _MM_HINT_T0);
+    if (t == WeightType::Q4M) _mm_prefetch(reinterpret_cast<const char*>(v.m + (b + kPanelPrefetchBlocks) * v.dstride), _MM_HINT_T0);
     const RowAffine r(f16x8(v.d + b * v.dstride), t == WeightType::Q4M ? f16x8(v.m + b * v.dstride) : _mm256_set1_ps(-0.f));
     uint32_t* pairs = dst + b * 256;
     if (t == WeightType::Q8) {
