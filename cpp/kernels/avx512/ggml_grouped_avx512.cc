@@ -418,6 +418,10 @@ CORELM_BF16_TARGET inline void emit_piece(__m512i v, const RowAffine& r, int p, 
   _mm256_storeu_si256((__m256i*)(pairs + (2 * p + 1) * 16 + 8 * gi), _mm512_extracti64x4_epi64(r2, 1));
 }
 
+// As quant_panel_group (below) for the GGUF blocks: a group's codes 4 chunks ahead and the next
+// super-block's header (the 1.5B Q4_K_M's 128-token prefill 190.6 -> 204.5 tok/s on 1 thread, 344 -> 358
+// on 2, 2 rounds alternating; 8 chunks ahead 200.2).
+constexpr int64_t kPanelPrefetchChunks = 4;
 template <WeightType T>
 CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
   using R = Tr<T>;
@@ -425,8 +429,14 @@ CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, ui
   const GroupedView v = grouped_view(w.data(), T, nsb, ngroups(w.rows), g);
   const __m512i offset = _mm512_set1_epi16((short)R::offset);
   for (int64_t sb = 0; sb < nsb; sb++) {
+    const char* next = reinterpret_cast<const char*>(v.base + (sb + 1) * v.sb_bytes);  // prefetch never faults
+    for (int64_t l = 0; l < v.header_bytes; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
     const __m256 d = f16x8(v.D(sb)), dm = R::mins ? f16x8(v.Dm(sb)) : _mm256_setzero_ps();
     for (int c = 0; c < R::chunks; c++) {
+      const char* q = reinterpret_cast<const char*>(v.qs(sb, c) + kPanelPrefetchChunks * v.chunk_bytes);
+      _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
+      if constexpr (R::hi > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(v.hi(sb, c) + kPanelPrefetchChunks * v.chunk_bytes), _MM_HINT_T0);
       // value = (d * s) * v - dm * mn, each product rounded by itself (grouped_ggml_row_to_f32)
       const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm, R::min_codes ? u8(v.M(sb, c)) : _mm256_set1_ps(R::mins ? 1.f : 0.f)));
       const RowAffine r0(R::scales ? unfused_mul8(d, s8(v.S(sb, R::halves ? 2 * c : c))) : unfused_mul8(d, _mm256_set1_ps(1.f)), minus);
