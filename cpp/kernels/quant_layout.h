@@ -34,7 +34,7 @@ constexpr int64_t kGroup = 8;
 // ~24 GB/s of Q4 in the model's shapes against ~33 for a plain read (tools/bench_quant.py --stream).
 constexpr int kSuper = 4;
 
-inline int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }
+constexpr int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }
 inline int64_t nblocks(const PackedMatrix& w) { return w.ld / kBlock; }
 inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
 // Bytes of a block row of ns groups, and of a super-group of them.

@@ -136,7 +136,7 @@ inline void load_w(const uint8_t* qs, __m512i w[4]) {
 // acc, in the order the GEMM's tile adds them, so one row gets the same bits from either.
 template <WeightType T, bool VNNI, int NG>
 inline void gemv_block(const QuantAct& qx, const GroupView& v, int64_t b, __m512 acc[NG]) {
-  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  constexpr int64_t QSB = qs_bytes(T);
   __m512i xq[4];
   const __m512i xb = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(qx.q + b * kBlock)));
   for (int t = 0; t < 4; t++) xq[t] = spread(xb, t);
@@ -245,7 +245,7 @@ template <WeightType T, bool VNNI, int MR, int NG>
 void tile(const int32_t* xs, const QuantAct& qr, int64_t i0, int64_t b0, int64_t nbk, const void* base,
           int64_t groups, int64_t nb, int64_t g0, float* y, int64_t ldy, int64_t n0, int64_t n1, bool first,
           NextChunk next) {
-  constexpr int64_t QSB = T == WeightType::Q8 ? 256 : 128;
+  constexpr int64_t QSB = qs_bytes(T);
   GroupView gv[NG], nv[NG];
   for (int g = 0; g < NG; g++) {
     gv[g] = group_view(base, T, nb, groups, g0 + g);
@@ -362,12 +362,9 @@ inline __m256 even_lanes(__m512 f) {  // one copy of each row: lanes 0, 2, .., 1
 
 // Calls piece(p, w) for the 8 pieces of block row qs of G groups (group g at qs + g * QSB), w[g] the
 // piece of group g widened to int16, so that one activation broadcast serves all G groups.
-template <WeightType T>
-constexpr int64_t kQsBytes = T == WeightType::Q8 ? 256 : 128;  // a group's quants of one block
-
 template <WeightType T, int G, class Piece>
 inline void for_pieces16(const uint8_t* qs, Piece piece) {
-  constexpr int64_t QSB = kQsBytes<T>;
+  constexpr int64_t QSB = qs_bytes(T);
   __m512i w[G];
   if constexpr (T == WeightType::Q8) {
 #pragma GCC unroll 8
@@ -409,7 +406,7 @@ inline void gemv16_groups(const PlainAct<int16_t>& qx, const GroupView& v, int64
       __m512i x[8];
       for (int p = 0; p < 8; p++) x[p] = bcast8(xb + 4 * p);
       for (int g = 0; g < NG; g++)
-        for_pieces16<T, 1>(qs + g * kQsBytes<T>, [&](int p, const __m512i* w) { acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[0], x[p]); });
+        for_pieces16<T, 1>(qs + g * qs_bytes(T), [&](int p, const __m512i* w) { acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], w[0], x[p]); });
     } else {  // the groups side by side
       for_pieces16<T, NG>(qs, [&](int p, const __m512i* w) {
         const __m512i x = bcast8(xb + 4 * p);
