@@ -14,6 +14,7 @@ from corelm.loader.gguf import _DECODERS  # noqa: E402
 from corelm.options import GGUF_BLOCK_FORMATS, WEIGHT_FORMATS  # noqa: E402
 
 TABLES = _core.kernel_tables()
+ROW_EXACT_ROWS = 32  # kRowExactRows (kernels.h): up to this many rows, every table gives decode's bits
 TYPES = [WEIGHT_FORMATS[n].gguf for n in GGUF_BLOCK_FORMATS]
 # byte ranges of each type's fp16 scale fields (random bytes there could be NaN/Inf or huge)
 F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
@@ -92,22 +93,27 @@ def test_matmul_every_table(t, act):
 def test_row_ranges_and_batch_invariance(t, extreme):
     """A thread's [n0, n1) writes only those rows, and a token's outputs are the same bits alone
     (decode, whose int16 path multiplies other instructions) as among others (prefill). extreme: the
-    largest codes and scales against activations at +-32767 (every integer sum at its largest)."""
+    largest codes and scales against activations at +-32767 (every integer sum at its largest). 75 rows:
+    two whole 32-row super-groups (a small batch streams each in one pass) and a partial one; 7 and 35
+    tokens: a small batch in tiles of 4 and 3 rows, and a prompt's tiles (kRowExactRows, kernels.h)."""
     be, _ = block_of(t)
-    rows, cols = 29, 4 * be
-    raw = random_blocks(t, rows, 4, seed=3, extreme=extreme)
-    x = np.random.default_rng(0).standard_normal((7, cols)).astype(np.float32)
-    if extreme:
-        x[0], x[1], x[2] = 1, -1, np.where(np.arange(cols) % 3 == 0, 1, -1)
-    for isa in TABLES:
-        for act in ("int8", "int16"):
-            full = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, act)
-            part = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, act, 5, 18)
-            assert np.all(part[:, :5] == 0) and np.all(part[:, 18:] == 0)
-            assert np.array_equal(part[:, 5:18], full[:, 5:18]), isa
-            for i in range(len(x)):
-                alone = _core.testing.kernel_matmul_raw(isa, x[i:i + 1], raw, t, rows, cols, act)
-                assert np.array_equal(alone[0], full[i]), (isa, act, i)
+    cols = 4 * be
+    for rows, tokens, lo, hi in ((29, 7, 5, 18), (75, 7, 5, 70), (75, 35, 32, 64)):
+        raw = random_blocks(t, rows, 4, seed=3, extreme=extreme)
+        x = np.random.default_rng(0).standard_normal((tokens, cols)).astype(np.float32)
+        if extreme:
+            x[0], x[1], x[2] = 1, -1, np.where(np.arange(cols) % 3 == 0, 1, -1)
+        for isa in TABLES:
+            for act in ("int8", "int16"):
+                full = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, act)
+                part = _core.testing.kernel_matmul_raw(isa, x, raw, t, rows, cols, act, lo, hi)
+                assert np.all(part[:, :lo] == 0) and np.all(part[:, hi:] == 0)
+                assert np.array_equal(part[:, lo:hi], full[:, lo:hi]), isa
+                if tokens > ROW_EXACT_ROWS and isa.startswith("amx"):
+                    continue  # a prompt of more rows runs on the tiles, in bf16
+                for i in range(len(x)):
+                    alone = _core.testing.kernel_matmul_raw(isa, x[i:i + 1], raw, t, rows, cols, act)
+                    assert np.array_equal(alone[0], full[i]), (isa, act, rows, i)
 
 
 def test_bad_raw_buffers_are_refused():

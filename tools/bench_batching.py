@@ -77,8 +77,7 @@ def run_corelm(model, threads, n, npp, ntg, kv, weights, isa=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_llama(gguf, threads, n, npp, ntg):
-    exe = os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")
+def run_llama(exe, gguf, threads, n, npp, ntg):
     cmd = [exe, "-m", gguf, "-c", str(n * (npp + ntg) + 64), "-npp", str(npp), "-ntg", str(ntg), "-npl", str(n),
            "-t", str(threads), "-tb", str(threads), "-ub", "512", "-b", "2048"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -105,6 +104,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--isa", nargs="+", default=None,
                     help="run corelm once per kernel table (CORELM_ISA), e.g. avx512_bf16 avx512; default: its own choice")
+    ap.add_argument("--llama-batched-bench", default=os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench"),
+                    help="the llama.cpp binary to run (e.g. a build without AMX where its AMX path faults)")
     ap.add_argument("--out", default=None, help="raw results as JSON")
     a = ap.parse_args()
     if a.worker:
@@ -113,8 +114,7 @@ def main():
     if a.weights == "auto" and not a.gguf:
         ap.error("--weights auto needs --gguf (the file llama.cpp runs; --model the same file or its folder)")
     a.gguf = a.gguf or os.path.join(PEERS, "models", "gguf", f"qwen0.5b-dims-rand-{GGUF_FOR[a.weights]}.gguf")
-    have_llama = os.path.exists(os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")) and \
-        os.path.exists(a.gguf)
+    have_llama = os.path.exists(a.llama_batched_bench) and os.path.exists(a.gguf)
     corelms = [f"corelm:{isa}" for isa in a.isa] if a.isa else ["corelm"]
     raw = []
     for r in range(a.rounds):
@@ -126,7 +126,7 @@ def main():
                     if e == "llama" and not have_llama:
                         continue
                     res = run_corelm(a.model, t, n, a.npp, a.ntg, a.kv, a.weights, e.partition(":")[2] or None) \
-                        if e != "llama" else run_llama(a.gguf, t, n, a.npp, a.ntg)
+                        if e != "llama" else run_llama(a.llama_batched_bench, a.gguf, t, n, a.npp, a.ntg)
                     raw.append(dict(engine=e, threads=t, n=n, round=r, **res))
                     print(f"[{time.strftime('%H:%M:%S')}] {e} T={t} N={n}: " +
                           ", ".join(f"{k} {v:.1f}" for k, v in res.items() if isinstance(v, float)), flush=True)

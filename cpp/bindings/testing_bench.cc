@@ -50,10 +50,10 @@ void register_testing_bench(py::module_& m) {
 
   m.def("bench_gemv_stream", [](const std::string& kind, std::vector<std::pair<int64_t, int64_t>> shapes,
                                 int64_t layers, int reps, int threads, bool sync, const std::string& activations,
-                                double sparsity) {
+                                double sparsity, int64_t rows) {
     const ActType act = parse_act_type(activations);
     const StreamBenchResult r =
-        without_gil([&] { return bench_gemv_stream(kind, shapes, layers, reps, threads, sync, act, sparsity); });
+        without_gil([&] { return bench_gemv_stream(kind, shapes, layers, reps, threads, sync, act, sparsity, rows); });
     auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
     py::dict d;
     d["kind"] = kind;
@@ -64,9 +64,9 @@ void register_testing_bench(py::module_& m) {
     d["read_samples"] = r.read_GBps;
     return d;
   }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9, py::arg("threads") = 1,
-     py::arg("sync") = true, py::arg("activations") = "int8", py::arg("sparsity") = 0.0,
+     py::arg("sync") = true, py::arg("activations") = "int8", py::arg("sparsity") = 0.0, py::arg("rows") = 1,
      "Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes` "
-     "[(N, K), ...] end to end, each times one activation row, against a plain read of as many bytes, "
+     "[(N, K), ...] end to end, each times `rows` activation rows (1: decode), against a plain read of as many bytes, "
      "alternated `reps` times (`sparsity` of the weights zeroed at random); the median GB/s of each and the samples.");
 
   m.def("bench_parallel_regions", [](int n_threads, int n_regions, int work, bool pin, bool pin_caller,

@@ -67,7 +67,13 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
   } else {
     WeightType wt;
     kt = table_and_type(kind, &wt);
-    pk = kt->pack(w.data(), N, K, wt, nullptr);
+    if (quant::is_ggml_block(wt)) {  // random GGUF blocks, as bench_gemv_stream's
+      std::vector<uint8_t> raw((size_t)N * quant::ggml_row_bytes(wt, K));
+      for (auto& b : raw) b = (uint8_t)(rng() & 0x3b);
+      pk = kt->pack_raw(wt, raw.data(), N, K, nullptr);
+    } else {
+      pk = kt->pack(w.data(), N, K, wt, nullptr);
+    }
     if (act == ActType::I8 || !kt->quant_act_bytes(pk, M, act)) {
       run = [&](int64_t n0, int64_t n1) { kt->matmul(x.data(), M, K, pk, y.data(), N, n0, n1); };
     } else {  // quantized per call, as matmul does for int8
@@ -111,12 +117,12 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
 
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
                                     int64_t layers, int reps, int threads, bool sync, ActType act,
-                                    double sparsity) {
+                                    double sparsity, int64_t rows) {
   WeightType type;
   const KernelTable* kt = table_and_type(kind, &type);
   if (type == WeightType::F32) throw std::invalid_argument("the stream takes bf16 or quantized weights, not " + kind);
-  if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1 || threads < 1 || threads > 256)
-    throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1, 1 <= threads <= 256");
+  if (shapes.empty() || layers < 1 || layers > 4096 || reps < 1 || threads < 1 || threads > 256 || rows < 1 || rows > 64)
+    throw std::invalid_argument("need shapes, 1 <= layers <= 4096, reps >= 1, 1 <= threads <= 256, 1 <= rows <= 64");
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   std::vector<PackedMatrix> mats;
@@ -151,7 +157,7 @@ StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<s
   for (PackedMatrix& w : order) ptrs.push_back(&w);
   pack_contiguously(ptrs);  // as the model keeps its weights
   mats.clear();
-  std::vector<float> x(max_k);
+  std::vector<float> x(rows * max_k);
   for (auto& v : x) v = nd(rng);
   auto plain = aligned_buffer(bytes);
   std::memset(plain.get(), 1, bytes);
@@ -173,20 +179,20 @@ StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<s
   };
   auto gemv_pass = [&] {
     team([&](int t) {
-      std::vector<float> y(max_n);
+      std::vector<float> y(rows * max_n);
       size_t qbytes = 64;
-      for (const PackedMatrix& w : order) qbytes = std::max(qbytes, kt->quant_act_bytes(w, 1, act));
+      for (const PackedMatrix& w : order) qbytes = std::max(qbytes, kt->quant_act_bytes(w, rows, act));
       auto qa = aligned_buffer(qbytes);
       int64_t gen = 0;
       barrier(gen);
       for (const PackedMatrix& w : order) {
         const int64_t per = (w.rows / threads + 31) / 32 * 32;
         const int64_t n0 = std::min(w.rows, t * per), n1 = t == threads - 1 ? w.rows : std::min(w.rows, n0 + per);
-        if (n0 < n1 && kt->quant_act_bytes(w, 1, act)) {
-          kt->quantize_act(x.data(), 1, w.cols, w, act, qa.get());
-          kt->matmul_quant(qa.get(), 1, act, w, y.data(), w.rows, n0, n1);
+        if (n0 < n1 && kt->quant_act_bytes(w, rows, act)) {
+          kt->quantize_act(x.data(), rows, w.cols, w, act, qa.get());
+          kt->matmul_quant(qa.get(), rows, act, w, y.data(), w.rows, n0, n1);
         } else if (n0 < n1) {
-          kt->matmul(x.data(), 1, w.cols, w, y.data(), w.rows, n0, n1);
+          kt->matmul(x.data(), rows, w.cols, w, y.data(), w.rows, n0, n1);
         }
         if (sync) barrier(gen);
       }

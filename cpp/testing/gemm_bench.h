@@ -39,6 +39,6 @@ struct StreamBenchResult {
 // passes alternate `reps` times.
 StreamBenchResult bench_gemv_stream(const std::string& kind, const std::vector<std::pair<int64_t, int64_t>>& shapes,
                                     int64_t layers, int reps, int threads, bool sync, ActType act,
-                                    double sparsity = 0);
+                                    double sparsity = 0, int64_t rows = 1);
 
 }  // namespace corelm

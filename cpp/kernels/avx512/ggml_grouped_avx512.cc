@@ -291,7 +291,7 @@ void decode_tile(const GroupedAct& a, const SplitAct& sa, const PackedMatrix& w,
   }
 }
 
-constexpr int kMR = 4;  // activation rows per prefill tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
+constexpr int kMR = 4;  // activation rows per tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
 
 template <WeightType T, bool VNNI, ActForm F, int NG>
 void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
@@ -307,8 +307,14 @@ void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t n
   }
 }
 
-// Decode (m <= 2): a super-group's kSuper groups at once where [n0, n1) covers it (one stream), else
-// group by group. Prefill: pairs of groups of a super-group, all activation rows in tiles of kMR.
+// Decode and small batches (m <= kRowExactRows: batched decode, a guess's check, a mixture-of-experts
+// expert's few rows): whole super-groups of [n0, n1) in one stream each, its rows in tiles of kMR
+// against all kSuper groups (the first tile reads it from memory, the others find it in L2; one row:
+// decode_tile). Elsewhere, and for prompts: pairs of groups of a super-group, all rows in tiles of kMR.
+// The one stream against the pairs of groups (which read each super-group twice), Q4_K from DRAM (one
+// Xeon core, bench_gemv_stream rows=m over OLMoE's expert shapes): 3 rows 7.7 -> 8.8-9.1 GB/s, 4 rows
+// 6.9 -> 8.4, 8 rows 4.1 -> 4.5-4.7 (Q5_K, Q6_K, IQ4_XS at 3-4 rows: +10-20%); from L3 and at 8-128
+// rows from L2 alike. Two rows so (Zen 4) took 36 ms a step of Qwen2.5-1.5B Q4_K_M against 48.
 template <WeightType T, bool VNNI, ActForm F>
 void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nsb = w.cols / ggml_block_elems(T), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
@@ -320,11 +326,8 @@ void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, i
   const SplitAct sa = kSplitRow && m == 1 ? split_int16(a.q, a.nb, split_buf) : SplitAct{};
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const int64_t first = g / kSuper * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
-    if (m <= 2 && g == first && ns == kSuper && g + kSuper <= g_end) {
-      // decode, and two rows (two sequences, a token and its guess): whole super-groups in one stream.
-      // Two rows so took 36 ms a step of Qwen2.5-1.5B Q4_K_M against 48 through the 2-group tiles (2
-      // threads, Zen 4); 4 and 6 rows as pairs were no faster than the tiles, 3 and 5 slower.
-      if (m == 2) run_tile<T, VNNI, F, 2, kSuper>(a, sa, 0, w, nsb, groups, g, y, ldy, n0, n1);
+    if (m <= kRowExactRows && g == first && ns == kSuper && g + kSuper <= g_end) {
+      if (m > 1) rows_tiles<T, VNNI, F, kSuper>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
       else if constexpr (kSplitRow) decode_tile<T, VNNI, kSplit>(a, sa, w, nsb, groups, g, y, n0, n1);
       else decode_tile<T, VNNI, F>(a, sa, w, nsb, groups, g, y, n0, n1);
       g += kSuper;
