@@ -66,7 +66,8 @@ void register_testing_bench(py::module_& m) {
   }, py::arg("kind"), py::arg("shapes"), py::arg("layers") = 24, py::arg("reps") = 9, py::arg("threads") = 1,
      py::arg("sync") = true, py::arg("activations") = "int8", py::arg("sparsity") = 0.0, py::arg("rows") = 1,
      "Decode's weight stream without the rest of the model: `layers` copies of the matrices `shapes` "
-     "[(N, K), ...] end to end, each times `rows` activation rows (1: decode), against a plain read of as many bytes, "
+     "[(N, K), ...] end to end, each times `rows` activation rows (1: decode), against a plain read of as "
+     "many bytes, "
      "alternated `reps` times (`sparsity` of the weights zeroed at random); the median GB/s of each and the samples.");
 
   m.def("bench_parallel_regions", [](int n_threads, int n_regions, int work, bool pin, bool pin_caller,

@@ -298,7 +298,7 @@ void decode_tile(const GroupedAct& a, const SplitAct& sa, const PackedMatrix& w,
   }
 }
 
-constexpr int kMR = 4;  // activation rows per tile (x 2 groups: 16 int32 chains + 8 fp32 sums)
+constexpr int kMR = 4;  // activation rows per tile (against 2 groups, or a small batch's kSuper)
 
 template <WeightType T, bool VNNI, ActForm F, int NG>
 void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
