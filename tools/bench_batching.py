@@ -104,8 +104,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--isa", nargs="+", default=None,
                     help="run corelm once per kernel table (CORELM_ISA), e.g. avx512_bf16 avx512; default: its own choice")
-    ap.add_argument("--llama-batched-bench", default=os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench"),
-                    help="the llama.cpp binary to run (e.g. a build without AMX where its AMX path faults)")
+    ap.add_argument("--llama-batched-bench", default=None,
+                    help="the llama.cpp binary to run (e.g. a build without AMX where its AMX path faults); "
+                         "default: the peers' build, skipped if absent")
     ap.add_argument("--out", default=None, help="raw results as JSON")
     a = ap.parse_args()
     if a.worker:
@@ -114,6 +115,9 @@ def main():
     if a.weights == "auto" and not a.gguf:
         ap.error("--weights auto needs --gguf (the file llama.cpp runs; --model the same file or its folder)")
     a.gguf = a.gguf or os.path.join(PEERS, "models", "gguf", f"qwen0.5b-dims-rand-{GGUF_FOR[a.weights]}.gguf")
+    if a.llama_batched_bench and not os.path.isfile(a.llama_batched_bench):
+        ap.error(f"--llama-batched-bench: no such file {a.llama_batched_bench}")
+    a.llama_batched_bench = a.llama_batched_bench or os.path.join(PEERS, "llama.cpp-build", "bin", "llama-batched-bench")
     have_llama = os.path.exists(a.llama_batched_bench) and os.path.exists(a.gguf)
     corelms = [f"corelm:{isa}" for isa in a.isa] if a.isa else ["corelm"]
     raw = []

@@ -258,7 +258,8 @@ void tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const GroupedView
             acc[i][g] = _mm256_fmadd_ps(rows(s[i][0][g]), _mm256_mul_ps(ds0, dx), acc[i][g]);
             acc[i][g] = _mm256_fmadd_ps(rows(s[i][1][g]), _mm256_mul_ps(ds1, dx), acc[i][g]);
           } else {
-            const __m512i sum = kChains == 2 ? _mm512_add_epi32(s[i][0][g], s[i][kChains - 1][g]) : s[i][0][g];
+            __m512i sum = s[i][0][g];
+            if constexpr (kChains == 2) sum = _mm512_add_epi32(sum, s[i][1][g]);
             acc[i][g] = _mm256_fmadd_ps(rows(sum), _mm256_mul_ps(ds0, dx), acc[i][g]);
           }
           if constexpr (R::mins) acc[i][g] = _mm256_fnmadd_ps(dmm, _mm256_set1_ps(a.dx[ib] * (float)a.sx32[ib]), acc[i][g]);
