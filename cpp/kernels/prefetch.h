@@ -7,22 +7,20 @@
 namespace corelm {
 namespace {
 
-// Prefetches n lines from p into L2, each next address through a multiply the compiler cannot fold
-// (by an opaque 1). Against the plain loop (p + 64 * l: three instructions a line), one Xeon core,
-// bench_gemv_stream(rows=m) over OLMoE's expert shapes from DRAM, share of a plain read (the GGUF
-// grouped kernels): one row Q4_K 0.78 -> 1.08, Q5_K 0.70 -> 0.95, Q6_K 0.73 -> 0.96; two rows 0.60 ->
-// 0.72-0.83; three 0.56 -> 0.68. Why the plain loop loses is not known (this VM shows no PMU counters):
-// a loop guarding each prefetch with a divide gained most of it too, prefetches spread over a chunk's
-// pieces lost (0.84 -> 0.64).
+// Prefetches n lines from p into L2, each address the last one plus a step the compiler cannot see
+// (asm), so the code is always one chain: prefetch, add, prefetch. Where the compiler is free to, it
+// gives every prefetch its own address from one base (an unrolled lea or base + index: all of them
+// ready at once), and those streams lose most of what the prefetch gains; why is not known (this VM
+// shows no PMU counters). One Xeon core, bench_gemv_stream on Qwen2.5-1.5B's shapes, share of a plain
+// read from DRAM, the chain against the independent addresses: q4 (int16 activations) 1.06-1.10 against
+// 0.73-0.75 (0.88 with no prefetch), q8 1.04-1.06 against 0.84-0.85; the GGUF grouped kernels (session
+// 23's loop, whose opaque multiply made a chain too): Q4_K 0.78 -> 1.08, Q5_K 0.70 -> 0.95, Q6_K 0.73 -> 0.96.
 inline void prefetch_lines_l2(const char* p, int64_t n) {
-  uint64_t one = 1;
-  __asm__("" : "+r"(one));
+  int64_t step = 64;
+  __asm__("" : "+r"(step));
   for (int64_t l = 0; l < n; l++) {
-    _mm_prefetch(p, _MM_HINT_T1);
-    uint64_t step = 64;
-    __asm__("" : "+r"(step));
-    p += step * one;
-    __asm__("" : "+r"(one));
+    __asm__ volatile("prefetcht1 (%0)" : : "r"(p));
+    __asm__("add %1, %0" : "+r"(p) : "r"(step));
   }
 }
 
