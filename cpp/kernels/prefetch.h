@@ -1,7 +1,5 @@
 // Software prefetch of a run of lines into L2 (included by the AVX-512 files).
 #pragma once
-#include <immintrin.h>
-
 #include <cstdint>
 
 namespace corelm {
