@@ -201,3 +201,25 @@ def test_tokenizer_built_while_the_weights_load(tmp_path):
         loaded.tokenizer
     with pytest.raises(ModelLoadError, match="tokenizer model 'bogus' is not supported"):
         corelm.LLM(str(bad), threads=1, speculative_model=None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_a_loaded_gguf_keeps_none_of_its_file_mapped():
+    """Once the engine holds the weights and the tokenizer, no page of the file stays in this process's
+    memory (the tokenizer's metadata pages included): peak memory is the packed model, not it plus the file."""
+    path = os.path.realpath(os.path.join(STORIES, "stories260K.gguf"))
+
+    def mapped_kib():
+        kib, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+                    inside = head[-1] == path
+                elif inside and head[0] == "Rss:":
+                    kib += int(head[1])
+        return kib
+
+    llm = corelm.LLM(path, threads=1, max_seq_len=64)
+    assert llm.generate("Once", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+    assert mapped_kib() == 0

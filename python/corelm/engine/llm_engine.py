@@ -115,6 +115,7 @@ class LLMEngine:
                                      kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa, schedule=schedule,
                                      activations=activations)
         self.tokenizer = self.loaded.tokenizer
+        self.loaded.release_all()
         self.threads = self.core.n_threads
         self.schedule = self.core.schedule
         self.activations = self.core.activations
@@ -169,6 +170,7 @@ class LLMEngine:
             from ..convert import folder_dtype
             dtype = folder_dtype(draft.source)
         core = build_core_model(draft, dtype=dtype, max_seq_len=self.max_seq_len, **build)
+        draft.release_all()
         return speculative.DraftModel(core, self.core, 4 if k is None else k, vocab_limit=self.vocab_size)
 
     def _eos_ids(self) -> List[int]:

@@ -158,6 +158,9 @@ class GGUFFile:
         out = decode(self.raw(name, r0, r1), math.prod(shape))
         return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
+    def release_all(self) -> None:
+        release_mapped_range(self._buf, 0, len(self._buf))
+
     def release(self, name: str, r0: int = 0, r1: int = -1) -> None:
         info = self.tensors.get(name)
         if info is not None:
@@ -499,7 +502,7 @@ def load_gguf_model(path: str, tokenizer_in_background: bool = False):
     get_raw_weight, raw_weight_type = _gguf_raw_getters(g, spec, names)
     return LoadedModel(
         spec=spec, get_weight=_gguf_getter(g, spec, names),
-        release_weight=lambda n: g.release(*names.get(n, ("", 0, -1))),
+        release_weight=lambda n: g.release(*names.get(n, ("", 0, -1))), release_all=g.release_all,
         get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
         tokenizer=_tokenizer_thread(g) if tokenizer_in_background else _build_tokenizer(g),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,

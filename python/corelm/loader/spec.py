@@ -118,6 +118,9 @@ class LoadedModel:
     # Called after a weight has been copied into the engine: drops the file pages it occupied from this
     # process, so peak memory is the packed model, not the packed model plus the mapped file.
     release_weight: Callable[[str], None] = lambda name: None
+    # Called once the engine holds every weight and the tokenizer: drops every file page still mapped (a
+    # GGUF's tokenizer metadata, the partial pages at tensor edges: 11 MiB of a Qwen2.5-0.5B file).
+    release_all: Callable[[], None] = lambda: None
 
     # Optional (GGUF, corelm and HF folders): (the type name Model.set_weight_raw takes, uint8 bytes [rows,
     # row bytes], shape) of a matrix stored as quantized blocks (Q8_0, Q4_0, Q4_1, ...: rows already in
