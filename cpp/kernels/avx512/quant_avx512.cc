@@ -23,8 +23,8 @@
 #include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/decode_store.h"
-#include "kernels/prefetch.h"
 #include "kernels/ggml_grouped.h"
+#include "kernels/prefetch.h"
 #include "kernels/quant_layout.h"
 #include "kernels/sparse_quant.h"
 
