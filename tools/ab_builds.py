@@ -27,6 +27,7 @@ def worker(dtype, threads, reps):
     dtype, _, act = dtype.partition("+")   # q8+i8 / q8+i16: int8 / int16 activations (else "auto")
     llm = corelm.LLM(MODEL, threads=threads, dtype=dtype, max_seq_len=512, speculative_model=None,
                      **({"activations": {"i8": "int8", "i16": "int16"}[act]} if act else {}))
+    llm.wait_for_huge_pages(timeout=300)   # decode at its steady speed (see LLM.wait_for_huge_pages)
     rng = random.Random(1)
     vocab = llm.spec.vocab_size
 

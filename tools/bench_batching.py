@@ -45,6 +45,7 @@ def corelm_worker(model, threads, n, npp, ntg, kv, weights):
         llm = corelm.LLM(model, threads=threads, max_seq_len=npp + ntg + 16, kv_cache_dtype=kv,
                          kv_cache_gb=needed_blocks * per_block / 2**30 * 1.01, max_num_seqs=n, max_batch_tokens=512,
                          **wkw)
+    llm.wait_for_huge_pages(timeout=300)   # decode at its steady speed (see LLM.wait_for_huge_pages)
     rng = np.random.default_rng(0)
     vocab = llm.spec.vocab_size
     llm.generate([list(rng.integers(3, vocab, 16))], SamplingParams(max_tokens=4, temperature=0))  # warm-up

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 from corelm import _core  # noqa: E402
-from corelm.engine.model_builder import core_config  # noqa: E402
+from corelm.engine.model_builder import core_config, wait_for_huge_pages  # noqa: E402
 from corelm.loader.spec import ModelSpec, weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
 from core_forward import core_forward  # noqa: E402
@@ -76,6 +76,7 @@ def main():
             m.set_weight(name, w)
     for m in models.values():
         m.finalize()
+    wait_for_huge_pages(models.values(), timeout=600)   # decode at its steady speed (LLM.wait_for_huge_pages)
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
     times = {k: [] for k in keys}
     prefill = {k: [] for k in keys}

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 from corelm import _core  # noqa: E402
 from corelm.convert import quantize_q4_0, quantize_q8_0, to_bf16  # noqa: E402
-from corelm.engine.model_builder import core_config  # noqa: E402
+from corelm.engine.model_builder import core_config, wait_for_huge_pages  # noqa: E402
 from corelm.loader.spec import weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_quant import SPEC, time_prompt_and_steps  # noqa: E402
@@ -134,6 +134,7 @@ def decode(a):
                 blocks = (quantize_q8_0 if a.dtype == "q8" else quantize_q4_0)(prune(w, r[2]))
                 m.set_weight_raw(name, "SQ8" if a.dtype == "q8" else "SQ4", blocks.ravel(), list(w.shape))
         m.finalize()
+        wait_for_huge_pages([m], timeout=300)   # decode at its steady speed (LLM.wait_for_huge_pages)
         models[key] = m
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
     tok_s = {r: [] for r in runs}

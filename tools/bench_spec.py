@@ -90,6 +90,8 @@ def corelm_engines(a, threads):
     if a.self_draft:
         engines[f"corelm self-draft {a.self_draft}"] = corelm.LLM(a.model, speculative_model="[self]",
                                                                   speculative_weights=a.self_draft, **base)
+    for llm in engines.values():   # decode at its steady speed (see LLM.wait_for_huge_pages)
+        llm.wait_for_huge_pages(timeout=300)
     return engines
 
 
@@ -172,6 +174,8 @@ def main():
         for threads in a.threads:
             llms = {name: corelm.LLM(a.model, speculative_model=spec, threads=threads, dtype=a.dtype)
                     for name, spec in (("plain", None), ("prompt lookup", "[ngram]"), ("lookahead", "[lookahead]"))}
+            for llm in llms.values():
+                llm.wait_for_huge_pages(timeout=300)
             runs = {k: [] for k in llms}
             for rnd in range(a.rounds):
                 for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 
 #include "bindings/bindings.h"
 #include "kernels/kernels.h"
@@ -156,8 +158,8 @@ PYBIND11_MODULE(_core, m) {
     release_freed_heap();
   }, "Hands the C heap's freed memory back to the OS (glibc's malloc_trim; a no-op elsewhere).");
   m.def("huge_pages_in_use", &huge_pages_in_use,
-        "Whether large buffers (weights) still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 (the default) always, 0 "
-        "never, auto until one takes longer than 1 ms to fault in (a VM whose fresh memory is slow).");
+        "Whether large buffers (weights) still ask for 2 MiB pages: CORELM_HUGE_PAGES=auto (the default) until "
+        "one takes longer than 1 ms to fault in (a VM whose fresh memory is slow), 1 always, 0 never.");
   m.def("count_nonfinite", [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> raw, int64_t block_bytes,
                               std::vector<int64_t> offsets, bool bf16) {
     if (block_bytes < 2) throw std::invalid_argument("block_bytes must be at least 2");
@@ -167,13 +169,25 @@ PYBIND11_MODULE(_core, m) {
     const int64_t n = (int64_t)raw.size() / block_bytes;
     // NaN or Inf: the exponent all ones (fp16: bits 10..14, bf16: bits 7..14), read from the high byte
     const uint8_t hi_mask = bf16 ? 0x7F : 0x7C, lo_mask = bf16 ? 0x80 : 0x00;
-    int64_t bad = 0;
+    auto count = [&](int64_t b0, int64_t b1) {
+      int64_t bad = 0;
+      for (const uint8_t* q = p + b0 * block_bytes; b0 < b1; b0++, q += block_bytes)
+        for (int64_t o : offsets) bad += (q[o + 1] & hi_mask) == hi_mask && (q[o] & lo_mask) == lo_mask;
+      return bad;
+    };
+    // A model's tensors are read here first (their file pages mapped in): on a few threads when large
+    const int threads = (int)std::clamp<int64_t>((int64_t)raw.size() >> 21, 1,
+                                                 std::max(1u, std::min(4u, std::thread::hardware_concurrency())));
+    std::vector<int64_t> bad(threads, 0);
     {
       py::gil_scoped_release nogil;
-      for (int64_t b = 0; b < n; b++, p += block_bytes)
-        for (int64_t o : offsets) bad += (p[o + 1] & hi_mask) == hi_mask && (p[o] & lo_mask) == lo_mask;
+      std::vector<std::thread> helpers;
+      for (int t = 1; t < threads; t++)
+        helpers.emplace_back([&, t] { bad[t] = count(n * t / threads, n * (t + 1) / threads); });
+      bad[0] = count(0, n / threads);
+      for (std::thread& h : helpers) h.join();
     }
-    return bad;
+    return std::accumulate(bad.begin(), bad.end(), (int64_t)0);
   }, py::arg("raw"), py::arg("block_bytes"), py::arg("offsets"), py::arg("bf16") = false,
      "How many of the little-endian fp16 (or bf16) fields at `offsets` of each block_bytes-long block of raw are "
      "NaN or Inf.");
@@ -267,6 +281,14 @@ PYBIND11_MODULE(_core, m) {
            "token's by falling router probability.")
       .def_property_readonly("active_weight_bytes", [](PyModel& s) { return s.model.active_weight_bytes(); },
                              "What one decoded token reads: weight_bytes with only the used experts (of mean size).")
+      .def_property_readonly("huge_page_promotion", [](PyModel& s) {
+             const Model::HugePagePromotion p = s.model.huge_page_promotion();
+             py::dict d;
+             d["total_bytes"] = p.total, d["moved_bytes"] = p.done, d["running"] = p.running;
+             return d;
+           },
+           "Where auto put the weights on 4 KiB pages (2 MiB ones came slowly), a thread of idle priority moves "
+           "them onto 2 MiB pages: {total_bytes, moved_bytes, running} (total 0: nothing to move).")
       .def("weight_spans", [](PyModel& s) { return s.model.weight_spans(); },
            "[(name, address, bytes)] of the packed matrices in the order decode reads them.")
       .def_property_readonly("n_threads", [](PyModel& s) { return s.model.n_threads(); })

@@ -5,6 +5,7 @@
 #include "kernels/stream_read.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,9 @@
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1's ABI; glibc before 2.37 lacks the name
+#endif
 #endif
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -41,20 +45,32 @@ bool aligned_buffer_owns_pages(size_t bytes) {
 #if defined(__linux__)
 namespace {
 // Whether buffers may ask for 2 MiB pages. Weights are streamed end to end every token, and 2 MiB pages
-// take the TLB misses out of the stream (decode 2-15% faster on the Xeon). But a VM that hands freed
-// memory back to its host (balloon free page reporting) can spend ~10 ms of CPU on each fresh 2 MiB page
-// (0.1-0.3 ms elsewhere): seconds per GB of weights, where 4 KiB pages load in a fraction of that, but
-// decode 7-15% slower there. Decode comes first: buffers ask for them (CORELM_HUGE_PAGES=1, the default),
-// or never (0), or (auto) are faulted in page by page under the thread's CPU clock until a page takes
-// longer than kSlowHugePageSeconds, and from then on the process stops asking.
-constexpr double kSlowHugePageSeconds = 1e-3;
+// take the TLB misses out of the stream (decode up to 25% faster on the Xeon). But a VM that hands freed
+// memory back to its host (balloon free page reporting: Firecracker) can spend 10-17 ms of CPU on each
+// fresh 2 MiB page (0.1-0.3 ms elsewhere): seconds per GB of weights, where 4 KiB pages, still backed by
+// the host, load in a fraction of that. So by default (auto) buffers are faulted in 2 MiB page by page
+// under the thread's CPU clock until a page takes longer than slow_huge_page_seconds(); from then on the
+// process takes 4 KiB pages, and the model moves its weights onto 2 MiB pages afterwards at idle
+// priority (collapse_into_huge_pages). CORELM_HUGE_PAGES=1 always asks at once (decode at full speed
+// from the first token, slow loads there), 0 never.
+// 1 ms; CORELM_HUGE_PAGE_SLOW_MS sets another line (0: the first page counts as slow, for tests)
+double slow_huge_page_seconds() {
+  static const double s = [] {
+    const char* e = std::getenv("CORELM_HUGE_PAGE_SLOW_MS");
+    char* end = nullptr;
+    const double ms = e ? std::strtod(e, &end) : 1.0;
+    return e && end != e && ms >= 0 ? 1e-3 * ms : 1e-3;
+  }();
+  return s;
+}
 std::atomic<int> g_huge_pages{-1};  // -1: not yet read, 0: off, 1: on, 2: on while they come cheap
+std::atomic<bool> g_huge_pages_slow{false};  // auto saw a slow one
 
 int huge_page_policy() {
   int p = g_huge_pages.load(std::memory_order_relaxed);
   if (p < 0) {
     const char* e = std::getenv("CORELM_HUGE_PAGES");
-    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "auto") == 0 ? 2 : 1;
+    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "1") == 0 ? 1 : 2;
     int expected = -1;
     if (!g_huge_pages.compare_exchange_strong(expected, p)) p = expected;
   }
@@ -77,7 +93,7 @@ size_t populate_huge_until_slow(char* start, size_t bytes) {
     const size_t n = std::min(kHugePageBytes, bytes - off);
     const double t0 = thread_cpu_seconds();
     if (madvise(start + off, n, MADV_POPULATE_WRITE) != 0) return bytes;
-    if (thread_cpu_seconds() - t0 > kSlowHugePageSeconds) return off;
+    if (thread_cpu_seconds() - t0 > slow_huge_page_seconds()) return off;
   }
 #else
   (void)start;
@@ -93,6 +109,40 @@ bool huge_pages_in_use() {
 #else
   return false;
 #endif
+}
+
+bool huge_pages_came_slow() {
+#if defined(__linux__)
+  return g_huge_pages_slow.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+size_t collapse_into_huge_pages(void* p, size_t bytes, const std::function<bool()>& go_on, bool* unsupported) {
+  size_t done = 0;
+  *unsupported = false;
+#if defined(__linux__)
+  const uintptr_t a = ((uintptr_t)p + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  const uintptr_t b = ((uintptr_t)p + bytes) / kHugePageBytes * kHugePageBytes;
+  for (uintptr_t q = a; q < b && go_on(); q += kHugePageBytes) {
+    void* page = reinterpret_cast<void*>(q);
+    // auto marked the 4 KiB part MADV_NOHUGEPAGE, which MADV_COLLAPSE refuses; its pages are all
+    // resident, so lifting the mark lets no new fault take a slow 2 MiB page
+    if (madvise(page, kHugePageBytes, MADV_HUGEPAGE) != 0 || madvise(page, kHugePageBytes, MADV_COLLAPSE) != 0) {
+      if (errno == EINVAL) {  // Linux before 6.1, or THP off: nothing will move
+        *unsupported = true;
+        break;
+      }
+      continue;  // EAGAIN, ENOMEM: this page stays on 4 KiB pages
+    }
+    done += kHugePageBytes;
+  }
+#else
+  (void)p, (void)bytes, (void)go_on;
+  *unsupported = true;
+#endif
+  return done;
 }
 
 std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages) {
@@ -112,6 +162,7 @@ std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages) {
         const size_t slow = populate_huge_until_slow(start, bytes);
         if (slow < bytes) {  // fresh 2 MiB pages are slow here: the rest of this buffer and later ones on 4 KiB
           g_huge_pages.store(0, std::memory_order_relaxed);
+          g_huge_pages_slow.store(true, std::memory_order_relaxed);
           const size_t rest = std::min(bytes, slow + kHugePageBytes);
           if (rest < bytes) madvise(start + rest, bytes - rest, MADV_NOHUGEPAGE);
         }

@@ -8,57 +8,56 @@ namespace {
 // The byte offsets of a block's fp16 d (and dmin) in the file.
 inline int d_offset(WeightType t) { return t == WeightType::Q6_K ? 208 : 0; }
 
-inline uint32_t load4(const uint8_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, 4);
+inline uint64_t load8(const uint8_t* p) {
+  uint64_t x;
+  std::memcpy(&x, p, 8);
   return x;
 }
 
-// Bit b of m (b < 4) as bit 4 of byte b: four codes' fifth bits at once.
-inline uint32_t fifth_bits(uint32_t m) {
-  return ((m & 1u) | ((m & 2u) << 7) | ((m & 4u) << 14) | ((m & 8u) << 21)) << 4;
+inline void store4(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// Bit b of m (b < 8) as bit 4 of byte b: eight codes' fifth bits at once.
+inline uint64_t fifth_bits(uint64_t m) {
+  uint64_t out = 0;
+  for (int b = 0; b < 8; b++) out |= ((m >> b) & 1u) << (8 * b + 4);
+  return out;
 }
 
-// The 32 codes u of chunk c (the stored bits: v = u - offset, or the IQ4 table's entry for u), four to a
-// word: u[4p..4p+3] in the bytes of w[p]. Whole words at a time, per type: packing is most of a load.
+// The 32 codes u of chunk c (the stored bits: v = u - offset, or the IQ4 table's entry for u), eight to a
+// word: u[8k..8k+7] in the bytes of w[k]. Whole words at a time, per type: packing is most of a load.
 template <WeightType T>
-inline void chunk_code_words(const uint8_t* blk, int c, uint32_t w[8]) {
-  constexpr uint32_t lo4 = 0x0f0f0f0fu;
+inline void chunk_code_words(const uint8_t* blk, int c, uint64_t w[4]) {
+  constexpr uint64_t lo4 = 0x0f0f0f0f0f0f0f0full;
   auto nibbles = [&](const uint8_t* qs) {  // element k < 16 in the low nibble of qs[k], k + 16 in the high
-    for (int p = 0; p < 4; p++) w[p] = load4(qs + 4 * p) & lo4, w[p + 4] = (load4(qs + 4 * p) >> 4) & lo4;
+    for (int k = 0; k < 2; k++) w[k] = load8(qs + 8 * k) & lo4, w[k + 2] = (load8(qs + 8 * k) >> 4) & lo4;
   };
-  auto bit4 = [&](uint32_t qh) {
-    for (int p = 0; p < 8; p++) w[p] |= fifth_bits((qh >> (4 * p)) & 0xf);
+  auto bit4 = [&](const uint8_t* qh) {
+    for (int k = 0; k < 4; k++) w[k] |= fifth_bits(qh[k]);
   };
   if constexpr (T == WeightType::Q5_0) {
-    nibbles(blk + 6), bit4(load4(blk + 2));
+    nibbles(blk + 6), bit4(blk + 2);
   } else if constexpr (T == WeightType::Q5_1) {
-    nibbles(blk + 8), bit4(load4(blk + 4));
+    nibbles(blk + 8), bit4(blk + 4);
   } else if constexpr (T == WeightType::IQ4_NL) {
     nibbles(blk + 2);
   } else if constexpr (T == WeightType::IQ4_XS) {
     nibbles(blk + 8 + 16 * c);
   } else if constexpr (T == WeightType::Q4_K) {
     const uint8_t* q = blk + 16 + 32 * (c / 2);
-    for (int p = 0; p < 8; p++) w[p] = (load4(q + 4 * p) >> (4 * (c % 2))) & lo4;
+    for (int k = 0; k < 4; k++) w[k] = (load8(q + 8 * k) >> (4 * (c % 2))) & lo4;
   } else if constexpr (T == WeightType::Q5_K) {
     const uint8_t* q = blk + 48 + 32 * (c / 2);
-    for (int p = 0; p < 8; p++)
-      w[p] = ((load4(q + 4 * p) >> (4 * (c % 2))) & lo4) | (((load4(blk + 16 + 4 * p) >> c) & 0x01010101u) << 4);
+    for (int k = 0; k < 4; k++)
+      w[k] = ((load8(q + 8 * k) >> (4 * (c % 2))) & lo4) |
+             (((load8(blk + 16 + 8 * k) >> c) & 0x0101010101010101ull) << 4);
   } else {
     static_assert(T == WeightType::Q6_K, "a grouped type");
     const int h = c / 4, q = c % 4;
     const uint8_t *ql = blk + 64 * h + 32 * (q % 2), *qhb = blk + 128 + 32 * h;
-    for (int p = 0; p < 8; p++)
-      w[p] = ((load4(ql + 4 * p) >> (4 * (q / 2))) & lo4) | (((load4(qhb + 4 * p) >> (2 * q)) & 0x03030303u) << 4);
+    for (int k = 0; k < 4; k++)
+      w[k] = ((load8(ql + 8 * k) >> (4 * (q / 2))) & lo4) |
+             (((load8(qhb + 8 * k) >> (2 * q)) & 0x0303030303030303ull) << 4);
   }
-}
-
-inline void or4(uint8_t* p, uint32_t v) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  w |= v;
-  std::memcpy(p, &w, 4);
 }
 
 // Byte and shift of column k of row j (of 8) among a chunk's 128 nibble bytes (quant_layout.h's Q4).
@@ -97,14 +96,29 @@ void fill_groups(uint8_t* base, const uint8_t* raw, int64_t rows, int64_t nsb, i
           for (int h = 0; h < (tr.halves ? 2 : 1); h++)
             const_cast<int8_t*>(v.S(sb, tr.halves ? 2 * c + h : c))[j] = (int8_t)ch.s[h];
         if constexpr (tr.min_codes) const_cast<uint8_t*>(v.M(sb, c))[j] = (uint8_t)ch.mn[0];
-        uint32_t w[8];
+        uint64_t w[4];
         chunk_code_words<T>(blk, c, w);
         uint8_t* qs = const_cast<uint8_t*>(v.qs(sb, c));
         uint8_t* hi = const_cast<uint8_t*>(v.hi(sb, c));
-        for (int p = 0; p < 8; p++) {  // piece p: columns 4p..4p+3, the 4 bytes of row j (nibble_at)
-          or4(qs + 64 * (p / 4) + 32 * (p % 2) + 4 * j, (w[p] & 0x0f0f0f0fu) << (4 * ((p / 2) % 2)));
-          if constexpr (tr.hi_bits == 1) or4(hi + 4 * j, ((w[p] >> 4) & 0x01010101u) << p);
-          if constexpr (tr.hi_bits == 2) or4(hi + 32 * (p / 4) + 4 * j, ((w[p] >> 4) & 0x03030303u) << (2 * (p % 4)));
+        // Row j's bytes of the chunk, each written whole (rows own disjoint bytes). nibble_at puts pieces
+        // p and p + 2 (4 columns each) in one byte, p low, of the 32-byte quarter 2 (p / 4) + p % 2: the
+        // pieces of w[2h] and w[2h + 1] share quarters 2h (low words) and 2h + 1 (high words).
+        constexpr uint64_t lo4 = 0x0f0f0f0f0f0f0f0full;
+        for (int h = 0; h < 2; h++) {
+          const uint64_t b = (w[2 * h] & lo4) | ((w[2 * h + 1] & lo4) << 4);
+          store4(qs + 64 * h + 4 * j, (uint32_t)b);
+          store4(qs + 64 * h + 32 + 4 * j, (uint32_t)(b >> 32));
+        }
+        if constexpr (tr.hi_bits == 1) {  // bit p of byte i: the fifth bit of column 4p + i
+          uint64_t t = 0;  // piece 2k in the low word at bit 2k, piece 2k + 1 in the high word
+          for (int k = 0; k < 4; k++) t |= ((w[k] >> 4) & 0x0101010101010101ull) << (2 * k);
+          store4(hi + 4 * j, (uint32_t)t | ((uint32_t)(t >> 32) << 1));
+        }
+        if constexpr (tr.hi_bits == 2) {  // bits 2(p % 4)..+1 of byte i of half p / 4: bits 4-5 of 4p + i
+          for (int h = 0; h < 2; h++) {
+            const uint64_t t = ((w[2 * h] >> 4) & 0x0303030303030303ull) | (((w[2 * h + 1] >> 4) & 0x0303030303030303ull) << 4);
+            store4(hi + 32 * h + 4 * j, (uint32_t)t | ((uint32_t)(t >> 32) << 2));
+          }
         }
       }
     }

@@ -76,9 +76,17 @@ struct PackedMatrix {
 // data filled a little at a time in many places (the KV cache), where each first write would make
 // 2 MiB resident.
 std::shared_ptr<void> aligned_buffer(size_t bytes, bool huge_pages = true);
-// Whether large buffers still ask for 2 MiB pages: CORELM_HUGE_PAGES=1 (default) always, 0 never, auto
-// until one 2 MiB page takes longer than 1 ms to fault in (dispatch.cc: VMs whose fresh memory is slow).
+// Whether large buffers still ask for 2 MiB pages: CORELM_HUGE_PAGES=auto (default) until one 2 MiB page
+// takes longer than 1 ms to fault in (dispatch.cc: VMs whose fresh memory is slow), 1 always, 0 never.
 bool huge_pages_in_use();
+// Whether auto stopped asking because a 2 MiB page came slowly: buffers since are on 4 KiB pages.
+bool huge_pages_came_slow();
+// Moves the whole 2 MiB pages inside [p, p + bytes), resident on 4 KiB pages, onto 2 MiB pages, one at a
+// time (MADV_COLLAPSE, Linux 6.1+; the data stays where it is, readers may go on reading), asking go_on()
+// before each (false: stop); returns the bytes moved, *unsupported where the kernel can't (then stops).
+// Slow where fresh 2 MiB pages are (~15 ms each, part of it holding the process's page tables): for a
+// thread of idle priority that waits while the model computes.
+size_t collapse_into_huge_pages(void* p, size_t bytes, const std::function<bool()>& go_on, bool* unsupported);
 // Makes the pages of [p, p + bytes) resident and writable before a packer fills them. A packer that reads
 // a fresh page before writing it (OR-ing bits in) first maps the shared zero page, and the write that
 // follows replaces it with a TLB flush on every CPU the process runs on: an interrupt per page to the

@@ -424,6 +424,7 @@ struct ExpertDownTask {
 }  // namespace
 
 void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+  const ForwardMark busy;
   int64_t T = 0;
   for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
   ensure_scratch(T);

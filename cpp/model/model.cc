@@ -1,5 +1,8 @@
 #include "model/model.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 
 namespace corelm {
@@ -31,12 +34,17 @@ Model::Model(const ModelConfig& cfg)
           KVCache::kept(cfg.head_dim, cfg.kv_sparsity)) {
   layers_.resize(cfg_.n_layers);
   for (LayerWeights& L : layers_) L.experts.resize(cfg_.n_experts);
+  // Pieces taken first come first served: while weights load, the GGUF tokenizer's Python thread shares
+  // the cores, so halves fixed up front would leave one thread waiting for a descheduled other. The
+  // workers sleep at once after each tensor, instead of spinning through the loader's Python between.
   pack_threads_ = [this](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-    pool_.parallel([&](int tid, int nth) {
-      int64_t b0, b1;
-      split_range(n, tid, nth, 1, &b0, &b1);
-      if (b0 < b1) body(b0, b1);
+    const int64_t piece = std::max<int64_t>(1, n / (8 * pool_.size()));
+    std::atomic<int64_t> next{0};
+    pool_.parallel([&](int, int) {
+      for (int64_t b0; (b0 = next.fetch_add(piece, std::memory_order_relaxed)) < n;)
+        body(b0, std::min(n, b0 + piece));
     });
+    pool_.park();
   };
   // cos/sin of every position and rotated pair, one fp32 rounding of the angle as transformers computes
   // it; the sliding-window layers' own table where their frequencies differ (Gemma 3)
@@ -58,6 +66,71 @@ Model::Model(const ModelConfig& cfg)
 }
 
 // A pool thread descheduled in the middle of a chunk may still read the weights and buffers.
-Model::~Model() { pool_.quiesce(); }
+Model::~Model() {
+  promoter_.stop.store(true);
+  if (promoter_.thread.joinable()) promoter_.thread.join();
+  pool_.quiesce();
+}
+
+namespace {
+// When a forward of any model last started or ended, and how many run now: the promoter moves a page
+// only after kQuietNs without one (a decode step's gap is a few ms), so a move (~15 ms, a VM's slow
+// memory) never lands inside a request.
+std::atomic<int64_t> g_forward_stamp_ns{0};
+std::atomic<int> g_forwards_running{0};
+constexpr int64_t kQuietNs = 100'000'000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+Model::ForwardMark::ForwardMark() {
+  g_forwards_running.fetch_add(1);
+  g_forward_stamp_ns.store(now_ns());
+}
+Model::ForwardMark::~ForwardMark() {
+  g_forward_stamp_ns.store(now_ns());
+  g_forwards_running.fetch_sub(1);
+}
+
+void Model::start_huge_page_promotion() {
+  // The weights' address ranges; those finalize() put end to end in one buffer (each on the next page
+  // or 64 bytes, kernels.h: pack_contiguously) merged, so its 2 MiB pages count whole
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const auto& [name, at, bytes] : weight_spans()) ranges.push_back({at, at + bytes});
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (const auto& r : ranges)
+    if (!merged.empty() && r.first <= merged.back().second + 4096 + 64)
+      merged.back().second = std::max(merged.back().second, r.second);
+    else
+      merged.push_back(r);
+  auto whole_pages = [](uintptr_t a, uintptr_t b) -> size_t {  // bytes of the 2 MiB pages inside [a, b)
+    constexpr uintptr_t kHuge = 2 << 20;
+    const uintptr_t first = (a + kHuge - 1) / kHuge, end = b / kHuge;
+    return end > first ? (end - first) * kHuge : 0;
+  };
+  for (const auto& [a, b] : merged) promoter_.total += (int64_t)whole_pages(a, b);
+  if (promoter_.total == 0) return;
+  promoter_.running.store(true);
+  promoter_.thread = std::thread([this, merged] {
+    make_current_thread_idle_priority();  // only CPU time nothing else wants: never delays a token
+    for (const auto& [a, b] : merged) {
+      bool unsupported = false;
+      promoter_.done.fetch_add((int64_t)collapse_into_huge_pages(reinterpret_cast<void*>(a), b - a, [this] {
+        while (!promoter_.stop.load() && (g_forwards_running.load() > 0 || now_ns() - g_forward_stamp_ns.load() < kQuietNs))
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return !promoter_.stop.load();
+      }, &unsupported));
+      if (unsupported || promoter_.stop.load()) break;
+    }
+    promoter_.running.store(false);
+  });
+}
+
+Model::HugePagePromotion Model::huge_page_promotion() const {
+  return {promoter_.total, promoter_.done.load(), promoter_.running.load()};
+}
 
 }  // namespace corelm

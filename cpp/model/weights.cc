@@ -367,6 +367,7 @@ void Model::finalize() {
   pack_contiguously(order);
   place_weights();
   ready_ = true;
+  if (huge_pages_came_slow()) start_huge_page_promotion();
 }
 
 std::vector<std::tuple<std::string, uintptr_t, size_t>> Model::weight_spans() const {

@@ -473,6 +473,15 @@ bool set_current_thread_cpus(const std::vector<int>& cpus) {
 
 bool pin_current_thread(int cpu) { return set_current_thread_cpus({cpu}); }
 
+bool make_current_thread_idle_priority() {
+#if defined(__linux__) && defined(SCHED_IDLE)
+  sched_param p{};
+  return pthread_setschedparam(pthread_self(), SCHED_IDLE, &p) == 0;
+#else
+  return false;
+#endif
+}
+
 int current_node(const Topology& topo) {
 #if defined(__linux__)
   const LogicalCpu* c = topo.cpu(sched_getcpu());

@@ -121,6 +121,8 @@ std::vector<int> plan_threads(const Topology& topo, int n_threads, const std::ve
 bool set_thread_cpus(std::thread::native_handle_type thread, const std::vector<int>& cpus);
 bool pin_thread(std::thread::native_handle_type thread, int cpu);
 bool pin_current_thread(int cpu);
+// Makes the calling thread run only on otherwise idle CPUs (Linux SCHED_IDLE); false where refused.
+bool make_current_thread_idle_priority();
 bool set_current_thread_cpus(const std::vector<int>& cpus);
 
 // Parses a sysfs CPU list ("0-3,8,10-11\n"); false on malformed input (out is then unspecified).

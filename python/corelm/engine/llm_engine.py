@@ -24,7 +24,7 @@ import numpy as np
 
 from ..loader import load_model
 from ..options import choose
-from .model_builder import build_core_model
+from .model_builder import build_core_model, wait_for_huge_pages
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, StreamChunk
@@ -289,6 +289,13 @@ class LLMEngine:
     def clear_prefix_cache(self) -> None:
         """Forget the prefix cache (the next prompt is read from scratch)."""
         self.scheduler.clear_prefix_cache()
+
+    def wait_for_huge_pages(self, timeout: Optional[float] = None) -> bool:
+        """Waits while the weights (the draft model's too) move onto 2 MiB pages, which happens where the
+        load put them on 4 KiB ones because fresh 2 MiB pages came slowly (docs/architecture.md); True
+        once no move is running. The move runs at idle priority: while the CPUs are busy it waits."""
+        cores = [self.core] + [c for c in [getattr(self.speculator, "core", None)] if c is not None]
+        return wait_for_huge_pages(cores, timeout)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:

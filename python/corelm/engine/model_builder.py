@@ -6,6 +6,7 @@ import collections
 import logging
 import math
 import os
+import time
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -329,3 +330,15 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
         log.info(model.numa_info()["status"])
     loaded.stored_types = "+".join(t for t, n in stored.most_common() if n)
     return model
+
+
+def wait_for_huge_pages(cores, timeout: Optional[float] = None) -> bool:
+    """Waits until no `_core.Model` of cores is still moving its weights onto 2 MiB pages (see
+    `Model.huge_page_promotion`); False if timeout (seconds) ran out first. The move runs at idle
+    priority while no model computes, so this waits with the CPUs idle: what benchmarks of decode do."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(c.huge_page_promotion["running"] for c in cores):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
