@@ -533,7 +533,7 @@ def main():
                     r = dict(run_one(e, m, T, a, prompts[m]), loadavg1_before=load1)
                     raw.setdefault((label, el, T), []).append(r)
                     short = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
-                             if k in ("prefill_tps", "decode_tps", "rss_mib", "load_s", "loadavg1_before")}
+                             if k in ("prefill_tps", "decode_tps", "rss_mib", "load_s", "huge_page_wait_s", "loadavg1_before")}
                     msg = (f"[{time.strftime('%H:%M:%S')}] {label} {el} T={T} round={rnd} {time.time() - t:.0f}s "
                            f"{short or r}")
                     print(msg, flush=True)

@@ -114,6 +114,7 @@ void Model::start_huge_page_promotion() {
   for (const auto& [a, b] : merged) promoter_.total += (int64_t)whole_pages(a, b);
   if (promoter_.total == 0) return;
   promoter_.running.store(true);
+  g_forward_stamp_ns.store(now_ns());  // the rest of the load (tokenizer, KV cache) counts as busy too
   promoter_.thread = std::thread([this, merged] {
     make_current_thread_idle_priority();  // only CPU time nothing else wants: never delays a token
     for (const auto& [a, b] : merged) {
