@@ -299,19 +299,30 @@ void decode_tile(const GroupedAct& a, const SplitAct& sa, const PackedMatrix& w,
   }
 }
 
-constexpr int kMR = 4;  // activation rows per tile (against 2 groups, or a small batch's kSuper)
+// Activation rows per tile (against 2 groups, or a small batch's kSuper): at most kMR, as even as the
+// count allows (8 rows: 4 + 4, 7: 4 + 3), since much of a tile's cost is widening the codes, which its
+// rows share. With at most 4, 5 rows went as 4 + 1 and 6 as 4 + 2: bench_gemv_stream over Qwen2.5-1.5B's
+// shapes, 2 threads, GB/s of weights, Q4_K 5 rows 10.5-12.7 -> 14.6-15.2, 6 rows 8.3-11.9 -> 12.8-12.9
+// (Q6_K 12.3-12.6 -> 14.6-14.7 and 11.1-11.5 -> 12.5-12.7), 1-4 rows alike; 6 rows' 24 int32 chains
+// still fit the registers.
+constexpr int kMR = 6;
 
 template <WeightType T, bool VNNI, ActForm F, int NG>
 void rows_tiles(const GroupedAct& a, int64_t m, const PackedMatrix& w, int64_t nsb, int64_t groups, int64_t g, float* y,
                 int64_t ldy, int64_t n0, int64_t n1) {
   const SplitAct none{};
-  int64_t i = 0;
-  for (; i + kMR <= m; i += kMR) run_tile<T, VNNI, F, kMR, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1);
-  switch (m - i) {
-    case 3: return run_tile<T, VNNI, F, 3, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1);
-    case 2: return run_tile<T, VNNI, F, 2, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1);
-    case 1: return run_tile<T, VNNI, F, 1, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1);
-    default: return;
+  const int64_t tiles = (m + kMR - 1) / kMR;
+  for (int64_t t = 0, i = 0; t < tiles; t++) {
+    const int64_t rows = m / tiles + (t < m % tiles);
+    switch (rows) {
+      case 6: run_tile<T, VNNI, F, 6, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 5: run_tile<T, VNNI, F, 5, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 4: run_tile<T, VNNI, F, 4, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 3: run_tile<T, VNNI, F, 3, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 2: run_tile<T, VNNI, F, 2, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      default: run_tile<T, VNNI, F, 1, NG>(a, none, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+    }
+    i += rows;
   }
 }
 
