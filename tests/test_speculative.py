@@ -4,6 +4,7 @@ plain decoding gives; rejected guesses never reach the prefix cache and leave no
 sampled distribution passes a two-sample chi-square test against plain decoding."""
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -397,6 +398,22 @@ def test_draft_reads_a_long_prompt_in_chunks(monkeypatch):
     spec = corelm.LLM(STORIES_GGUF, **Q8, **FIXED, speculative_model=STORIES_GGUF)
     assert run(spec, [ids], params) == run(plain, [ids], params)
     assert spec.engine.spec_counts()["accepted_tokens"] > 0
+
+
+def test_a_draft_reading_the_prompt_is_not_a_pass_cost(monkeypatch):
+    """The step that finishes a prompt also has the draft read it; that time is the draft's, not what a pass
+    of the prompt's rows costs, so StepCosts (which the planner prices proposals with) leaves it out: a
+    2-token prompt's pass counted a slow draft's reading as a 2-row pass, and no proposal paid after."""
+    spec = corelm.LLM(STORIES_GGUF, **Q8, speculative_model=STORIES_GGUF)
+    read = spec.engine.speculator.read_prompts
+
+    def slow_read(items):
+        time.sleep(0.5)
+        return read(items)
+
+    monkeypatch.setattr(spec.engine.speculator, "read_prompts", slow_read)
+    spec.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert spec.engine.scheduler.step_costs.seconds[3] < 0.25
 
 
 # --- every entry point --------------------------------------------------------------------------------

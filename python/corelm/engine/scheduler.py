@@ -293,11 +293,14 @@ class Scheduler:
         self.last_step_tokens = len(tokens)
         logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
         pure_decode = all(n == 1 for _, n in plan)
+        t_read = 0.0
         if self.speculator is not None:
             # a draft model reads a prompt when the model has (prompt time, not the first proposal's)
             done = [(r.key, r.tokens) for r, n in plan if n > 1 and r.n_computed + n == len(r.tokens)]
             if done:
+                t_read = time.perf_counter()
                 self.speculator.read_prompts(done)
+                t_read = time.perf_counter() - t_read
         emitted = 0
         row = 0
         for r, n in plan:
@@ -334,7 +337,7 @@ class Scheduler:
             now = time.perf_counter()
             # the pass and the sampling of its rows, by rows; and, for steps of decoding only, what the
             # step gave per second with and without proposals (SpecGuard)
-            self.step_costs.record(len(tokens), now - t_drafted)
+            self.step_costs.record(len(tokens), now - t_drafted - t_read)   # the pass's rows: not the draft's reading
             if pure_decode:
                 self.spec_guard.record(len(plan), bool(drafts), emitted, now - t_step)
         return out
