@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     try:
         for n in args.threads:
             llm = LLM(args.model, threads=n, dtype=args.dtype, max_seq_len=args.tokens + 16, speculative_model=None)
+            neighbour.pause()
+            llm.wait_for_huge_pages(timeout=300)   # decode at its steady speed (LLM.wait_for_huge_pages)
             core = llm.engine.core
             cells = {(noisy, s): [] for noisy in (False, True) for s in ("static", "dynamic")}
             order = list(cells)
