@@ -3,6 +3,7 @@ machine), the thread plan, the pinned thread pool and what a parallel region cos
 import json
 import math
 import os
+import re
 import runpy
 import shutil
 
@@ -362,7 +363,8 @@ print("R" + json.dumps(dict(in_use=_core.huge_pages_in_use(), done=done, p=p, sa
     assert p["total_bytes"] >= 50 << 20 and not p["running"]     # SmolLM2's ~90 MB of weights
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
-    if tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 1) and "[never]" not in thp:
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)   # e.g. "6.18.44-fc", "6.1-rc3"
+    if release and tuple(map(int, release.groups())) >= (6, 1) and "[never]" not in thp:
         assert p["moved_bytes"] == p["total_bytes"]
         assert r["huge_kib"] * 1024 >= p["moved_bytes"]     # they are on 2 MiB pages now
     else:

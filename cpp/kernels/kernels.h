@@ -87,11 +87,11 @@ bool huge_pages_came_slow();
 // Slow where fresh 2 MiB pages are (~15 ms each, part of it holding the process's page tables): for a
 // thread of idle priority that waits while the model computes.
 size_t collapse_into_huge_pages(void* p, size_t bytes, const std::function<bool()>& go_on, bool* unsupported);
-// Makes the pages of [p, p + bytes) resident and writable before a packer fills them. A packer that reads
-// a fresh page before writing it (OR-ing bits in) first maps the shared zero page, and the write that
-// follows replaces it with a TLB flush on every CPU the process runs on: an interrupt per page to the
-// other packing threads (in a VM, a VM exit each; 2.5x slower loads at 2 threads). A hint: no-op where
-// unsupported.
+// Makes the pages of [p, p + bytes) resident and writable before a packer fills them: one call faults the
+// range in, where its writes would take a trap per page; and a packer that reads a fresh page before
+// writing it (OR-ing bits in) would first map the shared zero page, which the write then replaces with a
+// TLB flush on every CPU the process runs on (in a VM, a VM exit each; 2.5x slower loads at 2 threads).
+// A hint: no-op where unsupported.
 void prefault_for_write(void* p, size_t bytes);
 // Hands the C heap's freed memory back to the OS (glibc keeps freed chunks under its mmap threshold, which
 // grows after large frees: the loader's transient copies); a no-op elsewhere.
