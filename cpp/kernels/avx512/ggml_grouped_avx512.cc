@@ -440,7 +440,7 @@ CORELM_BF16_TARGET inline void emit_piece(__m512i v, const RowAffine& r, int p, 
   _mm256_storeu_si256((__m256i*)(pairs + (2 * p + 1) * 16 + 8 * gi), _mm512_extracti64x4_epi64(r2, 1));
 }
 
-// As quant_panel_group (below) for the GGUF blocks: a group's codes 4 chunks ahead and the next
+// As quant_panel_blocks (below) for the GGUF blocks, one group at a time: a group's codes 4 chunks ahead and the next
 // super-block's header (the 1.5B Q4_K_M's 128-token prefill 190.6 -> 204.5 tok/s on 1 thread, 344 -> 358
 // on 2, 2 rounds alternating; 8 chunks ahead 200.2).
 constexpr int64_t kPanelPrefetchChunks = 4;
@@ -478,33 +478,83 @@ CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, ui
 // Prefetching the block kPanelPrefetchBlocks ahead took a 128-token q4 prefill from 747 to 786 tok/s on 1
 // thread and 1341 to 1428 on 2 (3 rounds alternating; q8 unchanged); 4 to 16 blocks ahead measured alike.
 constexpr int64_t kPanelPrefetchBlocks = 8;
-CORELM_BF16_TARGET void quant_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
+
+// A piece's values (int16 v, row j in lanes 4j..4j+3) as bf16, dword 2j + h = row j, columns 4p + 2h and
+// 4p + 2h + 1. kAdd: the format has an addend (where it has none, c is -0 and the adds are left out).
+template <bool kAdd>
+CORELM_BF16_TARGET __attribute__((always_inline)) inline __m512i piece_bf16(__m512i v, const RowAffine& r) {
+  __m512 p0 = _mm512_mul_ps(r.a_lo, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))));
+  __m512 p1 = _mm512_mul_ps(r.a_hi, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))));
+  __asm__("" : "+v"(p0), "+v"(p1));
+  if constexpr (kAdd) p0 = _mm512_add_ps(p0, r.c_lo), p1 = _mm512_add_ps(p1, r.c_hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+}
+
+// Piece p of a panel's groups (q[g]: group g's int16 values, r[g] its rows' affine) into pairs 2p and
+// 2p + 1. A function, not a lambda: a lambda does not inherit the caller's target attribute, so the
+// calls in it were not inlined.
+template <bool kAdd, bool kTwo>
+CORELM_BF16_TARGET __attribute__((always_inline)) inline void emit_piece_pair(int p, const __m512i* q, const RowAffine* r,
+                                                                               uint32_t* pairs) {
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i bf0 = piece_bf16<kAdd>(q[0], r[0]);
+  const __m512i bf1 = kTwo ? piece_bf16<kAdd>(q[1], r[1]) : _mm512_setzero_si512();
+  _mm512_storeu_si512(pairs + 2 * p * 16, _mm512_permutex2var_epi32(bf0, evens, bf1));
+  _mm512_storeu_si512(pairs + (2 * p + 1) * 16, _mm512_permutex2var_epi32(bf0, odds, bf1));
+}
+
+// Both groups of a panel at once (kTwo: the panel has a second group, else its rows are zero), so that
+// every pair is one whole 64-byte line: group 0's 8 rows then group 1's, one two-source permute and one
+// store a line. One group at a time wrote each line in two halves, passes apart (`perf`: the
+// dequantization's time sat on those permutes and stores).
+template <bool kAdd, bool kTwo>
+CORELM_BF16_TARGET void quant_panel_blocks(const PackedMatrix& w, int64_t g0, uint32_t* dst) {
   const WeightType t = w.type;
-  const int64_t nb = nblocks(w);
-  const GroupView v = group_view(w.data(), t, nb, ngroups(w.rows), g);
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), qbytes = qs_bytes(t);
+  const GroupView v[2] = {group_view(w.data(), t, nb, groups, g0), group_view(w.data(), t, nb, groups, kTwo ? g0 + 1 : g0)};
   const __m512i m4 = _mm512_set1_epi16(0x0f);
   const __m512i off = _mm512_set1_epi16(t == WeightType::Q8 ? 128 : t == WeightType::Q4 ? 8 : 0);
-  const int64_t qbytes = qs_bytes(t);
+  constexpr int kGroups = kTwo ? 2 : 1;
   for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* qs = v.qs + b * v.qstride;
-    const char* ahead = reinterpret_cast<const char*>(qs + kPanelPrefetchBlocks * v.qstride);  // prefetch never faults
-    for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(v.d + (b + kPanelPrefetchBlocks) * v.dstride), _MM_HINT_T0);
-    if (t == WeightType::Q4M) _mm_prefetch(reinterpret_cast<const char*>(v.m + (b + kPanelPrefetchBlocks) * v.dstride), _MM_HINT_T0);
-    const RowAffine r(f16x8(v.d + b * v.dstride), t == WeightType::Q4M ? f16x8(v.m + b * v.dstride) : _mm256_set1_ps(-0.f));
+    RowAffine r[2] = {RowAffine(_mm256_setzero_ps(), _mm256_setzero_ps()), RowAffine(_mm256_setzero_ps(), _mm256_setzero_ps())};
+    const uint8_t* qs[2];
+    for (int g = 0; g < kGroups; g++) {
+      qs[g] = v[g].qs + b * v[g].qstride;
+      const char* ahead = reinterpret_cast<const char*>(qs[g] + kPanelPrefetchBlocks * v[g].qstride);  // never faults
+      for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v[g].d + (b + kPanelPrefetchBlocks) * v[g].dstride), _MM_HINT_T0);
+      if (kAdd) _mm_prefetch(reinterpret_cast<const char*>(v[g].m + (b + kPanelPrefetchBlocks) * v[g].dstride), _MM_HINT_T0);
+      r[g] = RowAffine(f16x8(v[g].d + b * v[g].dstride), kAdd ? f16x8(v[g].m + b * v[g].dstride) : _mm256_set1_ps(-0.f));
+    }
     uint32_t* pairs = dst + b * 256;
+    __m512i lo[2], hi[2];
     if (t == WeightType::Q8) {
-      for (int p = 0; p < 8; p++)
-        emit_piece(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * p))), off), r, p, pairs, gi);
+      for (int p = 0; p < 8; p++) {
+        for (int g = 0; g < kGroups; g++)
+          lo[g] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs[g] + 32 * p))), off);
+        emit_piece_pair<kAdd, kTwo>(p, lo, r, pairs);
+      }
       continue;
     }
     for (int uh = 0; uh < 4; uh++) {  // as for_pieces: pieces 4u + h (low nibbles), 4u + 2 + h (high)
       const int u = uh >> 1, h = uh & 1;
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * uh)));
-      emit_piece(_mm512_sub_epi16(_mm512_and_si512(bytes, m4), off), r, 4 * u + h, pairs, gi);
-      emit_piece(_mm512_sub_epi16(_mm512_srli_epi16(bytes, 4), off), r, 4 * u + 2 + h, pairs, gi);
+      for (int g = 0; g < kGroups; g++) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs[g] + 32 * uh)));
+        lo[g] = _mm512_sub_epi16(_mm512_and_si512(bytes, m4), off);
+        hi[g] = _mm512_sub_epi16(_mm512_srli_epi16(bytes, 4), off);
+      }
+      emit_piece_pair<kAdd, kTwo>(4 * u + h, lo, r, pairs);
+      emit_piece_pair<kAdd, kTwo>(4 * u + 2 + h, hi, r, pairs);
     }
   }
+}
+
+CORELM_BF16_TARGET void quant_panel(const PackedMatrix& w, int64_t panel, uint32_t* dst) {
+  const int64_t g0 = 2 * panel;
+  const bool two = g0 + 1 < ngroups(w.rows), add = w.type == WeightType::Q4M;
+  if (add) two ? quant_panel_blocks<true, true>(w, g0, dst) : quant_panel_blocks<true, false>(w, g0, dst);
+  else two ? quant_panel_blocks<false, true>(w, g0, dst) : quant_panel_blocks<false, false>(w, g0, dst);
 }
 
 }  // namespace
@@ -514,6 +564,10 @@ bool panel_bf16_pairs_avx512(const PackedMatrix& w, int64_t panel, uint16_t* dst
   if (!grouped && !is_quant(w.type)) return false;
   if (!cpu_features().avx512_bf16) return false;
   uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+  if (!grouped) {
+    quant_panel(w, panel, pairs);
+    return true;
+  }
   const int64_t groups = ngroups(w.rows), npairs = w.ld / 2;
   for (int gi = 0; gi < 2; gi++) {
     const int64_t g = 2 * panel + gi;
@@ -521,10 +575,7 @@ bool panel_bf16_pairs_avx512(const PackedMatrix& w, int64_t panel, uint16_t* dst
       for (int64_t q = 0; q < npairs; q++) std::fill(pairs + q * 16 + 8 * gi, pairs + q * 16 + 8 * gi + 8, 0u);
       continue;
     }
-    if (grouped)
-      with_grouped_type(w.type, [&](auto t) { grouped_panel_group<decltype(t)::value>(w, g, pairs, gi); });
-    else
-      quant_panel_group(w, g, pairs, gi);
+    with_grouped_type(w.type, [&](auto t) { grouped_panel_group<decltype(t)::value>(w, g, pairs, gi); });
   }
   return true;
 }
