@@ -246,13 +246,14 @@ struct GateUpTask {
   Activation activation;
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
-    const int64_t T = in.T;
+    const int64_t T = in.T, n0 = 2 * b0 * block, n1 = std::min(2 * b1 * block, 2 * f), ldh = n1 - n0;
+    // the claim's gate/up outputs packed [T][ldh]: rows 2f apart folded into a few L1 sets
     float* h = hb + (size_t)buf * T * 2 * f;
-    mm.run(buf, in.rows(buf), T, in.d, h, 2 * f, 2 * b0 * block, std::min(2 * b1 * block, 2 * f));
+    mm.run(buf, in.rows(buf), T, in.d, h - n0, ldh, n0, n1);
     for (int64_t t = 0; t < T; t++)
       for (int64_t b = b0; b < b1; b++) {
         const int64_t c = std::min(block, f - b * block);
-        const float* g = h + t * 2 * f + 2 * b * block;
+        const float* g = h + t * ldh + 2 * (b - b0) * block;
         (activation == Activation::GeluTanh ? in.k->gelu_tanh_mul : in.k->silu_mul)(s + t * ld + (b - b0) * block, g,
                                                                                      g + c, c);
       }
