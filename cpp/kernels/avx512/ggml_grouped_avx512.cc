@@ -427,50 +427,10 @@ inline __m256 unfused_mul8(__m256 a, __m256 b) {
   return p;
 }
 
-// Piece p of a group (int16 values v, row j in lanes 4j..4j+3, columns 4p..4p+3) as bf16: pairs 2p and
-// 2p + 1 of the chunk at `pairs` (16 dwords a pair, one per row of the panel; this group's at 8 gi).
-CORELM_BF16_TARGET inline void emit_piece(__m512i v, const RowAffine& r, int p, uint32_t* pairs, int gi) {
-  __m512 p0 = _mm512_mul_ps(r.a_lo, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))));
-  __m512 p1 = _mm512_mul_ps(r.a_hi, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))));
-  __asm__("" : "+v"(p0), "+v"(p1));
-  // dword 2j + h of the bf16 vector: row j, columns 4p + 2h, 4p + 2h + 1; evens then odds: two pairs
-  const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(p1, r.c_hi), _mm512_add_ps(p0, r.c_lo));
-  const __m512i r2 = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), bf);
-  _mm256_storeu_si256((__m256i*)(pairs + 2 * p * 16 + 8 * gi), _mm512_castsi512_si256(r2));
-  _mm256_storeu_si256((__m256i*)(pairs + (2 * p + 1) * 16 + 8 * gi), _mm512_extracti64x4_epi64(r2, 1));
-}
-
-// As quant_panel_blocks (below) for the GGUF blocks, one group at a time: a group's codes 4 chunks ahead and the next
+// The GGUF blocks' panels (grouped_panel_blocks, below) read a group's codes 4 chunks ahead and the next
 // super-block's header (the 1.5B Q4_K_M's 128-token prefill 190.6 -> 204.5 tok/s on 1 thread, 344 -> 358
 // on 2, 2 rounds alternating; 8 chunks ahead 200.2).
 constexpr int64_t kPanelPrefetchChunks = 4;
-template <WeightType T>
-CORELM_BF16_TARGET void grouped_panel_group(const PackedMatrix& w, int64_t g, uint32_t* dst, int gi) {
-  using R = Tr<T>;
-  const int64_t nsb = w.cols / ggml_block_elems(T);
-  const GroupedView v = grouped_view(w.data(), T, nsb, ngroups(w.rows), g);
-  const __m512i offset = _mm512_set1_epi16((short)R::offset);
-  for (int64_t sb = 0; sb < nsb; sb++) {
-    const char* next = reinterpret_cast<const char*>(v.base + (sb + 1) * v.sb_bytes);  // prefetch never faults
-    for (int64_t l = 0; l < v.header_bytes; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
-    const __m256 d = f16x8(v.D(sb)), dm = R::mins ? f16x8(v.Dm(sb)) : _mm256_setzero_ps();
-    for (int c = 0; c < R::chunks; c++) {
-      const char* q = reinterpret_cast<const char*>(v.qs(sb, c) + kPanelPrefetchChunks * v.chunk_bytes);
-      _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
-      if constexpr (R::hi > 0)
-        _mm_prefetch(reinterpret_cast<const char*>(v.hi(sb, c) + kPanelPrefetchChunks * v.chunk_bytes), _MM_HINT_T0);
-      // value = (d * s) * v - dm * mn, each product rounded by itself (grouped_ggml_row_to_f32)
-      const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm, R::min_codes ? u8(v.M(sb, c)) : _mm256_set1_ps(R::mins ? 1.f : 0.f)));
-      const RowAffine r0(R::scales ? unfused_mul8(d, s8(v.S(sb, R::halves ? 2 * c : c))) : unfused_mul8(d, _mm256_set1_ps(1.f)), minus);
-      const RowAffine r1 = R::halves ? RowAffine(unfused_mul8(d, s8(v.S(sb, 2 * c + 1))), minus) : r0;
-      uint32_t* pairs = dst + (sb * R::chunks + c) * 256;
-      for_pieces<T, 1>(v, sb, c, [&](int p, const __m512i* wv) {
-        const __m512i val = R::table ? wv[0] : _mm512_sub_epi16(wv[0], offset);
-        emit_piece(val, p < 4 ? r0 : r1, p, pairs, gi);
-      });
-    }
-  }
-}
 
 // Q8 (q + 128 stored), Q4 (q - 8), Q4M (d * q + m): quant_layout.h, value as dequant_value.
 // A group's blocks are a quarter of each block row, too sparse a walk for the hardware prefetchers: a
@@ -550,6 +510,46 @@ CORELM_BF16_TARGET void quant_panel_blocks(const PackedMatrix& w, int64_t g0, ui
   }
 }
 
+// As quant_panel_blocks for the GGUF blocks: value = (d * s) * v - dm * mn, each product rounded by itself
+// (grouped_ggml_row_to_f32). flatten: for_pieces' lambda does not inherit this function's target, so
+// without it the piece's conversion stayed an out-of-line call.
+template <WeightType T, bool kTwo>
+CORELM_BF16_TARGET __attribute__((flatten)) void grouped_panel_blocks(const PackedMatrix& w, int64_t g0, uint32_t* dst) {
+  using R = Tr<T>;
+  constexpr int NG = kTwo ? 2 : 1;
+  const int64_t nsb = w.cols / ggml_block_elems(T);
+  const GroupedView v = grouped_view(w.data(), T, nsb, ngroups(w.rows), g0);  // g0 even: g0 + 1 shares its super-group
+  const __m512i offset = _mm512_set1_epi16((short)R::offset);
+  const int64_t hi_bytes = grouped_hi_bytes(v.tr);
+  for (int64_t sb = 0; sb < nsb; sb++) {
+    const char* next = reinterpret_cast<const char*>(v.base + (sb + 1) * v.sb_bytes);  // prefetch never faults
+    for (int64_t l = 0; l < v.header_bytes; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
+    __m256 d[2], dm[2];
+    for (int k = 0; k < NG; k++) d[k] = f16x8(v.D(sb) + 8 * k), dm[k] = R::mins ? f16x8(v.Dm(sb) + 8 * k) : _mm256_setzero_ps();
+    for (int c = 0; c < R::chunks; c++) {
+      const char* q = reinterpret_cast<const char*>(v.qs(sb, c) + kPanelPrefetchChunks * v.chunk_bytes);
+      for (int l = 0; l < 128 * NG; l += 64) _mm_prefetch(q + l, _MM_HINT_T0);
+      if constexpr (R::hi > 0)
+        for (int k = 0; k < NG; k++)
+          _mm_prefetch(reinterpret_cast<const char*>(v.hi(sb, c) + kPanelPrefetchChunks * v.chunk_bytes + k * hi_bytes), _MM_HINT_T0);
+      RowAffine r0[2] = {RowAffine(d[0], d[0]), RowAffine(d[0], d[0])}, r1[2] = {r0[0], r0[1]};
+      for (int k = 0; k < NG; k++) {
+        const __m256 mn = R::min_codes ? u8(v.M(sb, c) + k * 8 * R::chunks) : _mm256_set1_ps(R::mins ? 1.f : 0.f);
+        const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm[k], mn));
+        const int8_t* S = v.S(sb, R::halves ? 2 * c : c) + k * 8 * R::nsc;
+        r0[k] = RowAffine(R::scales ? unfused_mul8(d[k], s8(S)) : unfused_mul8(d[k], _mm256_set1_ps(1.f)), minus);
+        r1[k] = R::halves ? RowAffine(unfused_mul8(d[k], s8(S + 8)), minus) : r0[k];
+      }
+      uint32_t* pairs = dst + (sb * R::chunks + c) * 256;
+      for_pieces<T, NG>(v, sb, c, [&](int p, const __m512i* wv) CORELM_BF16_TARGET {
+        __m512i val[2];
+        for (int k = 0; k < NG; k++) val[k] = R::table ? wv[k] : _mm512_sub_epi16(wv[k], offset);
+        emit_piece_pair<R::mins, kTwo>(p, val, p < 4 ? r0 : r1, pairs);
+      });
+    }
+  }
+}
+
 CORELM_BF16_TARGET void quant_panel(const PackedMatrix& w, int64_t panel, uint32_t* dst) {
   const int64_t g0 = 2 * panel;
   const bool two = g0 + 1 < ngroups(w.rows), add = w.type == WeightType::Q4M;
@@ -568,15 +568,12 @@ bool panel_bf16_pairs_avx512(const PackedMatrix& w, int64_t panel, uint16_t* dst
     quant_panel(w, panel, pairs);
     return true;
   }
-  const int64_t groups = ngroups(w.rows), npairs = w.ld / 2;
-  for (int gi = 0; gi < 2; gi++) {
-    const int64_t g = 2 * panel + gi;
-    if (g >= groups) {
-      for (int64_t q = 0; q < npairs; q++) std::fill(pairs + q * 16 + 8 * gi, pairs + q * 16 + 8 * gi + 8, 0u);
-      continue;
-    }
-    with_grouped_type(w.type, [&](auto t) { grouped_panel_group<decltype(t)::value>(w, g, pairs, gi); });
-  }
+  const int64_t g0 = 2 * panel;
+  const bool two = g0 + 1 < ngroups(w.rows);
+  with_grouped_type(w.type, [&](auto t) {
+    constexpr WeightType T = decltype(t)::value;
+    two ? grouped_panel_blocks<T, true>(w, g0, pairs) : grouped_panel_blocks<T, false>(w, g0, pairs);
+  });
   return true;
 }
 
