@@ -90,14 +90,24 @@ void dequant_panel(const void* ctx, int64_t panel, uint16_t* dst) {
     const int64_t s = panel * 16 / sparse::kQuantSuperRows;
     const auto layout = std::strcmp(base_table()->name, "scalar") == 0 ? sparse::DenseLayout::GgmlRows
                                                                        : sparse::DenseLayout::Grouped;
+    // A super-group holds two panels, which come one after the other: the second reuses the expansion
+    // (the key holds the storage weakly, so a freed matrix's address reused by another never matches).
     static thread_local std::vector<uint8_t> buf;
-    buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
+    static thread_local std::weak_ptr<void> held;
+    static thread_local const void* held_data = nullptr;
+    static thread_local int64_t held_super = -1;
     uint8_t* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+    const bool again = held_super == s && held_data == w.data() && !held.expired() && held.lock() == w.storage;
+    if (!again) {
+      buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
+      d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
 #if defined(CORELM_HAVE_X86)
-    if (Native && layout == sparse::DenseLayout::Grouped) sparse::expand_supers_avx512(w, s, s + 1, d);
-    else
+      if (Native && layout == sparse::DenseLayout::Grouped) sparse::expand_supers_avx512(w, s, s + 1, d);
+      else
 #endif
-      sparse::expand_supers(w, layout, s, s + 1, d);
+        sparse::expand_supers(w, layout, s, s + 1, d);
+      held = w.storage, held_data = w.data(), held_super = s;
+    }
     const PackedMatrix v = sparse::dense_view(w, layout, s, s + 1, d);
     return dequant_panel<Native>(&v, panel - s * sparse::kQuantSuperRows / 16, dst);
   }
