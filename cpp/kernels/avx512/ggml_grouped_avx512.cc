@@ -511,8 +511,9 @@ CORELM_BF16_TARGET void quant_panel_blocks(const PackedMatrix& w, int64_t g0, ui
 }
 
 // As quant_panel_blocks for the GGUF blocks: value = (d * s) * v - dm * mn, each product rounded by itself
-// (grouped_ggml_row_to_f32). flatten: for_pieces' lambda does not inherit this function's target, so
-// without it the piece's conversion stayed an out-of-line call.
+// (grouped_ggml_row_to_f32). A lambda does not inherit this function's target: the piece lambda names it
+// (emit_piece_pair inlines into it), and flatten inlines for_pieces and the lambda here (without both,
+// each piece was an out-of-line call).
 template <WeightType T, bool kTwo>
 CORELM_BF16_TARGET __attribute__((flatten)) void grouped_panel_blocks(const PackedMatrix& w, int64_t g0, uint32_t* dst) {
   using R = Tr<T>;
