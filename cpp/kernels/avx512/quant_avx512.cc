@@ -723,9 +723,10 @@ void sparse_gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y,
   });
 }
 
-// Super-groups [s0, s1) expanded into the dense grouped layout with VPEXPANDB.
+// Super-groups [s0, s1) expanded into the dense grouped layout with VPEXPANDB. flatten: expand_grouped
+// has no target, so without it the block lambda stayed an out-of-line call per block.
 template <WeightType T>
-CORELM_VBMI2_TARGET void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
+CORELM_VBMI2_TARGET __attribute__((flatten)) void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) {
   sparse::expand_grouped(w, s0, s1, dst, [](const uint8_t* masks, const uint8_t* p, uint8_t* q) CORELM_VBMI2_TARGET {
     __m512i wv[4];
     p = sparse_load_w<T>(masks, p, wv);
