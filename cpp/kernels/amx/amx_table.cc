@@ -96,11 +96,10 @@ void dequant_panel(const void* ctx, int64_t panel, uint16_t* dst) {
     static thread_local std::weak_ptr<void> held;
     static thread_local const void* held_data = nullptr;
     static thread_local int64_t held_super = -1;
-    uint8_t* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
     const bool again = held_super == s && held_data == w.data() && !held.expired() && held.lock() == w.storage;
+    if (!again) buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
+    uint8_t* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
     if (!again) {
-      buf.resize(sparse::dense_bytes(w, layout, s, s + 1) + 64);
-      d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
 #if defined(CORELM_HAVE_X86)
       if (Native && layout == sparse::DenseLayout::Grouped) sparse::expand_supers_avx512(w, s, s + 1, d);
       else

@@ -414,6 +414,7 @@ namespace {
 // unfused_product), spread over a piece's lanes: rows 0-3 (lo) and 4-7 (hi), 4 lanes each.
 struct RowAffine {
   __m512 a_lo, a_hi, c_lo, c_hi;
+  RowAffine() = default;  // a panel's second group where it has none: never read
   RowAffine(__m256 a8, __m256 c8) {
     const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
@@ -477,7 +478,7 @@ CORELM_BF16_TARGET void quant_panel_blocks(const PackedMatrix& w, int64_t g0, ui
   const __m512i off = _mm512_set1_epi16(t == WeightType::Q8 ? 128 : t == WeightType::Q4 ? 8 : 0);
   constexpr int kGroups = kTwo ? 2 : 1;
   for (int64_t b = 0; b < nb; b++) {
-    RowAffine r[2] = {RowAffine(_mm256_setzero_ps(), _mm256_setzero_ps()), RowAffine(_mm256_setzero_ps(), _mm256_setzero_ps())};
+    RowAffine r[2];
     const uint8_t* qs[2];
     for (int g = 0; g < kGroups; g++) {
       qs[g] = v[g].qs + b * v[g].qstride;
@@ -533,7 +534,7 @@ CORELM_BF16_TARGET __attribute__((flatten)) void grouped_panel_blocks(const Pack
       if constexpr (R::hi > 0)
         for (int k = 0; k < NG; k++)
           _mm_prefetch(reinterpret_cast<const char*>(v.hi(sb, c) + kPanelPrefetchChunks * v.chunk_bytes + k * hi_bytes), _MM_HINT_T0);
-      RowAffine r0[2] = {RowAffine(d[0], d[0]), RowAffine(d[0], d[0])}, r1[2] = {r0[0], r0[1]};
+      RowAffine r0[2], r1[2];
       for (int k = 0; k < NG; k++) {
         const __m256 mn = R::min_codes ? u8(v.M(sb, c) + k * 8 * R::chunks) : _mm256_set1_ps(R::mins ? 1.f : 0.f);
         const __m256 minus = _mm256_sub_ps(_mm256_set1_ps(-0.f), unfused_mul8(dm[k], mn));
