@@ -316,6 +316,26 @@ def test_gguf_q8_0_copied_for_q8(tmp_path):
     assert cfg["source"]["format"] == "gguf" and cfg["tensor_types"] == {"q8": 211, "f32": 61}
 
 
+@pytest.mark.skipif(not os.path.isfile(DEFAULT_GGUF), reason="embedded SmolLM2 GGUF missing")
+def test_draft_conversion_stores_every_matrix_in_the_target_type(tmp_path, monkeypatch):
+    """A draft (speculative_weights) reads the fewest bytes: the Q8_0 embedding, which is SmolLM2's lm_head,
+    goes to 4 bits too, and a GGUF's blocks are kept only where no larger (Q4_1 under q4_1, not under q4_0)."""
+    g = read_gguf(DEFAULT_GGUF)
+    out = convert(DEFAULT_GGUF, str(tmp_path / "d41"), weights="q4_1", draft=True)
+    w = CorelmWeights(os.path.join(out, WEIGHTS_FILE))
+    assert all(t.type == ("q4m" if len(t.shape) == 2 else "f32") for t in w.tensors.values())
+    assert np.array_equal(w.raw("layers.3.wv"), g.raw("blk.3.attn_v.weight"))     # copied, not requantized
+    assert json.load(open(os.path.join(out, "config.json")))["draft"] is True
+    w = CorelmWeights(os.path.join(convert(DEFAULT_GGUF, str(tmp_path / "d40"), weights="q4", draft=True), WEIGHTS_FILE))
+    assert all(t.type == ("q4" if len(t.shape) == 2 else "f32") for t in w.tensors.values())
+    monkeypatch.setenv("CORELM_CACHE", str(tmp_path / "cache"))
+    plain, draft = cached_conversion(DEFAULT_GGUF, "q4", progress=False), cached_conversion(DEFAULT_GGUF, "q4", False, draft=True)
+    assert plain != draft and draft == cached_conversion(DEFAULT_GGUF, "q4_0", False, draft=True)
+    assert CorelmWeights(os.path.join(plain, WEIGHTS_FILE)).tensors["tok_embeddings"].type == "q8"
+    with pytest.raises(ValueError, match="draft"):
+        convert(STORIES, str(tmp_path / "x"), weights="q4", sparsity=0.5, draft=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # --force replaces only a corelm folder (or an empty one), and never leaves a half folder in place
 

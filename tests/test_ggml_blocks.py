@@ -94,11 +94,12 @@ def test_row_ranges_and_batch_invariance(t, extreme):
     """A thread's [n0, n1) writes only those rows, and a token's outputs are the same bits alone
     (decode, whose int16 path multiplies other instructions) as among others (prefill). extreme: the
     largest codes and scales against activations at +-32767 (every integer sum at its largest). 75 rows:
-    two whole 32-row super-groups (a small batch streams each in one pass) and a partial one; 7 and 35
-    tokens: a small batch in tiles of 4 and 3 rows, and a prompt's tiles (kRowExactRows, kernels.h)."""
+    two whole 32-row super-groups (a small batch streams each in one pass) and a partial one; 5, 7 and
+    35 tokens: a small batch in tiles of 3 + 2 and 4 + 3 rows, and a prompt's tiles (kRowExactRows,
+    kernels.h)."""
     be, _ = block_of(t)
     cols = 4 * be
-    for rows, tokens, lo, hi in ((29, 7, 5, 18), (75, 7, 5, 70), (75, 35, 32, 64)):
+    for rows, tokens, lo, hi in ((29, 7, 5, 18), (75, 7, 5, 70), (75, 5, 5, 70), (75, 35, 32, 64)):
         raw = random_blocks(t, rows, 4, seed=3, extreme=extreme)
         x = np.random.default_rng(0).standard_normal((tokens, cols)).astype(np.float32)
         if extreme:

@@ -293,9 +293,11 @@ def k_quant_type(weights: str, name: str, shape: Tuple[int, ...], tied: bool, la
     return K_FALLBACK[t] if shape[1] % 256 else t
 
 
-def _plan(loaded: LoadedModel, weights: str,
-          sparse: Optional[Sparsity] = None) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
-    """internal name -> (storage type, shape, copied raw from the source)."""
+def _plan(loaded: LoadedModel, weights: str, sparse: Optional[Sparsity] = None,
+          draft: bool = False) -> Dict[str, Tuple[str, Tuple[int, ...], bool]]:
+    """internal name -> (storage type, shape, copied raw from the source). draft: a speculative draft's
+    plan, the fewest bytes a token: every matrix, the embedding and lm_head included, in the target's type
+    (K-quants: its base type), a GGUF's own blocks kept only where they are no larger."""
     from .engine.model_builder import stored_raw_type
     from .loader.spec import kept_float, weight_shapes
     plan = {}
@@ -314,10 +316,15 @@ def _plan(loaded: LoadedModel, weights: str,
         raw_format = format_of_gguf(raw_type) if raw_type is not None else None
         if weights in K_BASE:
             type_ = k_quant_type(weights, name, shape, loaded.spec.tie_word_embeddings, loaded.spec.num_layers)
+            if draft:
+                type_ = K_FALLBACK[K_BASE[weights]] if shape[1] % 256 else K_BASE[weights]
             plan[name] = (type_, shape, raw_format is not None and raw_format.name == type_)
             continue
-        embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head")
-        if raw_format is not None and raw_format.name in RAW_KEEP.get(weights, ()) + (("q8_0",) if embedding else ()):
+        embedding = weights in EIGHT_BIT_EMBEDDINGS and name in ("tok_embeddings", "lm_head") and not draft
+        keep = RAW_KEEP.get(weights, ())
+        if draft:
+            keep = tuple(f for f in keep if WEIGHT_FORMATS[f].bits <= WEIGHT_FORMATS[weights].bits)
+        if raw_format is not None and raw_format.name in keep + (("q8_0",) if embedding else ()):
             plan[name] = (raw_format.name, shape, True)
         else:
             plan[name] = ("q8_0" if embedding else weights, shape, False)
@@ -353,12 +360,13 @@ def _quantize(type_: str, w: np.ndarray) -> np.ndarray:
 
 def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, overwrite: bool = False,
             sparsity: Union[None, str, float] = None, prune: Optional[str] = None,
-            keep_dense: Union[None, str, Sequence[str]] = None) -> str:
+            keep_dense: Union[None, str, Sequence[str]] = None, draft: bool = False) -> str:
     """Converts `src` (HF folder, .gguf file or corelm folder) to the corelm folder `out`; returns `out`.
     The folder appears complete or not at all (written beside it, then renamed). sparsity (with weights
     "bf16", "q8_0" or "q4_0"): a fraction in [0, 1) of each row to prune (prune "wanda", the default, or "magnitude"), or
     "auto"; keep_dense: fnmatch patterns of internal names (a list or "a,b") kept dense besides the
-    embedding and lm_head."""
+    embedding and lm_head. draft: for a speculative draft, whose guesses the target checks, so its bytes
+    matter more than its last digits: every matrix in the target's type (see _plan)."""
     weights = choose("weights", weights)
     sparse = sparsity_option(sparsity, prune, keep_dense, weights)
     out = os.path.abspath(os.path.expanduser(out))
@@ -366,7 +374,9 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
     loaded = load_model(src)
     if sparse is not None:
         _check_patterns(sparse.keep_dense, loaded)
-    plan = _plan(loaded, weights, sparse)
+    if draft and sparse is not None:
+        raise ValueError("a draft conversion stores dense matrices: leave sparsity unset.")
+    plan = _plan(loaded, weights, sparse, draft)
     importance = {}
     if any((t in ("q4_1",) + GGML_SEARCHED and not from_raw) or (WEIGHT_FORMATS[t].sparse and sparse.method == "wanda")
            for t, _, from_raw in plan.values()):
@@ -397,7 +407,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
         if bar is not None:
             bar.close()
         writer.close()
-        extra = {}
+        extra = {"draft": True} if draft else {}
         if sparse is not None:
             log.info("%s: %s", out, sparsity_summary(zeros.values(), SPARSE_OF[weights]))
             extra["sparsity"] = {"method": sparse.method, "target": sparse.target,
@@ -528,7 +538,7 @@ def cache_dir() -> str:
     return os.path.expanduser(os.environ.get("CORELM_CACHE") or os.path.join("~", ".cache", "corelm"))
 
 
-def _source_key(src: str, weights: str) -> str:
+def _source_key(src: str, weights: str, draft: bool = False) -> str:
     src = os.path.abspath(os.path.expanduser(src))
     if os.path.isdir(src):
         stats = [(f, os.stat(os.path.join(src, f)).st_size, os.stat(os.path.join(src, f)).st_mtime_ns)
@@ -536,14 +546,17 @@ def _source_key(src: str, weights: str) -> str:
     else:
         st = os.stat(src)
         stats = [(os.path.basename(src), st.st_size, st.st_mtime_ns)]
-    doc = json.dumps({"src": src, "files": stats, "weights": weights, "format": FORMAT_VERSION,
-                      "converter": CONVERTER_REVISION})
+    doc = {"src": src, "files": stats, "weights": weights, "format": FORMAT_VERSION, "converter": CONVERTER_REVISION}
+    if draft:
+        doc["draft"] = True
+    doc = json.dumps(doc)
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
-def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
-    """The corelm folder for `src` converted to `weights`, converting it into cache_dir() the first time.
-    The key is the source path, its files' sizes and mtimes, the weights kind and the format version."""
+def cached_conversion(src: str, weights: str, progress: bool = True, draft: bool = False) -> str:
+    """The corelm folder for `src` converted to `weights` (draft: as a speculative draft, see convert),
+    converting it into cache_dir() the first time. The key is the source path, its files' sizes and mtimes,
+    the weights kind, draft and the format version."""
     weights = choose("weights", weights)
     if is_corelm_folder(os.path.expanduser(src)):
         return src
@@ -553,10 +566,10 @@ def cached_conversion(src: str, weights: str, progress: bool = True) -> str:
             src = download_from_hub(src)
     base = os.path.basename(os.path.normpath(src))
     base = os.path.splitext(base)[0] if base.lower().endswith(".gguf") else base
-    out = os.path.join(cache_dir(), f"{base}-{weights}-{_source_key(src, weights)}")
+    out = os.path.join(cache_dir(), f"{base}-{weights}{'-draft' if draft else ''}-{_source_key(src, weights, draft)}")
     if not is_corelm_folder(out):
         try:
-            convert(src, out, weights=weights, progress=progress)
+            convert(src, out, weights=weights, progress=progress, draft=draft)
         except FileExistsError:       # converted by a concurrent process: use theirs
             if not is_corelm_folder(out):
                 raise

@@ -37,7 +37,8 @@ inline __m512i add_high(__m512i w, __m512i plane, int p) {
 
 // Calls piece(p, w) for the 8 pieces of chunk c of super-block sb for NG groups from group view v:
 // w[g] the piece's values of group g as int16 (u, or the IQ4 table's v).
-template <WeightType T, int NG, class Piece>
+// kFrom..kTo: the quarters uh (32 bytes each) to walk; quarters 0-1 hold pieces 0-3, quarters 2-3 pieces 4-7.
+template <WeightType T, int NG, class Piece, int kFrom = 0, int kTo = 4>
 inline void for_pieces(const GroupedView& v, int64_t sb, int c, Piece piece) {
   const __m512i m4 = _mm512_set1_epi16(0x0f);
   const __m512i table = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)kIq4Values)));
@@ -48,7 +49,7 @@ inline void for_pieces(const GroupedView& v, int64_t sb, int c, Piece piece) {
     for (int g = 0; g < NG; g++) plane[g] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(hp + g * 32)));
   __m512i lo[NG], hi[NG];
 #pragma GCC unroll 4
-  for (int uh = 0; uh < 4; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
+  for (int uh = kFrom; uh < kTo; uh++) {  // 32 bytes at 32 * uh: pieces 4u + h (low nibbles), 4u + 2 + h (high)
     const int u = uh >> 1, h = uh & 1;
     for (int g = 0; g < NG; g++) {
       const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + g * 128 + 32 * uh)));
@@ -286,6 +287,117 @@ void run_tile(const GroupedAct& a, const SplitAct& sa, int64_t i0, const PackedM
     for (int k = 0; k < NG; k++) store_rows(y + (i0 + i) * ldy + (g + k) * kGroup, (g + k) * kGroup, n0, n1, out[i][k]);
 }
 
+// A small batch's rows (2 to kRowExactRows: a guess's check, batched decode) against one whole super-group,
+// int16 activations with VNNI: MR rows x kSuper groups of int32 chains in registers, the fp32 sums in
+// memory (tile() kept both in registers and spilled: 158 stack references in its 4-row loop to 128
+// VPDPWSSD), and the scales applied to two groups a register. Each row's result comes from the same
+// integer sums through the same fp32 operations, lane for lane and in the same order, as tile()'s and
+// decode's, so it has decode's bits. dxs[ib]: dx * sx32 of block ib, rounded as tile() rounds it.
+template <WeightType T, int MR>
+void tile_rows(const GroupedAct& a, const float* dxs, int64_t i0, const GroupedView& v, int64_t nsb,
+               float out[MR][kSuper * kGroup]) {
+  using R = Tr<T>;
+  static_assert(kSuper % 2 == 0, "the scales go on pairs of groups");
+  constexpr int NG = kSuper, NP = kSuper / 2, kHalves = R::halves ? 2 : 1;
+  alignas(64) float acc[MR][NP][16];
+  for (int i = 0; i < MR; i++)
+    for (int q = 0; q < NP; q++) _mm512_store_ps(acc[i][q], _mm512_setzero_ps());
+  // a pair of groups' int32 chains -> 16 row sums, group 2q's 8 rows then group 2q + 1's
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  auto two = [](const void* p, int64_t apart) {  // 8 bytes of group 2q and 8 of group 2q + 1
+    const uint8_t* b = static_cast<const uint8_t*>(p);
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)b), _mm_loadl_epi64((const __m128i*)(b + apart)));
+  };
+  const int64_t pf_lines = (v.sb_bytes + 63) / 64, pf_per_chunk = (pf_lines + R::chunks - 1) / R::chunks;
+  const int64_t kPrefetchSuperBlocks = std::max<int64_t>(1, (kPrefetchBytes + v.sb_bytes / 2) / v.sb_bytes);
+  for (int64_t sb = 0; sb < nsb; sb++) {
+    for (int c = 0; c < R::chunks; c++) {
+      if (kPrefetch) {
+        const char* ahead = reinterpret_cast<const char*>(v.base) + (sb + kPrefetchSuperBlocks) * v.sb_bytes;
+        const int64_t l0 = c * pf_per_chunk;
+        prefetch_lines_l2(ahead + 64 * l0, std::min(pf_lines, l0 + pf_per_chunk) - l0);
+      }
+      const int64_t b = sb * R::chunks + c;
+      const int16_t* xb = a.q + i0 * a.ld + 32 * b;
+#pragma GCC unroll 2
+      for (int half = 0; half < kHalves; half++) {  // Q6_K: pieces 0-3 then 4-7, each half with its scale
+        __m512i s[MR][NG];
+        for (int i = 0; i < MR; i++) {
+          const int64_t ib = (i0 + i) * a.nb + b;
+          const __m512i init = _mm512_set1_epi32(-R::offset / 2 * (R::halves ? a.sx[2 * ib + half] : a.sx32[ib]));
+          for (int g = 0; g < NG; g++) s[i][g] = init;
+        }
+        auto piece = [&](int p, const __m512i* w) {
+          for (int i = 0; i < MR; i++) {
+            const __m512i x = bcast8(xb + i * a.ld + 4 * p);
+            for (int g = 0; g < NG; g++) s[i][g] = dpwssd<true>(s[i][g], w[g], x);
+          }
+        };
+        if (kHalves == 1) for_pieces<T, NG, decltype(piece), 0, 4>(v, sb, c, piece);
+        else if (half == 0) for_pieces<T, NG, decltype(piece), 0, 2>(v, sb, c, piece);
+        else for_pieces<T, NG, decltype(piece), 2, 4>(v, sb, c, piece);
+        for (int q = 0; q < NP; q++) {
+          const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v.D(sb) + 16 * q)));
+          __m512 ds = D;
+          if constexpr (R::scales)
+            ds = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two(v.S(sb, R::halves ? 2 * c + half : c) + 2 * q * 8 * R::nsc, 8 * R::nsc))), D);
+          __m512 dmm = _mm512_setzero_ps();
+          if constexpr (R::mins) {
+            dmm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v.Dm(sb) + 16 * q)));
+            if constexpr (R::min_codes)
+              dmm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two(v.M(sb, c) + 2 * q * 8 * R::chunks, 8 * R::chunks))), dmm);
+          }
+          for (int i = 0; i < MR; i++) {
+            const int64_t ib = (i0 + i) * a.nb + b;
+            const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(s[i][2 * q], even, s[i][2 * q + 1]),
+                                                 _mm512_permutex2var_epi32(s[i][2 * q], odd, s[i][2 * q + 1]));
+            __m512 r = _mm512_load_ps(acc[i][q]);
+            r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ds, _mm512_set1_ps(a.dx[ib])), r);
+            if constexpr (R::mins)
+              if (half == kHalves - 1) r = _mm512_fnmadd_ps(dmm, _mm512_set1_ps(dxs[ib]), r);
+            _mm512_store_ps(acc[i][q], r);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int q = 0; q < NP; q++) _mm512_storeu_ps(out[i] + 16 * q, _mm512_load_ps(acc[i][q]));
+}
+
+template <WeightType T, int MR>
+void run_tile_rows(const GroupedAct& a, const float* dxs, int64_t i0, const PackedMatrix& w, int64_t nsb, int64_t groups,
+                   int64_t g, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  alignas(64) float out[MR][kSuper * kGroup];
+  tile_rows<T, MR>(a, dxs, i0, grouped_view(w.data(), T, nsb, groups, g), nsb, out);
+  for (int i = 0; i < MR; i++)
+    for (int k = 0; k < kSuper; k++)
+      store_rows(y + (i0 + i) * ldy + (g + k) * kGroup, (g + k) * kGroup, n0, n1, _mm256_load_ps(out[i] + 8 * k));
+}
+
+// A small batch against a whole super-group with tile_rows: tiles of at most 6 rows, as even as the count
+// allows (6 rows' 24 chains spill a little and still beat 3 + 3; 8 in one tile lose to 4 + 4:
+// bench_gemv_stream over Qwen2.5-1.5B's shapes, GB/s, 2 threads Q4_K 6 rows 12.5 -> 15.0, 8 rows 11.1 ->
+// 10.5).
+template <WeightType T>
+void rows_supergroup(const GroupedAct& a, const float* dxs, int64_t m, const PackedMatrix& w, int64_t nsb,
+                     int64_t groups, int64_t g, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t tiles = (m + 5) / 6;
+  for (int64_t t = 0, i = 0; t < tiles; t++) {
+    const int64_t rows = m / tiles + (t < m % tiles);
+    switch (rows) {
+      case 6: run_tile_rows<T, 6>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 5: run_tile_rows<T, 5>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 4: run_tile_rows<T, 4>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 3: run_tile_rows<T, 3>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      case 2: run_tile_rows<T, 2>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+      default: run_tile_rows<T, 1>(a, dxs, i, w, nsb, groups, g, y, ldy, n0, n1); break;
+    }
+    i += rows;
+  }
+}
+
 // Decode of one whole super-group (one activation row): whole groups of [n0, n1) written past the
 // caches (decode_store.h; the caller ends with end_decode_stores).
 template <WeightType T, bool VNNI, ActForm F>
@@ -343,10 +455,18 @@ void matmul_t(const GroupedAct& a, int64_t m, const PackedMatrix& w, float* y, i
   constexpr bool kSplitRow = F == kWide && VNNI && !(Tr<T>::table && Tr<T>::halves);
   thread_local std::vector<uint8_t> split_buf;
   const SplitAct sa = kSplitRow && m == 1 ? split_int16(a.q, a.nb, split_buf) : SplitAct{};
+  // A small batch's int16 rows with VNNI: tile_rows, which takes each block's dx * sx32 from here.
+  constexpr bool kTileRows = F == kWide && VNNI;
+  thread_local std::vector<float> dxs;
+  if (kTileRows && Tr<T>::mins && m > 1 && m <= kRowExactRows) {
+    dxs.resize(m * a.nb);
+    for (int64_t ib = 0; ib < m * a.nb; ib++) dxs[ib] = a.dx[ib] * (float)a.sx32[ib];
+  }
   for (int64_t g = n0 / kGroup; g < g_end;) {
     const int64_t first = g / kSuper * kSuper, ns = std::min<int64_t>(kSuper, groups - first);
     if (m <= kRowExactRows && g == first && ns == kSuper && g + kSuper <= g_end) {
-      if (m > 1) rows_tiles<T, VNNI, F, kSuper>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
+      if (m > 1 && kTileRows) rows_supergroup<T>(a, dxs.data(), m, w, nsb, groups, g, y, ldy, n0, n1);
+      else if (m > 1) rows_tiles<T, VNNI, F, kSuper>(a, m, w, nsb, groups, g, y, ldy, n0, n1);
       else if constexpr (kSplitRow) decode_tile<T, VNNI, kSplit>(a, sa, w, nsb, groups, g, y, n0, n1);
       else decode_tile<T, VNNI, F>(a, sa, w, nsb, groups, g, y, n0, n1);
       g += kSuper;

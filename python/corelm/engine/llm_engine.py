@@ -162,7 +162,7 @@ class LLMEngine:
             model, weights = self.model_path, weights or "q4"
         if weights is not None:
             from ..convert import cached_conversion
-            model = cached_conversion(model, choose("weights", weights), progress=True)
+            model = cached_conversion(model, choose("weights", weights), progress=True, draft=True)
         draft = load_model(model)
         speculative.check_same_vocabulary(self.tokenizer, draft.tokenizer, self.vocab_size, draft.spec.vocab_size)
         dtype = "auto"
