@@ -156,6 +156,11 @@ def test_stale_costs_are_measured_again():
 
 def test_guard_pauses_speculation_that_does_not_pay():
     g = SpecGuard(min_steps=4, pause=10)
+    g.record(1, False, 1, 0.050)              # one plain step says little: no verdict on it
+    for _ in range(6):
+        g.record(1, True, 1, 0.045)
+    assert g.allowed(1)
+    g = SpecGuard(min_steps=4, pause=10)
     for _ in range(5):
         g.record(1, False, 1, 0.030)          # plain: 33 tokens/s
     for _ in range(4):
@@ -165,6 +170,17 @@ def test_guard_pauses_speculation_that_does_not_pay():
     assert g.allowed(2)                       # other batch sizes are judged on their own
     for _ in range(6):
         g.record(1, True, 3, 0.050)           # retried, and now it pays
+    assert g.allowed(1)
+    for _ in range(40):
+        g.record(1, True, 1.2, 0.045)
+    assert not g.allowed(1)
+    g.resume()                                # a new sequence: judged afresh
+    assert g.allowed(1) and g.allowed(1)
+    g = SpecGuard(min_steps=4, pause=10)
+    for _ in range(8):
+        g.record(1, False, 1, 0.030)
+    for tokens in [4] * 4 + [1] * 8:         # 2 tokens a 50 ms step: 8 misses in a row do not trip it
+        g.record(1, True, tokens, 0.050)
     assert g.allowed(1)
 
 

@@ -259,6 +259,7 @@ class Scheduler:
                 break  # wait for blocks to free up
             self._waiting.popleft()
             self._running.append(r)
+            self.spec_guard.resume()
             plan.append((r, n))
             budget -= n
         return plan
