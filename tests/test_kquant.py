@@ -242,3 +242,12 @@ def test_truncated_k_quant_folder_is_refused(folders, tmp_path):
     open(path, "wb").write(data[:len(data) - 4096])
     with pytest.raises(ModelLoadError, match="past the end"):
         load_model(d)
+
+
+def test_draft_conversion_keeps_the_base_type(wide, tmp_path):
+    """As a speculative draft (convert(..., draft=True)) q4_k_m puts lm_head and attn_v in Q4_K too (the
+    fewest bytes a guess); rows that are not whole super-blocks still fall back to Q5_0."""
+    w = CorelmWeights(os.path.join(convert(wide, str(tmp_path / "d"), weights="q4_k_m", draft=True), WEIGHTS_FILE))
+    types = {n: t.type for n, t in w.tensors.items()}
+    assert types["lm_head"] == types["layers.2.wv"] == types["layers.0.wq"] == "q4_k"
+    assert types["layers.0.w_down"] == "q5_0"
