@@ -256,6 +256,12 @@ def test_few_rows_get_the_bits_of_one_row(isa):
         for m in (2, 3, 5, 8, 17, 32):
             got = _core.testing.kernel_matmul(exact, x[:m], w, wt, activations=act)
             assert np.array_equal(got.view(np.uint32), one[:m].view(np.uint32)), (isa, exact, wt, act, m)
+    for wt in ("fp32", "bf16"):   # a K past the last whole chunk (the rows' masked tail)
+        w2, x2 = w[:, :77], x[:, :77]
+        one = np.stack([_core.testing.kernel_matmul(isa, x2[i:i + 1], w2, wt)[0] for i in range(8)])
+        for m in (2, 3, 5, 8):
+            got = _core.testing.kernel_matmul(exact, x2[:m], w2, wt)
+            assert np.array_equal(got.view(np.uint32), one[:m].view(np.uint32)), (isa, exact, wt, "K=77", m)
     for t in TYPES:
         raw = random_blocks(t, n, k // block_of(t)[0])
         for act in ("int8", "int16"):
