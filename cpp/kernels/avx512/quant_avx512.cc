@@ -439,6 +439,105 @@ void gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_
   kGroupMajor ? gemv16<T, VNNI, true>(qx, w, y, n0, n1) : gemv16<T, VNNI, false>(qx, w, y, n0, n1);
 }
 
+// A few activation rows (a sequence's check of its guesses, a few sequences decoding) against the NG
+// groups of a super-group, streamed once as decode streams them, each widened piece serving all MR
+// rows. Row i gets decode's bits: its int32 block sums are the same integers (one chain where decode
+// keeps two; integer sums do not depend on the order), scaled and added to one fp32 sum per group in
+// decode's order. The fp32 sums live in memory (MR x NG of them would not fit the registers).
+template <WeightType T, bool VNNI, int MR, int NG>
+inline void rows16_groups(const PlainAct<int16_t>& qx, int64_t nb, const GroupView& v, __m256 out[MR][NG]) {
+  alignas(64) float facc[MR][NG][16] = {};
+  __m256 macc[MR][NG];
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) macc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* qs = v.qs + b * v.qstride;
+    const uint16_t* dp = v.d + b * v.dstride;
+    prefetch_ahead(qs, v.qstride);
+    __m512i acc[MR][NG];
+    for (int i = 0; i < MR; i++)
+      for (int g = 0; g < NG; g++) acc[i][g] = _mm512_set1_epi32(qx.corr[i * nb + b] / 2);
+    for_pieces16<T, NG>(qs, [&](int p, const __m512i* w) {
+      for (int i = 0; i < MR; i++) {
+        const __m512i x = bcast8(qx.q + (i * nb + b) * kBlock + 4 * p);
+        for (int g = 0; g < NG; g++) acc[i][g] = dpwssd<VNNI>(acc[i][g], w[g], x);
+      }
+    });
+    for (int g = 0; g < NG; g++) {
+      const __m512 sc = scales_pairs(dp + 8 * g);
+      for (int i = 0; i < MR; i++) {
+        const __m512 d = _mm512_set1_ps(qx.dx[i * nb + b]);
+        _mm512_store_ps(facc[i][g], _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(acc[i][g])), _mm512_mul_ps(sc, d),
+                                                    _mm512_load_ps(facc[i][g])));
+        if constexpr (T == WeightType::Q4M)
+          macc[i][g] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v.m + b * v.dstride + 8 * g))),
+                                       _mm256_set1_ps(qx.dxs[i * nb + b]), macc[i][g]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int g = 0; g < NG; g++) out[i][g] = _mm256_add_ps(even_lanes(_mm512_load_ps(facc[i][g])), macc[i][g]);
+}
+
+// Rows [n0, n1) of MR activation rows (qx's first), walked as decode walks them (gemv_rows).
+template <WeightType T, bool VNNI, int MR>
+void rows16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = nblocks(w), groups = ngroups(w.rows), g_end = (n1 + kGroup - 1) / kGroup;
+  for (int64_t g = n0 / kGroup; g < g_end;) {
+    const GroupView v = group_view(w.data(), T, nb, groups, g);
+    __m256 r[MR][kSuper];
+    int ng = 1;
+    if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
+      rows16_groups<T, VNNI, MR, kSuper>(qx, nb, v, reinterpret_cast<__m256(*)[kSuper]>(r));
+      ng = kSuper;
+    } else {
+      __m256 one[MR][1];
+      rows16_groups<T, VNNI, MR, 1>(qx, nb, v, one);
+      for (int i = 0; i < MR; i++) r[i][0] = one[i][0];
+    }
+    for (int k = 0; k < ng; k++, g++)
+      for (int i = 0; i < MR; i++) store_rows(y + i * ldy + g * kGroup, g * kGroup, n0, n1, r[i][k], true);
+  }
+}
+
+// Rows [n0, n1) of w in pieces of about kChunkBytes of weights (whole super-groups): f(a, e) for each
+// piece [a, e), so that several passes over a piece find it in L2.
+template <class F>
+void over_l2_pieces(const PackedMatrix& w, int64_t n0, int64_t n1, F f) {
+  const int64_t align = kGroup * kSuper;
+  const int64_t piece = std::max<int64_t>(align, (int64_t)(kChunkBytes / std::max<size_t>(1, w.nbytes / w.rows)) / align * align);
+  for (int64_t a = n0; a < n1;) {
+    const int64_t e = std::min(n1, (a / align + piece / align) * align);
+    f(a, e);
+    a = e;
+  }
+}
+
+// A few rows in tiles as even as the count allows, of at most 4 rows for Q4/Q4M, whose widened nibbles
+// cost more, and 2 for Q8 (3 and 4-row Q8 tiles were slower: 14.2 against 15.5 GB/s at 3 rows); a tile
+// of one row runs decode's kernel. Over pieces of about kChunkBytes of weights, so that the tiles after the
+// first find the piece in L2.
+template <WeightType T, bool VNNI>
+void few_rows16(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0,
+                int64_t n1) {
+  constexpr int64_t kTile = T == WeightType::Q8 ? 2 : 4;
+  const int64_t nb = nblocks(w), tiles = (m + kTile - 1) / kTile;
+  over_l2_pieces(w, n0, n1, [&](int64_t a, int64_t e) {
+    for (int64_t t = 0, i = 0; t < tiles; t++) {
+      const int64_t rows = m / tiles + (t < m % tiles);
+      const PlainAct<int16_t> r{qa.q + i * nb * 32, qa.dx + i * nb, qa.dxs + i * nb, qa.corr + i * nb};
+      float* yi = y + i * ldy;
+      switch (rows) {
+        case 4: rows16<T, VNNI, 4>(r, w, yi, ldy, a, e); break;
+        case 3: rows16<T, VNNI, 3>(r, w, yi, ldy, a, e); break;
+        case 2: rows16<T, VNNI, 2>(r, w, yi, ldy, a, e); break;
+        default: gemv16<T, VNNI>(r, w, yi, a, e); break;
+      }
+      i += rows;
+    }
+  });
+}
+
 // Prefill: rows i0..i0+MR-1 x groups g0..g0+NG-1 over blocks [b0, b0 + nbk); each widened piece
 // serves the MR rows, each activation broadcast the NG groups.
 template <WeightType T, bool VNNI, int MR, int NG>
@@ -527,31 +626,29 @@ void gemm16(const PlainAct<int16_t>& qr, int64_t m, const PackedMatrix& w, float
 // piece from L2. Below kMinGemmRows rows the GEMM's tiles, whose widened weights serve too few rows to
 // pay for their K-chunked order, were slower: an OLMoE-1B-7B Q4_0 decode step of 2 sequences routed to
 // the same experts took 77 ms through the int16 GEMM, 33 ms so, 4 sequences 67 -> 51 ms; at 8 both
-// took 97 ms; int8 was even from 4 rows on (2 threads, Zen 4).
+// took 97 ms; int8 was even from 4 rows on (2 threads, Zen 4). (int8 activations: int16 ones have
+// few_rows16.)
 constexpr int64_t kMinGemmRows = 8;
 
 template <class Row, class Gemv>
 void few_rows(int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1, Row row, Gemv gemv) {
   if (m == 1) return gemv(row(0), y, n0, n1);  // one uninterrupted stream
-  const int64_t align = kGroup * kSuper;
-  const int64_t piece = std::max<int64_t>(align, (int64_t)(kChunkBytes / std::max<size_t>(1, w.nbytes / w.rows)) / align * align);
-  for (int64_t a = n0; a < n1;) {
-    const int64_t b = std::min(n1, (a / align + piece / align) * align);
-    for (int64_t i = 0; i < m; i++) gemv(row(i), y + i * ldy, a, b);
-    a = b;
-  }
+  over_l2_pieces(w, n0, n1, [&](int64_t a, int64_t e) {
+    for (int64_t i = 0; i < m; i++) gemv(row(i), y + i * ldy, a, e);
+  });
 }
 
 template <WeightType T>
 void matmul16_t(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nb = nblocks(w);
-  auto row = [&](int64_t i) {
-    return PlainAct<int16_t>{qa.q + i * nb * 32, qa.dx + i * nb, qa.dxs + i * nb, qa.corr + i * nb};
-  };
-  if (m >= kMinGemmRows) return use_vnni() ? gemm16<T, true>(qa, m, w, y, ldy, n0, n1) : gemm16<T, false>(qa, m, w, y, ldy, n0, n1);
-  few_rows(m, w, y, ldy, n0, n1, row, [&](const PlainAct<int16_t>& r, float* yi, int64_t a, int64_t b) {
-    use_vnni() ? gemv16<T, true>(r, w, yi, a, b) : gemv16<T, false>(r, w, yi, a, b);
-  });
+  // Up to kRowExactRows rows the few-row tiles: one Zen 5 thread, bench_gemv_stream on Qwen2.5-0.5B's
+  // shapes, GB/s of weights from DRAM for 2 / 3 / 4 / 6 rows (decode's kernel row by row before) q4 22.1 /
+  // 17.0 / 13.8 / 9.8 -> 25.3 / 21.2 / 16.9 / 12.7, q8 19.4 / 16.9 / 14.7 / 11.8 -> 23.0 / 19.1 / 17.6 /
+  // 15.0; for 8 / 16 / 32 rows (the GEMM before) q4 5.8 / 3.8 / 2.3 -> 9.9 / 5.3 / 2.9, q8 10.8 / 7.4 /
+  // 4.4 -> 12.5 / 8.0 / 4.7; in L2 too (1536 x 1536, 8-32 rows, 313-340 -> 346-349 GFLOP/s q4).
+  const bool vnni = use_vnni();
+  if (m == 1) return vnni ? gemv16<T, true>(qa, w, y, n0, n1) : gemv16<T, false>(qa, w, y, n0, n1);
+  if (m <= kRowExactRows) return vnni ? few_rows16<T, true>(qa, m, w, y, ldy, n0, n1) : few_rows16<T, false>(qa, m, w, y, ldy, n0, n1);
+  vnni ? gemm16<T, true>(qa, m, w, y, ldy, n0, n1) : gemm16<T, false>(qa, m, w, y, ldy, n0, n1);
 }
 
 template <WeightType T>
