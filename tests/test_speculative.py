@@ -14,7 +14,7 @@ from conftest import DEFAULT_GGUF, MODELS
 import corelm
 from corelm import SamplingParams
 from corelm.engine.scheduler import BlockManager
-from corelm.engine.speculative import Acceptance, Lookahead, PromptLookup, SpecGuard, StepCosts, plan_lengths
+from corelm.engine.speculative import Acceptance, Lookahead, PromptLookup, Proposer, SpecGuard, StepCosts, plan_lengths
 
 STORIES = os.path.join(MODELS, "stories260K")
 STORIES_GGUF = os.path.join(STORIES, "stories260K.gguf")
@@ -119,6 +119,31 @@ def test_acceptance_estimate_learns_and_drifts_back():
     for _ in range(20):
         a.update(4, 4)
     assert a.rate > 0.95
+
+
+def test_a_new_sequence_starts_from_what_its_kind_of_guess_was_kept_at():
+    """A fixed prior that does not pay (a draft pass costing a third of the model's) would never be probed,
+    so every request after the first would go unspeculated: new sequences start from the proposer's
+    acceptance over earlier ones."""
+    kept = Proposer(4)
+    assert abs(kept.acceptance("a").rate - 0.6) < 1e-9   # nothing known yet: the default prior
+    for _ in range(10):
+        kept.verified("a", 10, 4, 4)
+    kept.forget("a")
+    assert kept.acceptance("b").rate > 0.9
+    missed = Proposer(4)
+    for _ in range(10):
+        missed.verified("a", 10, 4, 0)
+    assert missed.acceptance("b").rate < 0.2
+    # prompt lookup pools by n-gram size: what 4-gram matches did says nothing about 2-gram ones
+    p = PromptLookup()
+    p._matched["a"] = 4
+    for _ in range(10):
+        p.verified("a", 10, 4, 4)
+    p._matched["b"] = 4
+    assert p.acceptance("b").rate > 0.9
+    p._matched["c"] = 2
+    assert abs(p.acceptance("c").rate - 0.6) < 1e-9
 
 
 def test_plan_gives_rows_only_where_they_pay():

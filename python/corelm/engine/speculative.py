@@ -76,6 +76,7 @@ class Proposer:
         self.k_max = k_max
         self.adaptive = True      # False: always k_max tokens where there are any (vLLM's and llama.cpp's way)
         self._acceptance: Dict[Hashable, Acceptance] = {}
+        self._pooled: Dict[Hashable, Acceptance] = {}   # kind of guess -> its acceptance over every sequence
         self.stats = SpecStats()
         self.pass_seconds = 0.0   # a drafting pass, measured (0: no passes, e.g. prompt lookup)
 
@@ -84,11 +85,22 @@ class Proposer:
         k = self._estimate_key(key)
         a = self._acceptance.get(k)
         if a is None:
-            a = self._acceptance[k] = self._new_estimate(k)
+            a = self._acceptance[k] = self._new_estimate(k, self._kind(key))
         return a
 
-    def _new_estimate(self, k: Hashable) -> Acceptance:
-        return Acceptance()
+    def _new_estimate(self, k: Hashable, kind: Hashable) -> Acceptance:
+        return Acceptance(prior=self.learned_prior(kind, 0.6))
+
+    def learned_prior(self, kind: Hashable, default: float) -> float:
+        """Where a new sequence's estimate starts: how often this kind of guess was kept lately, over every
+        sequence (default before that is known). A fixed prior that does not pay (a draft whose pass costs
+        a third of the model's) would never be probed: every request after the first would go unspeculated."""
+        pooled = self._pooled.get(kind)
+        return pooled.rate if pooled is not None and pooled.tried >= 4 else default
+
+    def _kind(self, key: Hashable) -> Hashable:
+        """What the sequence's guesses now have in common with other sequences' (None: all alike)."""
+        return None
 
     def _estimate_key(self, key: Hashable) -> Hashable:
         return key
@@ -106,6 +118,7 @@ class Proposer:
         predictions (for a proposer that wants_predictions): the greedy argmax of each of the pass's
         proposed + 1 rows, row j's being the model's next token after the proposal's first j tokens."""
         self.acceptance(key).update(proposed, accepted)
+        self._pooled.setdefault(self._kind(key), Acceptance(keep=0.95)).update(proposed, accepted)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
 
@@ -130,9 +143,12 @@ class PromptLookup(Proposer):
         self._index: Dict[Hashable, Tuple[int, Dict[Tuple[int, ...], int]]] = {}
         self._matched: Dict[Hashable, int] = {}   # key -> the n-gram size of its latest match
 
-    def _estimate_key(self, key):
+    def _kind(self, key):
         # a longer match is a better guess: each sequence keeps an estimate per n-gram size
-        return (key, self._matched.get(key, 0))
+        return self._matched.get(key, 0)
+
+    def _estimate_key(self, key):
+        return (key, self._kind(key))
 
     def _indexed(self, key: Hashable, tokens: List[int]) -> Dict[Tuple[int, ...], int]:
         done, index = self._index.get(key, (0, None))
@@ -192,12 +208,12 @@ class Lookahead(PromptLookup):
         self._last: Dict[Hashable, Tuple[List[int], List[int]]] = {}   # key -> (its tokens, the proposal)
         self.kinds: Dict[str, List[int]] = {}   # "text" / "guess" / "jacobi" -> [proposed, accepted] (tools)
 
-    def _new_estimate(self, k):
+    def _new_estimate(self, k, kind):
         # the fallbacks (the Jacobi guess, one-token matches) are rarely kept: probed with fewer rows, and
         # less often, so that what they cost does not pause speculation where the longer matches pay
-        label = k[1]
-        weak = label == "jacobi" or (isinstance(label, tuple) and label[1] < self.n_first)
-        return Acceptance(prior=0.3, drift=0.99) if weak else Acceptance()
+        weak = kind == "jacobi" or (isinstance(kind, tuple) and kind[1] < self.n_first)
+        return (Acceptance(prior=self.learned_prior(kind, 0.3), drift=0.99) if weak
+                else Acceptance(prior=self.learned_prior(kind, 0.6)))
 
     def _match(self, key, tokens: List[int], n: int, k: int):
         """(label, continuation) of the sequence's last n tokens, or None."""
