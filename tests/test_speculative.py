@@ -134,7 +134,7 @@ def test_a_new_sequence_starts_from_what_its_kind_of_guess_was_kept_at():
     missed = Proposer(4)
     for _ in range(10):
         missed.verified("a", 10, 4, 0)
-    assert missed.acceptance("b").rate < 0.2
+    assert abs(missed.acceptance("b").rate - 0.6) < 1e-9   # earlier misses do not keep a new one from a try
     # prompt lookup pools by n-gram size: what 4-gram matches did says nothing about 2-gram ones
     p = PromptLookup()
     p._matched["a"] = 4

@@ -92,11 +92,13 @@ class Proposer:
         return Acceptance(prior=self.learned_prior(kind, 0.6))
 
     def learned_prior(self, kind: Hashable, default: float) -> float:
-        """Where a new sequence's estimate starts: how often this kind of guess was kept lately, over every
-        sequence (default before that is known). A fixed prior that does not pay (a draft whose pass costs
-        a third of the model's) would never be probed: every request after the first would go unspeculated."""
+        """Where a new sequence's estimate starts: how often this kind of guess was kept lately over every
+        sequence, where that is above the default. A fixed prior that does not pay (a draft whose pass costs
+        a third of the model's) would never be probed: every request after the first would go unspeculated.
+        Below the default it stays there, so that a sequence is still tried where earlier ones missed
+        (prompt lookup on an edit after open-ended chat); its own misses bring it down within a few steps."""
         pooled = self._pooled.get(kind)
-        return pooled.rate if pooled is not None and pooled.tried >= 4 else default
+        return max(default, pooled.rate) if pooled is not None and pooled.tried >= 4 else default
 
     def _kind(self, key: Hashable) -> Hashable:
         """What the sequence's guesses now have in common with other sequences' (None: all alike)."""
