@@ -488,7 +488,7 @@ void rows16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_
     __m256 r[MR][kSuper];
     int ng = 1;
     if (g == v.first && v.ns == kSuper && g + kSuper <= g_end) {
-      rows16_groups<T, VNNI, MR, kSuper>(qx, nb, v, reinterpret_cast<__m256(*)[kSuper]>(r));
+      rows16_groups<T, VNNI, MR, kSuper>(qx, nb, v, r);
       ng = kSuper;
     } else {
       __m256 one[MR][1];
