@@ -82,6 +82,19 @@ inline PlainAct<E> plain_act_view(void* buf, int64_t m, int64_t nb) {
   return {q, dx, dx + m * nb, reinterpret_cast<int32_t*>(dx + 2 * m * nb)};
 }
 
+// Rows [n0, n1) of w in pieces of about `bytes` of its weights (whole super-groups): f(a, e) for each
+// piece [a, e), so that several passes over a piece (a few activation rows, some at a time) find it in L2.
+template <class F>
+inline void for_l2_pieces(const PackedMatrix& w, int64_t n0, int64_t n1, int64_t bytes, F f) {
+  const int64_t align = kGroup * kSuper;
+  const int64_t piece = std::max<int64_t>(align, (int64_t)(bytes / std::max<size_t>(1, w.nbytes / w.rows)) / align * align);
+  for (int64_t a = n0; a < n1;) {
+    const int64_t e = std::min(n1, (a / align + piece / align) * align);
+    f(a, e);
+    a = e;
+  }
+}
+
 }  // namespace
 
 // The grouped layout's packers and row reader; `by` is the table the matrix is handed to.

@@ -500,19 +500,6 @@ void rows16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_
   }
 }
 
-// Rows [n0, n1) of w in pieces of about kChunkBytes of weights (whole super-groups): f(a, e) for each
-// piece [a, e), so that several passes over a piece find it in L2.
-template <class F>
-void over_l2_pieces(const PackedMatrix& w, int64_t n0, int64_t n1, F f) {
-  const int64_t align = kGroup * kSuper;
-  const int64_t piece = std::max<int64_t>(align, (int64_t)(kChunkBytes / std::max<size_t>(1, w.nbytes / w.rows)) / align * align);
-  for (int64_t a = n0; a < n1;) {
-    const int64_t e = std::min(n1, (a / align + piece / align) * align);
-    f(a, e);
-    a = e;
-  }
-}
-
 // A few rows in tiles as even as the count allows, of at most 4 rows for Q4/Q4M, whose widened nibbles
 // cost more, and 2 for Q8 (3 and 4-row Q8 tiles were slower: 14.2 against 15.5 GB/s at 3 rows); a tile
 // of one row runs decode's kernel. Over pieces of about kChunkBytes of weights, so that the tiles after the
@@ -522,7 +509,7 @@ void few_rows16(const PlainAct<int16_t>& qa, int64_t m, const PackedMatrix& w, f
                 int64_t n1) {
   constexpr int64_t kTile = T == WeightType::Q8 ? 2 : 4;
   const int64_t nb = nblocks(w), tiles = (m + kTile - 1) / kTile;
-  over_l2_pieces(w, n0, n1, [&](int64_t a, int64_t e) {
+  for_l2_pieces(w, n0, n1, kChunkBytes, [&](int64_t a, int64_t e) {
     for (int64_t t = 0, i = 0; t < tiles; t++) {
       const int64_t rows = m / tiles + (t < m % tiles);
       const PlainAct<int16_t> r{qa.q + i * nb * 32, qa.dx + i * nb, qa.dxs + i * nb, qa.corr + i * nb};
@@ -633,7 +620,7 @@ constexpr int64_t kMinGemmRows = 8;
 template <class Row, class Gemv>
 void few_rows(int64_t m, const PackedMatrix& w, float* y, int64_t ldy, int64_t n0, int64_t n1, Row row, Gemv gemv) {
   if (m == 1) return gemv(row(0), y, n0, n1);  // one uninterrupted stream
-  over_l2_pieces(w, n0, n1, [&](int64_t a, int64_t e) {
+  for_l2_pieces(w, n0, n1, kChunkBytes, [&](int64_t a, int64_t e) {
     for (int64_t i = 0; i < m; i++) gemv(row(i), y + i * ldy, a, e);
   });
 }
