@@ -159,6 +159,13 @@ def test_plan_gives_rows_only_where_they_pay():
     # a draft model's passes cost too: a slow draft gets fewer tokens, a hopeless one none
     assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.006)[0] < k
     assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.05) == [0]
+    # copied guesses (drafted False) cost no drafting pass: a slow draft does not hold them back
+    assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.05, drafted=[False]) == [k]
+    copied, drafted = plan_lengths([0.9, 0.9], [8, 8], 2, costs, pass_seconds=0.05, drafted=[False, True])
+    assert copied > 0 and drafted == 0
+    # a draft that must first read what was copied since it last ran is charged that reading
+    assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.006, catch_up=[0.0])[0] > 0
+    assert plan_lengths([0.9], [8], 1, costs, pass_seconds=0.006, catch_up=[0.2]) == [0]
     # two sequences share the extra rows, the better guesser first
     a, b = plan_lengths([0.95, 0.5], [8, 8], 2, costs)
     assert a > b
@@ -286,6 +293,47 @@ def test_greedy_float_and_moe_models_are_unchanged(source, dtype):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     assert run(spec, [ids], params) == run(plain, [ids], params)
     assert spec.engine.speculator.stats.accepted > 0
+
+
+def test_a_draft_model_copies_from_the_text_first(plain_stories):
+    """With a draft model, a sequence whose text repeats is proposed the copy (no drafting pass) and the
+    others are drafted; the output is plain decoding's either way, and a copy that stops being kept hands
+    the sequence back to the draft."""
+    llm = corelm.LLM(STORIES_GGUF, max_num_seqs=2, **Q8, **FIXED, speculative_model=STORIES_GGUF,
+                     num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    assert spec.lookup is not None and spec.copy_k_max == 3
+    prompts = [STORY, "Tim had a big red ball. Tim had a big"]
+    for params in PARAMS[:2]:
+        assert run(llm, prompts, params) == run(plain_stories, prompts, params), params
+    assert 0 < spec.copied.accepted <= spec.copied.proposed
+    assert spec.stats.proposed > spec.copied.proposed          # the draft drafted too
+    # the choice, per sequence: the copy where it gives more tokens a second than drafting would (each at
+    # its acceptance and best length; a copy costs its rows, a draft its rows and passes; before the costs
+    # are known: the copy where it is kept at least as often)
+    spec._acceptance[("s", "draft")] = Acceptance(prior=0.9)
+    spec._acceptance[("s", ("copy", 2))] = Acceptance(prior=0.5)
+    tokens = [5, 6, 7, 8, 5, 6]
+    assert spec.copy([("s", tokens, 3)]) == {}
+    spec._state["s"] = [[], len(tokens) - 1]   # the draft has read the text: no catch-up
+    spec.pass_seconds = 0.002
+    assert spec.copy([("s", tokens, 3)], 0.030, 0.003) == {}      # the draft's passes are cheap
+    spec.pass_seconds = 0.030
+    assert spec.copy([("s", tokens, 3)], 0.030, 0.003) == {"s": [7, 8, 5]}   # each pass costs a step
+    spec._acceptance[("s", ("copy", 2))] = Acceptance(prior=0.95)
+    assert spec.copy([("s", tokens, 3)]) == {"s": [7, 8, 5]}
+    # the reading a draft owes (tokens it has not seen) is charged in full while copies are kept, an
+    # eighth once no copied token was kept for 2 steps
+    spec.read_seconds = 0.001
+    spec._state["s"][1] = 2
+    spec.copy([("s", tokens, 3)])
+    spec.verified("s", len(tokens), 3, 1)
+    assert spec.catch_up_seconds("s", tokens + [7]) == pytest.approx(0.004)
+    spec.copy([("s", tokens + [7, 9], 3)])
+    spec.copy([("s", tokens + [7, 9, 10], 3)])
+    assert spec.catch_up_seconds("s", tokens + [7, 9, 10]) == pytest.approx(0.006 / 8)
+    spec.forget("s")
+    assert "s" not in spec.lookup._index and not [k for k in spec._acceptance if k[0] == "s"]
 
 
 @pytest.mark.parametrize("proposer", ["[ngram]", "[lookahead]"])

@@ -11,7 +11,8 @@ Tasks (chat prompts, the model's own template): `rename` rewrites a 35-line clas
 (input-grounded: most of the answer is in the prompt), `summary` summarises a given passage, `story` and
 `code` are open-ended (nothing to copy: prompt lookup must cost nothing there). corelm engines: plain,
 prompt lookup (adaptive), lookahead (prompt lookup plus the model's own Jacobi guesses, adaptive), the draft
-model (adaptive) and the target drafting for itself in fewer bits.
+model (adaptive, prompt lookup's copies first where they match) and the target drafting for itself in fewer
+bits; with --draft-alone also each draft without the copies.
 llama.cpp (with --llama-bin): llama-bench's decode at the prompt's depth as its plain speed, llama-lookup
 (3 drafted tokens, its default), llama-speculative with the same draft (4), llama-lookahead."""
 import argparse
@@ -90,6 +91,17 @@ def corelm_engines(a, threads):
     if a.self_draft:
         engines[f"corelm self-draft {a.self_draft}"] = corelm.LLM(a.model, speculative_model="[self]",
                                                                   speculative_weights=a.self_draft, **base)
+    if a.draft_alone:   # the same drafts without prompt lookup's copies ahead of them
+        alone = {}
+        if a.draft:
+            alone["corelm draft alone"] = corelm.LLM(a.model, speculative_model=a.draft,
+                                                     speculative_weights=a.draft_weights, **base)
+        if a.self_draft:
+            alone[f"corelm self-draft {a.self_draft} alone"] = corelm.LLM(a.model, speculative_model="[self]",
+                                                                          speculative_weights=a.self_draft, **base)
+        for llm in alone.values():
+            llm.engine.speculator.lookup = None
+        engines.update(alone)
     for llm in engines.values():   # decode at its steady speed (see LLM.wait_for_huge_pages)
         llm.wait_for_huge_pages(timeout=300)
     return engines
@@ -157,6 +169,8 @@ def main():
     ap.add_argument("--draft", default=None, help="a draft model over the same vocabulary")
     ap.add_argument("--draft-weights", default=None, help="convert the draft to this format first (e.g. q4)")
     ap.add_argument("--self-draft", default=None, help="also the target drafting for itself in this format (e.g. q4)")
+    ap.add_argument("--draft-alone", action="store_true",
+                    help="also each draft without prompt lookup's copies ahead of it")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)

@@ -80,7 +80,8 @@ class LLMEngine:
     "[ngram]" for prompt lookup, the default, "[lookahead]" for prompt lookup plus the model's own Jacobi
     guesses, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
     (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min (the n-gram
-    sizes matched; for "[lookahead]", shorter matches come after the Jacobi guess), and
+    sizes matched; for "[lookahead]", shorter matches come after the Jacobi guess; with a draft model, a
+    match's copy is proposed instead of drafting where such copies are kept as often as the drafts), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
 
@@ -171,7 +172,9 @@ class LLMEngine:
             dtype = folder_dtype(draft.source)
         core = build_core_model(draft, dtype=dtype, max_seq_len=self.max_seq_len, **build)
         draft.release_all()
-        return speculative.DraftModel(core, self.core, 4 if k is None else k, vocab_limit=self.vocab_size)
+        lookup = speculative.PromptLookup(8 if k is None else k, n_max, n_min)   # copies go first
+        return speculative.DraftModel(core, self.core, 4 if k is None else k, vocab_limit=self.vocab_size,
+                                      lookup=lookup)
 
     def _eos_ids(self) -> List[int]:
         ids = list(self.spec.eos_token_ids or [])

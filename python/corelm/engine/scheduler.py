@@ -355,23 +355,28 @@ class Scheduler:
         if not decoding or room <= 0:
             return {}
         # no guesses past max_tokens (the last token of a pass is free) or the context
-        limits = [max(0, min(spec.k_max, r.seq.max_new - len(r.seq.output_ids) - 1,
-                             self.core.max_seq_len - len(r.tokens), room)) for r in decoding]
-        found = {}
-        if spec.cheap:   # prompt lookup: what there is to copy decides the lengths too
-            found = spec.propose([(r.key, r.tokens, k) for r, k in zip(decoding, limits) if k > 0])
-            limits = [len(found.get(r.key, ())) for r in decoding]
+        def limits_of(k_max):
+            return [max(0, min(k_max, r.seq.max_new - len(r.seq.output_ids) - 1,
+                               self.core.max_seq_len - len(r.tokens), room)) for r in decoding]
+        # copies from the text first (prompt lookup, alone or before a draft model): what there is to copy
+        # decides their lengths; a draft model drafts for the others
+        copy_limits = limits_of(spec.copy_k_max)
+        now, more = self.step_costs.cost(base_rows), self.step_costs.cost(base_rows + 1)
+        row_seconds = max(more - now, 0.0) if now is not None and more is not None else None
+        found = spec.copy([(r.key, r.tokens, k) for r, k in zip(decoding, copy_limits) if k > 0], now, row_seconds)
+        drafted = [not spec.cheap and r.key not in found for r in decoding]
+        limits = [len(found.get(r.key, ())) if not d else k for r, d, k in zip(decoding, drafted, limits_of(spec.k_max))]
         accept = [spec.acceptance(r.key) for r in decoding]
+        catch_up = [spec.catch_up_seconds(r.key, r.tokens) if d else 0.0 for r, d in zip(decoding, drafted)]
         lengths = plan_lengths([a.rate for a in accept], limits, base_rows, self.step_costs,
-                               spec.pass_seconds) if spec.adaptive else limits
+                               spec.pass_seconds, drafted, catch_up) if spec.adaptive else limits
         for a, k, lim in zip(accept, lengths, limits):
             if k == 0 and lim > 0:
                 a.idle()
-        if spec.cheap:
-            drafts = {r.key: found[r.key][:k] for r, k in zip(decoding, lengths) if k > 0}
-        else:
-            items = [(r.key, r.tokens, k) for r, k in zip(decoding, lengths) if k > 0]
-            drafts = spec.propose(items) if items else {}
+        drafts = {r.key: found[r.key][:k] for r, k in zip(decoding, lengths) if k > 0 and r.key in found}
+        items = [(r.key, r.tokens, k) for r, k, d in zip(decoding, lengths, drafted) if k > 0 and d]
+        if items:
+            drafts.update(spec.propose(items))
         by_key = {r.key: r for r in decoding}
         for key, d in list(drafts.items()):
             r = by_key[key]

@@ -4,7 +4,8 @@ rows reads them once for all, and costs less than that many passes where the row
 
     PromptLookup(k_max=8)                  # n-gram copy from the prompt and the text so far (LLMA)
     Lookahead(k_max=8)                     # that, plus n-grams from the model's own guesses (Jacobi)
-    DraftModel(core, target_core, k_max=4) # a smaller model (or the same one in fewer bits), greedy
+    DraftModel(core, target_core, k_max=4) # a smaller model (or the same one in fewer bits), greedy;
+                                           # with lookup=PromptLookup(), copies first where they match
 
 The scheduler asks `propose` for the running sequences, runs each sequence's last token plus its proposal
 through the model with logits for every row, lets the sequence sample each row in turn (Sequence.step,
@@ -63,9 +64,10 @@ class Acceptance:
 
 
 class Proposer:
-    """What the scheduler needs of a proposer. Keys name running sequences (the scheduler's). `cheap`
-    proposers (prompt lookup) are asked first and their proposals trimmed by the planner; a draft model is
-    asked only for the lengths the planner chose, and reports the seconds a drafting pass takes."""
+    """What the scheduler needs of a proposer. Keys name running sequences (the scheduler's). Every step
+    `copy` is asked first (prompt lookup's matches, alone or ahead of a draft model) and its proposals
+    trimmed by the planner; a draft model is then asked `propose` only for the other sequences and the
+    lengths the planner chose, and reports the seconds a drafting pass takes. `cheap`: copies only."""
     name = "none"
     cheap = False
     wants_predictions = False   # True: verified() gets the argmax of every row the proposal was checked on
@@ -110,6 +112,24 @@ class Proposer:
     def propose(self, items: List[Tuple[Hashable, List[int], int]]) -> Dict[Hashable, List[int]]:
         """items: (key, the sequence's tokens so far, at most k); returns key -> proposed tokens."""
         raise NotImplementedError
+
+    def copy(self, items: List[Tuple[Hashable, List[int], int]], step_seconds: Optional[float] = None,
+             row_seconds: Optional[float] = None) -> Dict[Hashable, List[int]]:
+        """Proposals that cost no drafting pass (copied from the text), asked first every step; the
+        sequences given none here are then asked `propose` (a draft model) for the lengths planned.
+        step_seconds, row_seconds: this step's pass and what one more row adds to it, measured (None:
+        not yet)."""
+        return {}
+
+    @property
+    def copy_k_max(self) -> int:
+        """The most tokens `copy` proposes."""
+        return self.k_max
+
+    def catch_up_seconds(self, key: Hashable, tokens: List[int]) -> float:
+        """What drafting for the sequence now would cost before its first drafting pass (a draft model
+        reading the tokens it has not seen), as charged to this step."""
+        return 0.0
 
     def read_prompts(self, items: List[Tuple[Hashable, List[int]]]) -> None:
         """The model has just read these sequences' prompts (key, tokens): a draft reads them too."""
@@ -164,6 +184,9 @@ class PromptLookup(Proposer):
                     index[tuple(tokens[i - n:i])] = i
         self._index[key] = (max(done, len(tokens)), index)
         return index
+
+    def copy(self, items, step_seconds=None, row_seconds=None):
+        return self.propose(items)
 
     def propose(self, items):
         out = {}
@@ -301,10 +324,13 @@ READ_CHUNK = 256   # the most prompt tokens a draft reads in one pass
 class DraftModel(Proposer):
     """A smaller model over the same vocabulary proposes greedily (argmax), each step in one batched pass
     per proposed token over every speculating sequence. Its KV cache is its own paged pool; a sequence's
-    draft entries past the last accepted token are simply overwritten next time."""
+    draft entries past the last accepted token are simply overwritten next time, and tokens it has not
+    seen (after copied proposals) are read in the next drafting pass. With `lookup`, a sequence whose
+    last n-gram occurred before is proposed what followed it instead (see copy)."""
     name = "draft"
 
-    def __init__(self, core, target_core, k_max: int = 4, vocab_limit: Optional[int] = None):
+    def __init__(self, core, target_core, k_max: int = 4, vocab_limit: Optional[int] = None,
+                 lookup: Optional[PromptLookup] = None):
         super().__init__(k_max)
         from .scheduler import BlockManager
         self.core = core
@@ -313,6 +339,68 @@ class DraftModel(Proposer):
         self.block_size = core.kv_block_size
         self.vocab_limit = vocab_limit   # the target's vocabulary size: draft ids past it are cut
         self._state: Dict[Hashable, List] = {}   # key -> [blocks, n_computed]
+        # Prompt lookup first: where the text repeats (an edit, a summary, code that echoes its input) a
+        # copied guess is kept as often as the draft's and costs no drafting pass; the draft drafts the rest.
+        self.lookup = lookup
+        self._copied: Dict[Hashable, int] = {}   # key -> n-gram size of this step's copied proposal
+        self._uncopied: Dict[Hashable, int] = {}   # key -> steps since a copied token was last kept
+        self.copied = SpecStats()   # of stats: the copied tokens
+        self.read_seconds = 0.0     # a token the draft reads to catch up, measured
+
+    @property
+    def copy_k_max(self) -> int:
+        return self.lookup.k_max if self.lookup is not None else self.k_max
+
+    def _kind(self, key):
+        # copied guesses are judged per n-gram size, apart from the draft's
+        n = self._copied.get(key)
+        return "draft" if n is None else ("copy", n)
+
+    def _estimate_key(self, key):
+        return (key, self._kind(key))
+
+    def copy(self, items, step_seconds=None, row_seconds=None):
+        """The lookup's match for a sequence where copying gives more tokens per second than drafting
+        would: each at its kind's measured acceptance and best length, a copy costing its rows, a draft
+        its rows, its drafting passes and its catch-up (before the costs are measured: where copies are
+        kept at least as often)."""
+        self._copied = {}
+        if self.lookup is None:
+            return {}
+        found = self.lookup.propose(items)
+        tokens_of = {key: tokens for key, tokens, _ in items}
+        out = {}
+        for key in tokens_of:
+            self._uncopied[key] = self._uncopied.get(key, 0) + 1
+        for key, proposal in found.items():
+            drafted = self._acceptance.get((key, "draft"))
+            draft_rate = drafted.rate if drafted is not None else self.learned_prior("draft", 0.6)
+            self._copied[key] = self.lookup._matched[key]
+            copy_rate = self.acceptance(key).rate
+            if step_seconds is None or row_seconds is None:
+                better = copy_rate >= draft_rate
+            else:
+                def best(rate, k, per_token, once):   # the most tokens a second over lengths 1..k
+                    return max((1 - rate ** (j + 1)) / (1 - rate) / (step_seconds + j * (row_seconds + per_token) + once)
+                               for j in range(1, k + 1))
+                better = best(copy_rate, len(proposal), 0.0, 0.0) >= best(
+                    draft_rate, self.k_max, self.pass_seconds, self.catch_up_seconds(key, tokens_of[key]))
+            if better:
+                out[key] = proposal
+            else:
+                del self._copied[key]
+        return out
+
+    def catch_up_seconds(self, key, tokens):
+        """The tokens copied since the draft last ran, read in its first pass: while copies are still being
+        kept, charged in full to drafting now (on an edit the draft would fall behind again and the
+        reading would cost more than its guesses give); once no copied token was kept for 2 steps, the
+        text has moved on to what only the draft guesses and the reading serves the steps ahead: charged
+        an eighth."""
+        st = self._state.get(key)
+        behind = max(0, len(tokens) - 1 - (st[1] if st is not None else 0))
+        seconds = behind * self.read_seconds
+        return seconds / 8 if self._uncopied.get(key, 0) >= 2 else seconds
 
     def _grow(self, st, n_tokens: int) -> bool:
         while len(st[0]) * self.block_size < n_tokens:
@@ -367,6 +455,9 @@ class DraftModel(Proposer):
             logits = self.core.forward_batch(ids, slices)
             if max(sl[0] for sl in slices) <= 2:
                 timed.append(time.perf_counter() - t0)
+            elif len(ids) >= 8:   # a catch-up: its seconds per token read
+                per = (time.perf_counter() - t0) / len(ids)
+                self.read_seconds = per if not self.read_seconds else 0.7 * self.read_seconds + 0.3 * per
             nxt = np.argmax(logits, axis=1)
             for e, t in zip(feed, nxt):
                 e[4].append(int(t))
@@ -393,12 +484,21 @@ class DraftModel(Proposer):
 
     def verified(self, key, n_before, proposed, accepted, predictions=None):
         super().verified(key, n_before, proposed, accepted)
+        if key in self._copied:
+            self.copied.proposed += proposed
+            self.copied.accepted += accepted
+            if accepted:
+                self._uncopied[key] = 0
         st = self._state.get(key)
         if st is not None:   # entries past the accepted tokens hold rejected guesses
             st[1] = min(st[1], n_before + accepted)
 
     def forget(self, key):
         super().forget(key)
+        self._copied.pop(key, None)
+        self._uncopied.pop(key, None)
+        if self.lookup is not None:
+            self.lookup.forget(key)
         st = self._state.pop(key, None)
         if st is not None:
             self.blocks.release(st[0])
@@ -454,31 +554,47 @@ class StepCosts:
 
 
 def plan_lengths(rates: List[float], limits: List[int], base_rows: int, costs: StepCosts,
-                 pass_seconds: float = 0.0) -> List[int]:
+                 pass_seconds: float = 0.0, drafted: Optional[List[bool]] = None,
+                 catch_up: Optional[List[float]] = None) -> List[int]:
     """How many proposed tokens each decoding sequence gets: the lengths that maximise expected tokens per
     second. Sequence s's j-th proposed token adds rates[s] ** j expected tokens (it is kept only if the
     ones before it were); the pass costs costs.cost(base_rows + proposed), plus pass_seconds per drafting
-    pass (a draft model drafts one token per pass for every sequence, so max(lengths) passes). Zeros when
-    nothing pays, or before the plain pass was ever measured."""
+    pass (a draft model drafts one token per pass for every sequence it drafts for, drafted[s], all by
+    default: so max(lengths) passes over those), and catch_up[s] seconds once if s is drafted for at all.
+    Zeros when nothing pays, or before the plain pass was ever measured."""
     n = len(rates)
     base = costs.cost(base_rows)
     if base is None or n == 0:
         return [0] * n
+    drafted = [True] * n if drafted is None else drafted
+    catch_up = [0.0] * n if catch_up is None else catch_up
     gains = sorted(((rates[s] ** j, s) for s in range(n) for j in range(1, limits[s] + 1)), reverse=True)
-    best_x, best_rate = 0, n / base
-    lengths = [0] * n
-    total = float(n)
-    for x, (g, s) in enumerate(gains, 1):
-        lengths[s] += 1
-        total += g
-        c = costs.cost(base_rows + x)
-        if c is None:
-            break
-        rate = total / (c + max(lengths) * pass_seconds)
-        if rate > best_rate * 1.01:   # 1%: a plan no better than plain within noise is not worth a row
-            best_x, best_rate = x, rate
+
+    def best_prefix(order):   # (rate, the tokens) of the best plan taking `order`'s guesses first to last
+        best_x, best_rate = 0, n / base
+        lengths = [0] * n
+        passes, setup = 0, 0.0
+        total = float(n)
+        for x, (g, s) in enumerate(order, 1):
+            lengths[s] += 1
+            if drafted[s]:
+                passes = max(passes, lengths[s])
+                setup += catch_up[s] if lengths[s] == 1 else 0.0
+            total += g
+            c = costs.cost(base_rows + x)
+            if c is None:
+                break
+            rate = total / (c + passes * pass_seconds + setup)
+            if rate > best_rate * 1.01:   # 1%: a plan no better than plain within noise is not worth a row
+                best_x, best_rate = x, rate
+        return best_rate, order[:best_x]
+
+    # the guesses by their gain, and the copied ones alone (where drafting at all would not pay)
+    plans = [best_prefix(gains)]
+    if (pass_seconds > 0 or any(catch_up)) and not all(drafted):
+        plans.append(best_prefix([(g, s) for g, s in gains if not drafted[s]]))
     out = [0] * n
-    for g, s in gains[:best_x]:
+    for g, s in max(plans, key=lambda p: p[0])[1]:
         out[s] += 1
     return out
 
