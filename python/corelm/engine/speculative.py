@@ -369,6 +369,10 @@ class DraftModel(Proposer):
             return {}
         found = self.lookup.propose(items)
         tokens_of = {key: tokens for key, tokens, _ in items}
+
+        def best(rate, k, per_token, once):   # the most tokens a second over lengths 1..k
+            return max((1 - rate ** (j + 1)) / (1 - rate) / (step_seconds + j * (row_seconds + per_token) + once)
+                       for j in range(1, k + 1))
         out = {}
         for key, proposal in found.items():
             drafted = self._acceptance.get((key, "draft"))
@@ -378,9 +382,6 @@ class DraftModel(Proposer):
             if step_seconds is None or row_seconds is None:
                 better = copy_rate >= draft_rate
             else:
-                def best(rate, k, per_token, once):   # the most tokens a second over lengths 1..k
-                    return max((1 - rate ** (j + 1)) / (1 - rate) / (step_seconds + j * (row_seconds + per_token) + once)
-                               for j in range(1, k + 1))
                 better = best(copy_rate, len(proposal), 0.0, 0.0) >= best(
                     draft_rate, self.k_max, self.pass_seconds, self.catch_up_seconds(key, tokens_of[key]))
             if better:
