@@ -81,7 +81,7 @@ class LLMEngine:
     guesses, or None for none), num_speculative_tokens (the most proposed per step), speculative_weights
     (the draft converted to this format first, e.g. "q4"), prompt_lookup_max / prompt_lookup_min (the n-gram
     sizes matched; for "[lookahead]", shorter matches come after the Jacobi guess; with a draft model, a
-    match's copy is proposed instead of drafting where such copies are kept as often as the drafts), and
+    match's copy is proposed instead of drafting where it gives more tokens per second), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
 
