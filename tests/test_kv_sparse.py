@@ -188,7 +188,9 @@ def test_sparse_kv_through_llm(kv):
     # again: the prompt's blocks now come from the prefix cache
     again = sparse.generate([prompt], params)[0]
     assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first
-    spec = corelm.LLM(STORIES, kv_sparsity=0.5, **dict(kw, speculative_model="[ngram]"))
+    # every step proposes (not as measured step times decide: on a loaded host the planner may propose
+    # only what is then all kept)
+    spec = corelm.LLM(STORIES, kv_sparsity=0.5, **dict(kw, speculative_model="[ngram]", speculative_adaptive=False))
     assert spec.generate([prompt], params)[0].outputs[0].token_ids == first
     counts = spec.engine.spec_counts()
     assert counts["draft_tokens"] > counts["accepted_tokens"] > 0  # some guesses kept, some rolled back
