@@ -149,6 +149,13 @@ int64_t record_prefetch_bytes() {
   }();
   return bytes;
 }
+bool record_prefetch_l2() {
+  static const bool l2 = [] {
+    const char* e = std::getenv("CORELM_SPARSE_PREFETCH_L2");
+    return e ? std::atoi(e) != 0 : !cpu_features().amd;
+  }();
+  return l2;
+}
 #endif
 
 int64_t count_nonzeros(const PackedMatrix& w) {

@@ -22,6 +22,9 @@
 #endif
 
 #include "kernels/kernels.h"
+#if defined(CORELM_HAVE_X86)
+#include "kernels/prefetch.h"
+#endif
 
 namespace corelm {
 namespace sparse {
@@ -67,13 +70,19 @@ int64_t count_nonzeros(const PackedMatrix& w);
 // (decode, and expanding them for a prompt) prefetch them record_prefetch_bytes() ahead
 // (CORELM_SPARSE_PREFETCH, default 2 KiB; 0: none): after each chunk, the lines that far past the bytes
 // [from, to) just read. Without it a 50%-sparse matrix streamed from DRAM at 0.5 (AVX-512) and 0.25
-// (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62 (docs/benchmarks.md). A prefetch
-// past the matrix's end touches nothing: prefetches do not fault.
+// (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62 (docs/benchmarks.md). The AVX-512
+// kernels take the lines into L2 as one chain (prefetch.h: prefetch_lines_l2) where
+// record_prefetch_l2() (CORELM_SPARSE_PREFETCH_L2=0|1; default: not on AMD, where it is unmeasured): on
+// the Xeon the sparse q8/q4 streams went from 0.60 to 0.71 (1 thread) and 0.55 to 0.73 (2) of their
+// roofline, sparse bf16 0.62 to 0.65. A prefetch past the matrix's end touches nothing: prefetches do
+// not fault.
 int64_t record_prefetch_bytes();
-inline void prefetch_ahead(const uint8_t* from, const uint8_t* to, int64_t distance) {
-  const uintptr_t end = (uintptr_t)to + distance;
-  for (uintptr_t a = ((uintptr_t)from + distance + 63) & ~(uintptr_t)63; distance > 0 && a < end; a += 64)
-    _mm_prefetch((const char*)a, _MM_HINT_T0);
+bool record_prefetch_l2();
+inline void prefetch_ahead(const uint8_t* from, const uint8_t* to, int64_t distance, bool l2 = false) {
+  const uintptr_t first = ((uintptr_t)from + distance + 63) & ~(uintptr_t)63, end = (uintptr_t)to + distance;
+  if (distance <= 0 || first >= end) return;
+  if (l2) return prefetch_lines_l2(reinterpret_cast<const char*>(first), (int64_t)(end - first + 63) / 64);
+  for (uintptr_t a = first; a < end; a += 64) _mm_prefetch((const char*)a, _MM_HINT_T0);
 }
 
 // The tables' matmuls for sparse weights. dense: the table's own matmul, which takes bf16 panels

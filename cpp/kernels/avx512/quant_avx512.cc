@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
@@ -654,8 +655,8 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
 // streams each super-group's record once: per block the ns groups' scales and masks, then the
 // non-zero codes, each 64-position window expanded in registers by one VPEXPANDB (VBMI2) over a
 // merge source holding the zero code (Q4: the window's nibbles spread to bytes first) into exactly
-// the W_t vectors load_w gives the dense kernel (int16: its pieces, widened), multiplied in the
-// dense decode's order: the dense matrix's bits. Everything else (several rows, CPUs without VBMI2)
+// the W_t vectors load_w gives the dense kernel, multiplied by VPDPBUSD (int16 activations as two byte
+// planes, split_act) and scaled in the dense decode's order: the dense matrix's bits. Everything else (several rows, CPUs without VBMI2)
 // expands panels of super-groups into the dense layout and runs the dense kernels on them.
 
 const bool kSparseVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && [] {
@@ -667,6 +668,7 @@ const bool kSparseVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx51
 
 // Software prefetch of the sparse stream (sparse_layout.h: record_prefetch_bytes, 0: none).
 const int64_t kSparsePrefetch = sparse::record_prefetch_bytes();
+const bool kSparsePrefetchL2 = sparse::record_prefetch_l2();
 
 // One group's block (its masks at mp, its codes at p) into the four W_t vectors; returns the next
 // group's codes.
@@ -698,7 +700,7 @@ template <int NS>
 inline const uint8_t* sparse_block(const uint8_t* rec, int64_t b, int64_t nb) {
   const uint8_t* blk = sparse::quant_block(rec, b);
   if (kSparsePrefetch) sparse::prefetch_ahead(blk, b + 1 < nb ? sparse::quant_block(rec, b + 1) : blk + 48 * NS,
-                                              kSparsePrefetch);
+                                              kSparsePrefetch, kSparsePrefetchL2);
   return blk;
 }
 
@@ -739,35 +741,67 @@ CORELM_VBMI2_TARGET void sparse_gemv_super(const QuantAct& qx, const uint8_t* re
   }
 }
 
-// A record's NS groups against one int16 activation row, summed as gemv16_groups sums them: piece p of
-// a group's block is half p % 2 of its W_{p/2}, widened.
-template <WeightType T, bool VNNI, int NS>
-CORELM_VBMI2_TARGET void sparse_gemv16_super(const PlainAct<int16_t>& qx, const uint8_t* rec, int64_t nb, __m256 out[NS]) {
-  __m512 facc[NS];
-  for (int g = 0; g < NS; g++) facc[g] = _mm512_setzero_ps();
+// int16 activations for the sparse decode as two byte planes, x = 256 a + b (a = x >> 8 signed, b = x & 255
+// unsigned), so the expanded code bytes multiply them with VPDPBUSD as they come out of VPEXPANDB:
+// sum(c x) = 256 sum(c a) + sum(c b), c the stored code as an unsigned byte against a, and b as the
+// unsigned side against c as a signed one (Q4's codes 0..15 are; Q8's stored q + 128 is not, so it
+// multiplies q = c ^ 0x80 and extra adds 128 sum(b) back). Widening each expanded window to int16 for
+// VPDPWSSD, as the dense kernel multiplies, cost two shuffles per 32 codes on the port VPEXPANDB
+// already saturates (sq4 50% from cache 11.6 GB/s). The sums are integers, so a row's block sum is the
+// dense kernel's to the bit, and its scaling is gemv16_groups' (per row: float(sum) * (scale * dx)).
+struct SplitAct {
+  const int8_t* a;   // [nb][32]
+  const uint8_t* b;  // [nb][32]
+  const int32_t* extra;  // [nb]: corr (+ 128 sum(b) for Q8), added to each row's block sum
+};
+template <WeightType T>
+SplitAct split_act(const PlainAct<int16_t>& qx, int64_t nb) {
+  thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> buf;
+  buf.resize((size_t)nb * 68 + 64);
+  int8_t* a = reinterpret_cast<int8_t*>(buf.data());
+  uint8_t* b = buf.data() + nb * 32;
+  int32_t* extra = reinterpret_cast<int32_t*>(buf.data() + nb * 64);
+  const __m512i low = _mm512_set1_epi16(0xff), ones = _mm512_set1_epi16(1);
+  for (int64_t k = 0; k < nb; k++) {
+    const __m512i x = _mm512_load_si512((const void*)(qx.q + k * kBlock)), lo = _mm512_and_si512(x, low);
+    _mm256_store_si256((__m256i*)(a + k * kBlock), _mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 8)));
+    _mm256_store_si256((__m256i*)(b + k * kBlock), _mm512_cvtepi16_epi8(lo));
+    extra[k] = qx.corr[k] + (T == WeightType::Q8 ? 128 * _mm512_reduce_add_epi32(_mm512_madd_epi16(lo, ones)) : 0);
+  }
+  return {a, b, extra};
+}
+
+// A record's NS groups against one int16 activation row (as split_act's planes), summed as
+// gemv16_groups sums them.
+template <WeightType T, int NS>
+CORELM_VBMI2_TARGET void sparse_gemv16_super(const SplitAct& sx, const float* dx, const uint8_t* rec, int64_t nb,
+                                             __m256 out[NS]) {
+  __m256 facc[NS];
+  for (int g = 0; g < NS; g++) facc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = sparse_block<NS>(rec, b, nb);
     const uint16_t* dp = reinterpret_cast<const uint16_t*>(blk);
     __m512i wv[NS][4];
     sparse_load_groups<T, NS>(blk, wv);
-    const int16_t* xb = qx.q + b * kBlock;
-    __m512i acc[2][NS];
-    for (int g = 0; g < NS; g++) acc[0][g] = _mm512_set1_epi32(qx.corr[b] / 2), acc[1][g] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; p++) {
-      const __m512i x = bcast8(xb + 4 * p);
-      for (int g = 0; g < NS; g++) {
-        const __m256i half = p % 2 ? _mm512_extracti64x4_epi64(wv[g][p / 2], 1) : _mm512_castsi512_si256(wv[g][p / 2]);
-        acc[p & 1][g] = dpwssd<VNNI>(acc[p & 1][g], _mm512_cvtepu8_epi16(half), x);
-      }
-    }
-    const __m512 d = _mm512_set1_ps(qx.dx[b]);
+    const __m512i av = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(sx.a + b * kBlock)));
+    const __m512i bv = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(sx.b + b * kBlock)));
+    __m512i xa[4], xb[4];
+    for (int t = 0; t < 4; t++) xa[t] = spread(av, t), xb[t] = spread(bv, t);
+    const __m256i extra = _mm256_set1_epi32(sx.extra[b]);
+    const __m256 d = _mm256_set1_ps(dx[b]);
     for (int g = 0; g < NS; g++) {
-      const __m512i a = pair_sums(_mm512_add_epi32(acc[0][g], acc[1][g]));
-      facc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scales_pairs(dp + 8 * g), d), facc[g]);
+      __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+      for (int t = 0; t < 4; t++) {
+        hi = dpbusd<true>(hi, wv[g][t], xa[t]);
+        lo = dpbusd<true>(lo, xb[t], T == WeightType::Q8 ? _mm512_xor_si512(wv[g][t], _mm512_set1_epi8((char)0x80)) : wv[g][t]);
+      }
+      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);  // lanes j and j + 8: row j's halves
+      const __m256i r = _mm256_add_epi32(_mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)), extra);
+      const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + 8 * g))), d);
+      facc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), sc, facc[g]);
     }
   }
-  for (int g = 0; g < NS; g++) out[g] = _mm256_add_ps(even_lanes(facc[g]), _mm256_setzero_ps());
+  for (int g = 0; g < NS; g++) out[g] = _mm256_add_ps(facc[g], _mm256_setzero_ps());
 }
 
 // Decode's walk over the records of rows [n0, n1): super(std::integral_constant<int, NS>, record, out)
@@ -800,10 +834,11 @@ void sparse_gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0
   });
 }
 
-template <WeightType T, bool VNNI>
+template <WeightType T>
 void sparse_gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
+  const SplitAct sx = split_act<T>(qx, nblocks(w));
   sparse_gemv_rows(w, y, n0, n1, [&](auto ns, const uint8_t* rec, __m256* r) {
-    sparse_gemv16_super<T, VNNI, decltype(ns)::value>(qx, rec, nblocks(w), r);
+    sparse_gemv16_super<T, decltype(ns)::value>(sx, qx.dx, rec, nblocks(w), r);
   });
 }
 
@@ -830,14 +865,15 @@ void sparse_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMat
   if (n0 >= n1) return;
   if (m == 1 && kSparseVbmi2) {  // decode: the codes expanded in registers
     const bool q8 = w.type == WeightType::SQ8, vnni = use_vnni();
-    if (act == ActType::I16) {
+    if (act == ActType::I16 && vnni) {  // (every CPU with VBMI2 has VNNI; CORELM_NO_VNNI expands panels)
       const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
-      if (vnni) return q8 ? sparse_gemv16<WeightType::Q8, true>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4, true>(a, w, y, n0, n1);
-      return q8 ? sparse_gemv16<WeightType::Q8, false>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4, false>(a, w, y, n0, n1);
+      return q8 ? sparse_gemv16<WeightType::Q8>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4>(a, w, y, n0, n1);
     }
-    const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
-    if (vnni) return q8 ? sparse_gemv<WeightType::Q8, true>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, true>(a, w, y, n0, n1);
-    return q8 ? sparse_gemv<WeightType::Q8, false>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, false>(a, w, y, n0, n1);
+    if (act != ActType::I16) {
+      const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
+      if (vnni) return q8 ? sparse_gemv<WeightType::Q8, true>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, true>(a, w, y, n0, n1);
+      return q8 ? sparse_gemv<WeightType::Q8, false>(a, w, y, n0, n1) : sparse_gemv<WeightType::Q4, false>(a, w, y, n0, n1);
+    }
   }
   sparse::quant_matmul_panels(qa, m, act, w, y, ldy, n0, n1, sparse::DenseLayout::Grouped, avx512_matmul_quant,
                               kSparseVbmi2 ? sparse::expand_supers_avx512 : nullptr);
