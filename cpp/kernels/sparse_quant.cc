@@ -53,7 +53,7 @@ void walk_record(WeightType t, const uint8_t* rec, int64_t nb, int64_t ns, F f) 
       uint64_t mask[4];
       std::memcpy(mask, blk + 16 * ns + 32 * i, 32);
       f(b, i, d, mask, codes);
-      for (int w = 0; w < 4; w++) codes += window_bytes(t, __builtin_popcountll(mask[w]));
+      codes += codes_bytes(t, mask);
     }
   }
 }
@@ -64,8 +64,8 @@ inline void expand_codes(WeightType t, const uint64_t* mask, const uint8_t* code
   for (int w = 0; w < 4; w++) {
     int k = 0;
     for (uint64_t m = mask[w]; m; m &= m - 1, k++)  // the set bits, lowest first
-      e[64 * w + __builtin_ctzll(m)] = t == WeightType::SQ8 ? codes[k] : (uint8_t)(codes[k / 2] >> (4 * (k % 2)) & 0x0f);
-    codes += window_bytes(t, k);
+      e[64 * w + __builtin_ctzll(m)] = t == WeightType::SQ8 ? codes[k] : (uint8_t)(codes[k] >> (4 * (w % 2)) & 0x0f);
+    codes += t == WeightType::SQ8 ? k : w % 2 ? pair_bytes(mask, w / 2) : 0;
   }
 }
 
@@ -98,8 +98,7 @@ PackedMatrix sparsify(const PackedMatrix& dense, WeightType type, const Parallel
       const int64_t ns = std::min<int64_t>(quant::kSuper, groups - s * quant::kSuper);
       int64_t n = nb * (4 + 16 * ns);
       each_group(s, [&](int64_t, int64_t, const uint16_t*, const uint64_t* mask, const uint8_t*) {
-        n += 32;  // the masks
-        for (int w = 0; w < 4; w++) n += window_bytes(type, __builtin_popcountll(mask[w]));
+        n += 32 + codes_bytes(type, mask);  // the masks and the codes
       });
       size[s] = round64(n);
     }
@@ -129,10 +128,10 @@ PackedMatrix sparsify(const PackedMatrix& dense, WeightType type, const Parallel
           for (int c = 64 * w; c < 64 * w + 64; c++) {
             if (!(mask[w] >> (c % 64) & 1)) continue;
             if (type == WeightType::SQ8) p[k] = e[c];
-            else p[k / 2] |= (uint8_t)(e[c] << (4 * (k % 2)));
+            else p[k] |= (uint8_t)(e[c] << (4 * (w % 2)));
             k++;
           }
-          p += window_bytes(type, k);
+          p += type == WeightType::SQ8 ? k : w % 2 ? pair_bytes(mask, w / 2) : 0;
         }
       });
     }

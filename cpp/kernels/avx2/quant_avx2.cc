@@ -529,20 +529,20 @@ void sparse_expand(const PackedMatrix& w, int64_t s0, int64_t s1, uint8_t* dst) 
   sparse::expand_grouped(w, s0, s1, dst, [](const uint8_t* masks, const uint8_t* p, uint8_t* q) {
     uint64_t mk[4];
     std::memcpy(mk, masks, 32);
-    alignas(32) uint8_t e[256], nib[64 + 16];
-    for (int t = 0; t < 4; t++) {
-      if constexpr (T == WeightType::Q8) {
-        p += expand_window(mk[t], p, 0x80, e + 64 * t);
-      } else {  // the window's nibbles as bytes first
-        const __m128i m4 = _mm_set1_epi8(0x0f);
+    alignas(32) uint8_t e[256], nib[2][64 + 16];
+    if constexpr (T == WeightType::Q8) {
+      for (int t = 0; t < 4; t++) p += expand_window(mk[t], p, 0x80, e + 64 * t);
+    } else {  // windows 2u and 2u + 1: the low and high nibbles of one run of bytes, as bytes first
+      const __m256i m4 = _mm256_set1_epi8(0x0f);
+      for (int u = 0; u < 2; u++) {
         for (int h = 0; h < 2; h++) {
-          const __m128i x = _mm_loadu_si128((const __m128i*)(p + 16 * h));
-          const __m128i lo = _mm_and_si128(x, m4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m4);
-          _mm_storeu_si128((__m128i*)(nib + 32 * h), _mm_unpacklo_epi8(lo, hi));
-          _mm_storeu_si128((__m128i*)(nib + 32 * h + 16), _mm_unpackhi_epi8(lo, hi));
+          const __m256i x = _mm256_loadu_si256((const __m256i*)(p + 32 * h));
+          _mm256_storeu_si256((__m256i*)(nib[0] + 32 * h), _mm256_and_si256(x, m4));
+          _mm256_storeu_si256((__m256i*)(nib[1] + 32 * h), _mm256_and_si256(_mm256_srli_epi16(x, 4), m4));
         }
-        const int n = expand_window(mk[t], nib, 8, e + 64 * t);
-        p += (n + 1) / 2;
+        const int n0 = expand_window(mk[2 * u], nib[0], 8, e + 128 * u);
+        const int n1 = expand_window(mk[2 * u + 1], nib[1], 8, e + 128 * u + 64);
+        p += std::max(n0, n1);
       }
     }
     if constexpr (T == WeightType::Q8) {

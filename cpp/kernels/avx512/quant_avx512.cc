@@ -676,19 +676,21 @@ template <WeightType T>
 CORELM_VBMI2_TARGET inline const uint8_t* sparse_load_w(const uint8_t* mp, const uint8_t* p, __m512i w[4]) {
   uint64_t mk[4];
   std::memcpy(mk, mp, 32);
-  for (int t = 0; t < 4; t++) {
-    const int n = (int)_mm_popcnt_u64(mk[t]);
-    if constexpr (T == WeightType::Q8) {
+  if constexpr (T == WeightType::Q8) {
+    for (int t = 0; t < 4; t++) {
       __m512i raw = _mm512_loadu_si512((const void*)p);
       __asm__("" : "+v"(raw));  // a plain load: VPEXPANDB's memory form is slower
       w[t] = _mm512_mask_expand_epi8(_mm512_set1_epi8((char)0x80), (__mmask64)mk[t], raw);
-      p += n;
-    } else {  // nibbles k, k + 1 in byte k / 2 -> bytes k, k + 1
-      const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
-      const __m512i bytes = _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x000f)),
-                                            _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0f00)));
-      w[t] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[t], bytes);
-      p += (n + 1) / 2;
+      p += _mm_popcnt_u64(mk[t]);
+    }
+  } else {  // windows 2u and 2u + 1 in the low and high nibbles of one run of bytes
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int u = 0; u < 2; u++) {
+      const __m512i raw = _mm512_loadu_si512((const void*)p);
+      w[2 * u] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u], _mm512_and_si512(raw, m4));
+      w[2 * u + 1] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u + 1],
+                                             _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+      p += std::max(_mm_popcnt_u64(mk[2 * u]), _mm_popcnt_u64(mk[2 * u + 1]));
     }
   }
   return p;
