@@ -124,7 +124,7 @@ def decode(a):
         key = (r[1], r[2], r[3])
         if key in models:
             continue
-        m = _core.Model(dict(core_config(SPEC, a.dtype, r[3], 1024), pin_threads=False))
+        m = _core.Model(dict(core_config(SPEC, a.dtype, r[3], 1024), pin_threads=False, activations=a.activations))
         for name, w in weights.items():
             if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == a.dtype:
                 m.set_weight(name, w)
@@ -162,8 +162,8 @@ def main():
     ap.add_argument("--dtype", default="bf16",
                     help="the dense formats, comma-separated (bf16, q8, q4), each against its sparse one (sbf16, sq8, "
                          "sq4)")
-    ap.add_argument("--activations", default="int8", choices=["int8", "int16"],
-                    help="--stream: how q8/q4 weights take the activation row")
+    ap.add_argument("--activations", default="int16", choices=["int8", "int16"],
+                    help="how q8/q4 weights take the activation rows (default: int16, what LLM's 'auto' uses)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--sparsity", default="0.5,0.7")

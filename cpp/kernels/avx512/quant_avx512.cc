@@ -751,26 +751,33 @@ CORELM_VBMI2_TARGET void sparse_gemv_super(const QuantAct& qx, const uint8_t* re
 // VPDPWSSD, as the dense kernel multiplies, cost two shuffles per 32 codes on the port VPEXPANDB
 // already saturates (sq4 50% from cache 11.6 GB/s). The sums are integers, so a row's block sum is the
 // dense kernel's to the bit, and its scaling is gemv16_groups' (per row: float(sum) * (scale * dx)).
+// The planes follow the int16 activations in the buffer quantize_act fills (one row: decode), so the
+// many row chunks of a matmul share one split.
 struct SplitAct {
   const int8_t* a;   // [nb][32]
   const uint8_t* b;  // [nb][32]
   const int32_t* extra;  // [nb]: corr (+ 128 sum(b) for Q8), added to each row's block sum
 };
-template <WeightType T>
-SplitAct split_act(const PlainAct<int16_t>& qx, int64_t nb) {
-  thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> buf;
-  buf.resize((size_t)nb * 68 + 64);
-  int8_t* a = reinterpret_cast<int8_t*>(buf.data());
-  uint8_t* b = buf.data() + nb * 32;
-  int32_t* extra = reinterpret_cast<int32_t*>(buf.data() + nb * 64);
+inline size_t split_act_bytes(int64_t nb) { return (size_t)(nb * 68 + 63) / 64 * 64; }
+inline SplitAct split_act_view(const void* planes, int64_t nb) {
+  const uint8_t* p = static_cast<const uint8_t*>(planes);
+  return {reinterpret_cast<const int8_t*>(p), p + nb * 32, reinterpret_cast<const int32_t*>(p + nb * 64)};
+}
+void split_act(const PlainAct<int16_t>& qx, int64_t nb, WeightType type, void* planes) {
+  int8_t* a = static_cast<int8_t*>(planes);
+  uint8_t* b = static_cast<uint8_t*>(planes) + nb * 32;
+  int32_t* extra = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(planes) + nb * 64);
   const __m512i low = _mm512_set1_epi16(0xff), ones = _mm512_set1_epi16(1);
   for (int64_t k = 0; k < nb; k++) {
     const __m512i x = _mm512_load_si512((const void*)(qx.q + k * kBlock)), lo = _mm512_and_si512(x, low);
     _mm256_store_si256((__m256i*)(a + k * kBlock), _mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 8)));
     _mm256_store_si256((__m256i*)(b + k * kBlock), _mm512_cvtepi16_epi8(lo));
-    extra[k] = qx.corr[k] + (T == WeightType::Q8 ? 128 * _mm512_reduce_add_epi32(_mm512_madd_epi16(lo, ones)) : 0);
+    extra[k] = qx.corr[k] + (type == WeightType::SQ8 ? 128 * _mm512_reduce_add_epi32(_mm512_madd_epi16(lo, ones)) : 0);
   }
-  return {a, b, extra};
+}
+// Decode of a sparse matrix on int16 activations reads the split planes (where the CPU runs it).
+inline bool splits_act(const PackedMatrix& w, int64_t m, ActType act) {
+  return sparse::is_sparse_quant(w.type) && m == 1 && act == ActType::I16 && kSparseVbmi2 && use_vnni();
 }
 
 // A record's NS groups against one int16 activation row (as split_act's planes), summed as
@@ -837,8 +844,8 @@ void sparse_gemv(const QuantAct& qx, const PackedMatrix& w, float* y, int64_t n0
 }
 
 template <WeightType T>
-void sparse_gemv16(const PlainAct<int16_t>& qx, const PackedMatrix& w, float* y, int64_t n0, int64_t n1) {
-  const SplitAct sx = split_act<T>(qx, nblocks(w));
+void sparse_gemv16(const PlainAct<int16_t>& qx, const SplitAct& sx, const PackedMatrix& w, float* y, int64_t n0,
+                   int64_t n1) {
   sparse_gemv_rows(w, y, n0, n1, [&](auto ns, const uint8_t* rec, __m256* r) {
     sparse_gemv16_super<T, decltype(ns)::value>(sx, qx.dx, rec, nblocks(w), r);
   });
@@ -867,9 +874,11 @@ void sparse_matmul_quant(const void* qa, int64_t m, ActType act, const PackedMat
   if (n0 >= n1) return;
   if (m == 1 && kSparseVbmi2) {  // decode: the codes expanded in registers
     const bool q8 = w.type == WeightType::SQ8, vnni = use_vnni();
-    if (act == ActType::I16 && vnni) {  // (every CPU with VBMI2 has VNNI; CORELM_NO_VNNI expands panels)
-      const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nblocks(w));
-      return q8 ? sparse_gemv16<WeightType::Q8>(a, w, y, n0, n1) : sparse_gemv16<WeightType::Q4>(a, w, y, n0, n1);
+    if (splits_act(w, m, act)) {  // (every CPU with VBMI2 has VNNI; CORELM_NO_VNNI expands panels)
+      const int64_t nb = nblocks(w);
+      const PlainAct<int16_t> a = plain_act_view<int16_t>(const_cast<void*>(qa), m, nb);
+      const SplitAct sx = split_act_view(static_cast<const uint8_t*>(qa) + plain_act_bytes(m, nb, 2), nb);
+      return q8 ? sparse_gemv16<WeightType::Q8>(a, sx, w, y, n0, n1) : sparse_gemv16<WeightType::Q4>(a, sx, w, y, n0, n1);
     }
     if (act != ActType::I16) {
       const QuantAct a = act_view(const_cast<void*>(qa), m, nblocks(w));
@@ -898,14 +907,21 @@ PackedMatrix avx512_pack_raw(WeightType type, const uint8_t* raw, int64_t rows, 
 }
 
 size_t avx512_quant_act_bytes(const PackedMatrix& w, int64_t m, ActType act) {
-  if (sparse::is_sparse_quant(w.type)) return avx512_quant_act_bytes(sparse::as_dense_type(w), m, act);
+  if (sparse::is_sparse_quant(w.type))
+    return avx512_quant_act_bytes(sparse::as_dense_type(w), m, act) + (splits_act(w, m, act) ? split_act_bytes(nblocks(w)) : 0);
   if (is_ggml_block(w.type)) return ggml_act_bytes(w, m, act);
   if (act == ActType::I16) return avx2_quant_act_bytes(w, m, act);
   return is_quant(w.type) && m >= 1 ? act_bytes(m, nblocks(w)) : 0;
 }
 
 void avx512_quantize_act(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, ActType act, void* qa) {
-  if (sparse::is_sparse_quant(w.type)) return avx512_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
+  if (sparse::is_sparse_quant(w.type)) {
+    avx512_quantize_act(x, m, ldx, sparse::as_dense_type(w), act, qa);
+    const int64_t nb = nblocks(w);
+    if (splits_act(w, m, act))
+      split_act(plain_act_view<int16_t>(qa, m, nb), nb, w.type, static_cast<uint8_t*>(qa) + plain_act_bytes(m, nb, 2));
+    return;
+  }
   if (is_grouped_ggml(w.type)) return grouped_ggml_quantize_act_avx512(x, m, ldx, w, act, qa);
   if (is_ggml_block(w.type)) return ggml_quantize_act(x, m, ldx, w, act, qa);
   if (act == ActType::I16) return avx2_quantize_act(x, m, ldx, w, act, qa);
