@@ -507,6 +507,31 @@ def test_a_draft_reading_the_prompt_is_not_a_pass_cost(monkeypatch):
     assert spec.engine.scheduler.step_costs.seconds[3] < 0.25
 
 
+def test_a_draft_skips_prompts_while_the_planner_declines_to_draft(monkeypatch):
+    """Where the planner has drafted nothing for 16 steps at this many sequences (many streams), a finished
+    prompt is not read by the draft (that reading was 9% of 16 streams' time); a sequence that is drafted
+    for later has its prompt read first, and the output is plain's throughout."""
+    from corelm.engine import scheduler as sched
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    plain = corelm.LLM(STORIES_GGUF, **Q8, **PLAIN)
+    spec = corelm.LLM(STORIES_GGUF, **Q8, speculative_model=STORIES_GGUF)
+    reads = []
+    read = spec.engine.speculator.read_prompts
+    monkeypatch.setattr(spec.engine.speculator, "read_prompts", lambda items: (reads.append([k for k, _ in items]),
+                                                                              read(items)))
+    monkeypatch.setattr(sched, "plan_lengths", lambda rates, limits, *a, **k: [0] * len(rates))
+    expect = run(plain, prompts, params)
+    assert run(spec, prompts, params) == expect    # learns that it declines at 3 sequences
+    reads.clear()
+    assert run(spec, prompts, params) == expect
+    assert not reads and len(spec.engine.scheduler._unread) == 0   # none read; the finished ones forgotten
+    monkeypatch.setattr(sched, "plan_lengths", lambda rates, limits, *a, **k: list(limits))  # now it drafts
+    spec.engine.scheduler._declined = {3: 16}
+    assert run(spec, prompts, params) == expect
+    assert reads and spec.engine.spec_counts()["draft_tokens"] > 0   # read when first drafted for
+
+
 # --- every entry point --------------------------------------------------------------------------------
 
 def test_cli_generate_and_chat_take_draft_flags(tmp_path):

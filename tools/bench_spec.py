@@ -179,27 +179,25 @@ def main():
     ap.add_argument("--llama-tools", nargs="+", default=["llama-bench", "llama-lookup", "llama-speculative"],
                     help="which llama.cpp tools run (llama-lookahead too if named; llama-speculative needs --draft)")
     ap.add_argument("--streams", type=int, default=0,
-                    help="instead: N concurrent requests, plain against prompt lookup and lookahead (total generated tok/s)")
+                    help="instead: N concurrent requests, every engine against plain (total generated tok/s)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     results = []
     if a.streams:
-        import corelm
         for threads in a.threads:
-            llms = {name: corelm.LLM(a.model, speculative_model=spec, threads=threads, dtype=a.dtype)
-                    for name, spec in (("plain", None), ("prompt lookup", "[ngram]"), ("lookahead", "[lookahead]"))}
-            for llm in llms.values():
-                llm.wait_for_huge_pages(timeout=300)
+            llms = corelm_engines(a, threads)
             runs = {k: [] for k in llms}
             for rnd in range(a.rounds):
                 for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):
                     runs[name].append(run_streams(llms[name], a.streams, a.tokens))
                     print(f"threads {threads} round {rnd} {a.streams} streams {name}: {runs[name][-1]:.1f} tok/s", flush=True)
-            p, q, la = (statistics.median(runs[k]) for k in ("plain", "prompt lookup", "lookahead"))
-            results.append({"threads": threads, "streams": a.streams, "plain_tok_s": round(p, 2),
-                            "prompt_lookup_tok_s": round(q, 2), "ratio": round(q / p, 3),
-                            "lookahead_tok_s": round(la, 2), "lookahead_ratio": round(la / p, 3), "runs": runs})
-            print(f"| {threads} | {a.streams} | {p:.1f} | {q:.1f} | {q / p:.2f}x | {la:.1f} | {la / p:.2f}x |")
+            p = statistics.median(runs["corelm plain"])
+            tok_s = {k: round(statistics.median(v), 2) for k, v in runs.items()}
+            results.append({"threads": threads, "streams": a.streams, "tok_s": tok_s,
+                            "ratio": {k: round(v / p, 3) for k, v in tok_s.items()}, "runs": runs})
+            print(f"| threads | streams | engine | generated tok/s | vs plain |\n|---|---|---|---|---|")
+            for k, v in tok_s.items():
+                print(f"| {threads} | {a.streams} | {k} | {v:.1f} | {v / p:.2f}x |")
             del llms
         if a.out:
             with open(a.out, "w") as f:

@@ -134,6 +134,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_step_tokens = 0
         self._cached_prompt: Dict[str, int] = {}   # request id -> prompt tokens found in the prefix cache
+        # A draft model reads each prompt when the model has, unless the planner has lately declined to draft
+        # at this many decoding sequences or fewer (many streams: a check's rows cost more than the guesses
+        # give), where the reading would be wasted: 16 streams of the 1.5B with a 0.5B draft spent 9% of
+        # their time reading prompts for a draft that never ran. Such a prompt is read when its sequence is
+        # first drafted for.
+        self._declined: Dict[int, int] = {}        # decoding sequences -> steps in a row the planner drafted nothing
+        self._unread: set = set()                  # keys of sequences whose prompt the draft has not read
 
     @property
     def num_waiting(self) -> int:
@@ -184,6 +191,7 @@ class Scheduler:
     def _finish(self, r: _Running) -> None:
         if self.speculator is not None:
             self.speculator.forget(r.key)
+            self._unread.discard(r.key)
         self.blocks.release(r.blocks)
         r.blocks = []
         left = self._ids.get(r.rid, 0) - 1
@@ -200,6 +208,7 @@ class Scheduler:
         self._running.remove(r)
         if self.speculator is not None:
             self.speculator.forget(r.key)
+            self._unread.discard(r.key)
         self.blocks.release(r.blocks)
         r.blocks, r.hashes, r.n_computed = [], [], 0
         self._waiting.appendleft(r)
@@ -298,7 +307,9 @@ class Scheduler:
         if self.speculator is not None:
             # a draft model reads a prompt when the model has (prompt time, not the first proposal's)
             done = [(r.key, r.tokens) for r, n in plan if n > 1 and r.n_computed + n == len(r.tokens)]
-            if done:
+            if done and self._drafting_declined(len(self._running) + len(self._waiting)):
+                self._unread.update(key for key, _ in done)
+            elif done:
                 t_read = time.perf_counter()
                 self.speculator.read_prompts(done)
                 t_read = time.perf_counter() - t_read
@@ -375,6 +386,15 @@ class Scheduler:
                 a.idle()
         drafts = {r.key: found[r.key][:k] for r, k in zip(decoding, lengths) if k > 0 and r.key in found}
         items = [(r.key, r.tokens, k) for r, k, d in zip(decoding, lengths, drafted) if k > 0 and d]
+        if any(d and lim > 0 for d, lim in zip(drafted, limits)):
+            if items:   # drafting pays at this many sequences, so at fewer too
+                self._declined = {b: c for b, c in self._declined.items() if b > len(decoding)}
+            else:
+                self._declined[len(decoding)] = self._declined.get(len(decoding), 0) + 1
+        unread = [(key, tokens) for key, tokens, _ in items if key in self._unread]
+        if unread:
+            spec.read_prompts(unread)
+            self._unread.difference_update(key for key, _ in unread)
         if items:
             drafts.update(spec.propose(items))
         by_key = {r.key: r for r in decoding}
@@ -384,6 +404,10 @@ class Scheduler:
                 del drafts[key]
                 self._trim(r)
         return drafts
+
+    def _drafting_declined(self, sequences: int) -> bool:
+        """The planner drafted nothing for 16 steps in a row at this many decoding sequences or fewer."""
+        return any(c >= 16 for b, c in self._declined.items() if b <= sequences)
 
     def _trim(self, r: _Running) -> None:
         """Frees blocks that only held rejected guesses."""
