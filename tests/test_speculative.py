@@ -527,7 +527,7 @@ def test_a_draft_skips_prompts_while_the_planner_declines_to_draft(monkeypatch):
     assert run(spec, prompts, params) == expect
     assert not reads and len(spec.engine.scheduler._unread) == 0   # none read; the finished ones forgotten
     monkeypatch.setattr(sched, "plan_lengths", lambda rates, limits, *a, **k: list(limits))  # now it drafts
-    spec.engine.scheduler._declined = {3: 16}
+    spec.engine.scheduler._declined = {3: sched.DECLINED_STEPS}
     assert run(spec, prompts, params) == expect
     assert reads and spec.engine.spec_counts()["draft_tokens"] > 0   # read when first drafted for
 

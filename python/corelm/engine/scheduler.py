@@ -21,6 +21,8 @@ import numpy as np
 from .sequence import Sequence, StreamChunk
 from .speculative import SpecGuard, StepCosts, plan_lengths
 
+DECLINED_STEPS = 16   # steps in a row without drafting after which a draft stops reading new prompts at that load
+
 log = logging.getLogger("corelm")
 
 
@@ -406,8 +408,8 @@ class Scheduler:
         return drafts
 
     def _drafting_declined(self, sequences: int) -> bool:
-        """The planner drafted nothing for 16 steps in a row at this many decoding sequences or fewer."""
-        return any(c >= 16 for b, c in self._declined.items() if b <= sequences)
+        """The planner drafted nothing for DECLINED_STEPS steps in a row at this many decoding sequences or fewer."""
+        return any(c >= DECLINED_STEPS for b, c in self._declined.items() if b <= sequences)
 
     def _trim(self, r: _Running) -> None:
         """Frees blocks that only held rejected guesses."""
