@@ -65,7 +65,7 @@ inline void expand_codes(WeightType t, const uint64_t* mask, const uint8_t* code
     int k = 0;
     for (uint64_t m = mask[w]; m; m &= m - 1, k++)  // the set bits, lowest first
       e[64 * w + __builtin_ctzll(m)] = t == WeightType::SQ8 ? codes[k] : (uint8_t)(codes[k] >> (4 * (w % 2)) & 0x0f);
-    codes += t == WeightType::SQ8 ? k : w % 2 ? pair_bytes(mask, w / 2) : 0;
+    codes += window_advance(t, mask, w);
   }
 }
 
@@ -131,7 +131,7 @@ PackedMatrix sparsify(const PackedMatrix& dense, WeightType type, const Parallel
             else p[k] |= (uint8_t)(e[c] << (4 * (w % 2)));
             k++;
           }
-          p += type == WeightType::SQ8 ? k : w % 2 ? pair_bytes(mask, w / 2) : 0;
+          p += window_advance(type, mask, w);
         }
       });
     }

@@ -54,10 +54,13 @@ inline uint8_t zero_code(WeightType t) { return t == WeightType::SQ8 ? 0x80 : 0x
 inline int pair_bytes(const uint64_t* mask, int u) {
   return std::max(__builtin_popcountll(mask[2 * u]), __builtin_popcountll(mask[2 * u + 1]));
 }
+// How far the codes advance past window w (SQ4: a pair's bytes after its second window, none after its first).
+inline int64_t window_advance(WeightType t, const uint64_t* mask, int w) {
+  return t == WeightType::SQ8 ? __builtin_popcountll(mask[w]) : w % 2 ? pair_bytes(mask, w / 2) : 0;
+}
 inline int64_t codes_bytes(WeightType t, const uint64_t* mask) {
-  if (t == WeightType::SQ4) return pair_bytes(mask, 0) + pair_bytes(mask, 1);
   int64_t n = 0;
-  for (int w = 0; w < 4; w++) n += __builtin_popcountll(mask[w]);
+  for (int w = 0; w < 4; w++) n += window_advance(t, mask, w);
   return n;
 }
 // Block b of a record: its scales; the masks follow at + 16 ns, the codes at + 48 ns.

@@ -690,7 +690,7 @@ CORELM_VBMI2_TARGET inline const uint8_t* sparse_load_w(const uint8_t* mp, const
       w[2 * u] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u], _mm512_and_si512(raw, m4));
       w[2 * u + 1] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u + 1],
                                              _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
-      p += std::max(_mm_popcnt_u64(mk[2 * u]), _mm_popcnt_u64(mk[2 * u + 1]));
+      p += sparse::pair_bytes(mk, u);
     }
   }
   return p;
