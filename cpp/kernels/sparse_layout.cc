@@ -145,7 +145,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 int64_t record_prefetch_bytes() {
   static const int64_t bytes = [] {
     const char* e = std::getenv("CORELM_SPARSE_PREFETCH");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{2048};
+    return e ? std::max<int64_t>(0, std::atoll(e)) : record_prefetch_l2() ? int64_t{4096} : int64_t{2048};
   }();
   return bytes;
 }
