@@ -334,8 +334,19 @@ def test_a_draft_model_copies_from_the_text_first(plain_stories):
         assert spec.copy([("s", tokens, 3)])
         spec.verified("s", len(tokens), 3, 2)
     assert spec.catch_up_seconds("s", tokens + [7]) == pytest.approx(0.004, rel=0.01)   # an edit: in full
-    spec.forget("s")
+    # an n-gram size a sequence has not copied yet starts from how its other copies fared (on open-ended
+    # code a 2-gram's copies miss: its 3-grams' should not start at the prior again)
+    spec._acceptance[("u", "draft")] = Acceptance(prior=0.1)
+    for _ in range(2):
+        assert spec.copy([("u", tokens, 3)])
+        spec.verified("u", len(tokens), 3, 0)
+    spec._copied["u"] = spec._copied["v"] = 3
+    assert spec.acceptance("u").rate < 0.3
+    assert spec.acceptance("v").rate >= 0.6   # no copies yet: the prior
+    for key in ("s", "u", "v"):
+        spec.forget(key)
     assert "s" not in spec.lookup._index and not [k for k in spec._acceptance if k[0] == "s"]
+    assert not spec._copies_kept
 
 
 @pytest.mark.parametrize("proposer", ["[ngram]", "[lookahead]"])

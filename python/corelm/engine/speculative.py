@@ -344,6 +344,7 @@ class DraftModel(Proposer):
         self.lookup = lookup
         self._copied: Dict[Hashable, int] = {}   # key -> n-gram size of this step's copied proposal
         self._copy_share: Dict[Hashable, float] = {}   # key -> how often its checks lately kept a copied token
+        self._copies_kept: Dict[Hashable, Acceptance] = {}   # key -> its checked copies' acceptance, every n-gram size
         self.copied = SpecStats()   # of stats: the copied tokens
         self.read_seconds = 0.0     # a token the draft reads to catch up, measured
 
@@ -358,6 +359,15 @@ class DraftModel(Proposer):
 
     def _estimate_key(self, key):
         return (key, self._kind(key))
+
+    def _new_estimate(self, k, kind):
+        # A copy of an n-gram size the sequence has not copied before starts from how its other copies
+        # fared: on open-ended code a 2-gram's copies miss, and each new size starting at the prior again
+        # cost 6-9 steps of 160 (1 thread: 1.27x of plain against the draft alone's 1.34x).
+        seen = self._copies_kept.get(k[0]) if kind != "draft" else None
+        if seen is not None:
+            return Acceptance(prior=seen.rate)
+        return super()._new_estimate(k, kind)
 
     def copy(self, items, step_seconds=None, row_seconds=None):
         """The lookup's match for a sequence where copying gives more tokens per second than drafting
@@ -488,6 +498,7 @@ class DraftModel(Proposer):
         if key in self._copied:
             self.copied.proposed += proposed
             self.copied.accepted += accepted
+            self._copies_kept.setdefault(key, Acceptance()).update(proposed, accepted)
         st = self._state.get(key)
         if st is not None:   # entries past the accepted tokens hold rejected guesses
             st[1] = min(st[1], n_before + accepted)
@@ -496,6 +507,7 @@ class DraftModel(Proposer):
         super().forget(key)
         self._copied.pop(key, None)
         self._copy_share.pop(key, None)
+        self._copies_kept.pop(key, None)
         if self.lookup is not None:
             self.lookup.forget(key)
         st = self._state.pop(key, None)
