@@ -5,6 +5,7 @@ convert keeps them).
     python tools/bench_sparse.py [--dtype bf16,q8,q4] [--rounds 3] [--tokens 32] [--sparsity 0.5,0.7]
                                  [--threads 1,2] [--hog]
     python tools/bench_sparse.py --stream [--dtype bf16,q8,q4] [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
+    python tools/bench_sparse.py --dtype q4 --llama-bench BIN/llama-bench --llama-model qwen0.5b-dims-rand-Q4_0.gguf
 
 Every model is built once; the measurements alternate between them round by round (medians reported,
 with the ratio to the dense format at the same thread count). --stream times decode's weight stream alone
@@ -12,11 +13,16 @@ with the ratio to the dense format at the same thread count). --stream times dec
 ms per pass over the same matrices, so the ratio is the speedup, and the share of the bandwidth roofline
 (the bytes actually stored, streamed at the GB/s of a plain read alternated with it in the same call). --hog adds runs with one thread while
 another process streams memory on another core: a core that gets a share of the memory bandwidth, as
-each core of a many-core server does when all of them decode."""
+each core of a many-core server does when all of them decode. --llama-bench (decode only, one --dtype) also runs
+llama.cpp's llama-bench on --llama-model, a GGUF of the same shape in the dense format's llama.cpp type (F16,
+Q8_0, Q4_0; the peers' qwen0.5b-dims-rand: Llama architecture, no q/k/v bias, the same matrices), alternating
+with the corelm runs in every round: decode after a 128-token context, as ours."""
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 
@@ -114,6 +120,16 @@ def stream(a):
     return out
 
 
+def llama_decode(a, threads):
+    """llama-bench's decode tok/s on --llama-model after a 128-token context (its -d), a.tokens tokens."""
+    cmd = [a.llama_bench, "-m", a.llama_model, "-t", str(threads), "-p", "0", "-n", str(a.tokens), "-d", "128",
+           "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
 def decode(a):
     runs = runs_of(a)
     models = {}
@@ -139,8 +155,14 @@ def decode(a):
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
     tok_s = {r: [] for r in runs}
     pre_s = {r: [] for r in runs}
+    thread_counts = sorted({r[3] for r in runs})
+    llama = {t: [] for t in thread_counts} if a.llama_bench else {}
     for rnd in range(a.rounds):
-        for r in runs if rnd % 2 == 0 else runs[::-1]:
+        order = [("llama", t) for t in llama] + runs
+        for r in order if rnd % 2 == 0 else order[::-1]:
+            if r[0] == "llama":
+                llama[r[1]].append(llama_decode(a, r[1]))
+                continue
             m = models[(r[1], r[2], r[3])]
             with Hog() if r[4] else contextlib.nullcontext():
                 pre, step = time_prompt_and_steps(m, prompt, a.tokens)
@@ -154,6 +176,17 @@ def decode(a):
     report(runs, tok_s, "decode tok/s", False, out)
     print("prefill, 128-token prompt (tok/s):")
     report(runs, pre_s, "prefill tok/s", False, out)
+    if llama:
+        name = os.path.basename(a.llama_model)
+        out["llama_cpp"] = {"model": name, "decode tok/s": []}
+        print(f"decode against llama.cpp ({name}):")
+        for t, vals in llama.items():
+            base = float(np.median(vals))
+            out["llama_cpp"]["decode tok/s"].append({"threads": t, "median": base, "rounds": vals})
+            print(f"llama.cpp  {t}t       {base:8.2f} tok/s  (rounds: {', '.join(f'{v:.2f}' for v in vals)})")
+            for r in runs:
+                if r[3] == t and not r[4]:
+                    print(f"{r[0]:10s} {t}t       x{float(np.median(tok_s[r])) / base:.2f} vs llama.cpp")
     return out
 
 
@@ -171,11 +204,16 @@ def main():
     ap.add_argument("--hog", action="store_true", help="also 1 thread beside a memory-streaming process")
     ap.add_argument("--stream", action="store_true", help="decode's weight stream alone")
     ap.add_argument("--table", default=None, help="--stream: the kernel table (default: the best one)")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run beside decode (one --dtype)")
+    ap.add_argument("--llama-model", default=None,
+                    help="with --llama-bench: a GGUF of the same shape in the dense format's llama.cpp type")
     ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
     dtypes = a.dtype.split(",")
     if not set(dtypes) <= {"bf16", "q8", "q4"}:
         ap.error(f"--dtype: bf16, q8 or q4, not {a.dtype}")
+    if a.llama_bench and (a.stream or len(dtypes) != 1 or not a.llama_model):
+        ap.error("--llama-bench: decode only, one --dtype, with --llama-model")
     res = {}
     for dt in dtypes:
         print(f"--- {dt} against s{dt}")
@@ -183,8 +221,6 @@ def main():
         res[dt] = stream(one) if a.stream else decode(one)
     res = res[dtypes[0]] if len(dtypes) == 1 else {"by_dtype": res}
     if a.out:
-        import json
-        import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         res.update(commit=commit, args=vars(a), cpu=_core.cpu_info().get("brand", ""))

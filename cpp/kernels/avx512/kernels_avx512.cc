@@ -372,13 +372,14 @@ void kv_accum(KVType t, const float* p, int64_t ldp, int64_t G, const void* v, i
   });
 }
 
-// Sparse rows: 16 channels at a time, their kept values (popcount(m) of them, read with a masked load)
-// expanded in registers under the channels' mask (VEXPANDPS: AVX512F, no VBMI2 needed). f(d, m, x)
-// for each 16 channels from d with kept ones: m their mask, x the row there (dropped elements zero).
+// Sparse rows: 16 channels at a time, their kept values (popcount(m) of them; a whole vector is read,
+// the rows' slack keeps that inside the cache) expanded in registers under the channels' mask
+// (VEXPANDPS: AVX512F, no VBMI2 needed). f(d, m, x) for each 16 channels from d with kept ones: m their
+// mask, x the row there (dropped elements zero).
 inline __mmask16 kv_mask16(const uint32_t* mask, int64_t d) { return (__mmask16)(mask[d / 32] >> (d & 16)); }
 template <class T>
 inline __m512 expand_kv16(const T* v, __mmask16 m) {
-  return _mm512_maskz_expand_ps(m, load_kv16(v, tail_mask(__builtin_popcount(m))));
+  return _mm512_maskz_expand_ps(m, load_kv16(v, (__mmask16)0xffff));
 }
 template <class T, class F>
 inline void for_kept16(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
@@ -390,17 +391,36 @@ inline void for_kept16(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
   }
 }
 
-// NG heads x one token: its expanded key chunk serves every head; one horizontal sum per head and token.
+// NG heads x one token: its expanded key chunk serves every head. Each head's 16 lanes are summed 8
+// tokens at a time (sum8: the lanes of _mm512_reduce_add_ps in its order, a third of its shuffles and
+// adds; at GQA 7 the per-token sums were half the sparse scores' arithmetic).
 template <int NG, class T>
 void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
                            float* s, int64_t lds) {
-  for (int64_t j = 0; j < n; j++) {
-    __m512 acc[NG];
-    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
-    for_kept16(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __mmask16 m, __m512 k) {
-      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * hd + d), k, acc[g]);
-    });
-    for (int g = 0; g < NG; g++) s[g * lds + j] = _mm512_reduce_add_ps(acc[g]);
+  alignas(64) float part[NG][8][16];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t nj = std::min<int64_t>(8, n - j0);
+    for (int64_t jj = 0; jj < nj; jj++) {
+      const int64_t j = j0 + jj;
+      __m512 acc[NG];
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+      for_kept16(mask + j * kv_mask_words(hd), val + j * nk, hd, [&](int64_t d, __mmask16 m, __m512 k) {
+        // q unmasked but past hd (the dropped channels are zero in k, as in the dense kernel's
+        // product), so the load folds into the FMA
+        for (int g = 0; g < NG; g++) {
+          const float* qg = q + g * hd + d;
+          const __m512 qv = hd - d >= 16 ? _mm512_loadu_ps(qg) : _mm512_maskz_loadu_ps(tail_mask(hd - d), qg);
+          acc[g] = _mm512_fmadd_ps(qv, k, acc[g]);
+        }
+      });
+      for (int g = 0; g < NG; g++) _mm512_store_ps(part[g][jj], acc[g]);
+    }
+    const __mmask8 keep = (__mmask8)((1u << nj) - 1u);
+    for (int g = 0; g < NG; g++) {
+      __m512 a[8];
+      for (int jj = 0; jj < 8; jj++) a[jj] = jj < nj ? _mm512_load_ps(part[g][jj]) : _mm512_setzero_ps();
+      _mm256_mask_storeu_ps(s + g * lds + j0, keep, avx512::sum8(a));
+    }
   }
 }
 
