@@ -625,9 +625,33 @@ inline void for_kept8(const uint32_t* mask, const T* v, int64_t hd, F&& f) {
   }
 }
 
+// NG heads x one token at head size 64: the token's row expanded into 8 registers first (its values
+// pointer in a register), then each head's dot. 4,096 int8 rows at GQA 7, one thread on the Xeon with
+// AMX: 132 us chunk by chunk, 96 so.
+template <int NG, class T>
+void kv_scores_sparse_row64(const float* q, const uint32_t* mask, const T* val, int64_t nk, int64_t n, float* s,
+                            int64_t lds) {
+  for (int64_t j = 0; j < n; j++) {
+    const uint32_t* mk = mask + j * 2;
+    const T* v = val + j * nk;
+    __m256 k[8];
+    for (int c = 0; c < 8; c++) {
+      const unsigned m = mk[c / 4] >> (8 * (c % 4)) & 0xff;
+      k[c] = expand_kv8(v, m, kv_lanes8(m));   // zero where no channel is kept
+      v += __builtin_popcount(m);
+    }
+    for (int g = 0; g < NG; g++) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int c = 0; c < 8; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * 64 + 8 * c), k[c], acc);
+      s[g * lds + j] = hsum(acc);
+    }
+  }
+}
+
 template <int NG, class T>
 void kv_scores_sparse_tile(const float* q, int64_t hd, const uint32_t* mask, const T* val, int64_t nk, int64_t n,
                            float* s, int64_t lds) {
+  if (hd == 64) return kv_scores_sparse_row64<NG>(q, mask, val, nk, n, s, lds);
   for (int64_t j = 0; j < n; j++) {
     __m256 acc[NG];
     for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
