@@ -6,6 +6,7 @@ convert keeps them).
                                  [--threads 1,2] [--hog]
     python tools/bench_sparse.py --stream [--dtype bf16,q8,q4] [--rounds 3] [--sparsity 0.5,0.7] [--threads 1,2] [--hog]
     python tools/bench_sparse.py --dtype q4 --llama-bench BIN/llama-bench --llama-model qwen0.5b-dims-rand-Q4_0.gguf
+    python tools/bench_sparse.py --folders DENSE SPARSE [...] [--llama-bench BIN --llama-model GGUF]
 
 Every model is built once; the measurements alternate between them round by round (medians reported,
 with the ratio to the dense format at the same thread count). --stream times decode's weight stream alone
@@ -16,7 +17,9 @@ another process streams memory on another core: a core that gets a share of the 
 each core of a many-core server does when all of them decode. --llama-bench (decode only, one --dtype) also runs
 llama.cpp's llama-bench on --llama-model, a GGUF of the same shape in the dense format's llama.cpp type (F16,
 Q8_0, Q4_0; the peers' qwen0.5b-dims-rand: Llama architecture, no q/k/v bias, the same matrices), alternating
-with the corelm runs in every round: decode after a 128-token context, as ours."""
+with the corelm runs in every round: decode after a 128-token context, as ours. --folders times real converted
+models instead (`corelm convert --weights W [--sparsity S --prune wanda]` folders, each loaded as LLM loads
+it, the first the dense one the others are compared with)."""
 import argparse
 import contextlib
 import json
@@ -34,6 +37,7 @@ from corelm.convert import quantize_q4_0, quantize_q8_0, to_bf16  # noqa: E402
 from corelm.engine.model_builder import core_config, wait_for_huge_pages  # noqa: E402
 from corelm.loader.spec import weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import measure_bw  # noqa: E402
 from bench_quant import SPEC, time_prompt_and_steps  # noqa: E402
 
 
@@ -130,7 +134,30 @@ def llama_decode(a, threads):
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
+def folder_models(a):
+    """--folders: (runs, models, vocabulary size), each folder built as LLM builds it, once per thread count."""
+    from corelm.convert import folder_dtype
+    from corelm.loader import load_model
+    from corelm.engine.model_builder import build_core_model
+    runs, models, vocab = [], {}, None
+    for t in map(int, a.threads.split(",")):
+        for path in a.folders:
+            label = os.path.basename(os.path.normpath(path))
+            loaded = load_model(path)
+            vocab = loaded.spec.vocab_size
+            m = build_core_model(loaded, dtype=folder_dtype(loaded.source), threads=t, max_seq_len=1024,
+                                 pin_threads=False)
+            wait_for_huge_pages([m], timeout=300)
+            runs.append((label, label, 0.0, t, False))
+            models[(label, 0.0, t)] = m
+    return runs, models, vocab
+
+
 def decode(a):
+    if a.folders:
+        runs, models, vocab = folder_models(a)
+        prompt = np.random.default_rng(0).integers(0, vocab, 128).astype(np.int32)
+        return timed_decode(a, runs, models, prompt)
     runs = runs_of(a)
     models = {}
     rng = np.random.default_rng(0)
@@ -153,15 +180,24 @@ def decode(a):
         wait_for_huge_pages([m], timeout=300)   # decode at its steady speed (LLM.wait_for_huge_pages)
         models[key] = m
     prompt = rng.integers(0, SPEC.vocab_size, 128).astype(np.int32)
+    return timed_decode(a, runs, models, prompt)
+
+
+def timed_decode(a, runs, models, prompt):
+    """Prefill and decode of every run's model (and llama-bench), alternating round by round."""
     tok_s = {r: [] for r in runs}
     pre_s = {r: [] for r in runs}
     thread_counts = sorted({r[3] for r in runs})
     llama = {t: [] for t in thread_counts} if a.llama_bench else {}
+    bw = {t: [] for t in thread_counts} if a.folders else {}   # a plain read's GB/s, for the roofline
     for rnd in range(a.rounds):
-        order = [("llama", t) for t in llama] + runs
+        order = [("llama", t) for t in llama] + [("bw", t) for t in bw] + runs
         for r in order if rnd % 2 == 0 else order[::-1]:
             if r[0] == "llama":
                 llama[r[1]].append(llama_decode(a, r[1]))
+                continue
+            if r[0] == "bw":
+                bw[r[1]].append(measure_bw(r[1])[0])
                 continue
             m = models[(r[1], r[2], r[3])]
             with Hog() if r[4] else contextlib.nullcontext():
@@ -176,6 +212,14 @@ def decode(a):
     report(runs, tok_s, "decode tok/s", False, out)
     print("prefill, 128-token prompt (tok/s):")
     report(runs, pre_s, "prefill tok/s", False, out)
+    if bw:
+        print("share of the bandwidth roofline (the weights' bytes at a plain read's median GB/s, same rounds):")
+        out["read GB/s"] = {t: vals for t, vals in bw.items()}
+        for r in runs:
+            gbps = float(np.median(bw[r[3]]))
+            pct = 100 * float(np.median(tok_s[r])) * models[(r[1], r[2], r[3])].weight_bytes / 1e9 / gbps
+            out.setdefault("roofline_pct", []).append({"weights": r[0], "threads": r[3], "median": pct})
+            print(f"{r[0]:10s} {r[3]}t  {pct:5.1f}% of {gbps:.1f} GB/s")
     if llama:
         name = os.path.basename(a.llama_model)
         out["llama_cpp"] = {"model": name, "decode tok/s": []}
@@ -207,6 +251,8 @@ def main():
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run beside decode (one --dtype)")
     ap.add_argument("--llama-model", default=None,
                     help="with --llama-bench: a GGUF of the same shape in the dense format's llama.cpp type")
+    ap.add_argument("--folders", nargs="+", default=None,
+                    help="decode of these converted corelm folders instead (the first: the dense one)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
     dtypes = a.dtype.split(",")
@@ -214,6 +260,10 @@ def main():
         ap.error(f"--dtype: bf16, q8 or q4, not {a.dtype}")
     if a.llama_bench and (a.stream or len(dtypes) != 1 or not a.llama_model):
         ap.error("--llama-bench: decode only, one --dtype, with --llama-model")
+    if a.folders and (a.stream or a.hog):
+        ap.error("--folders: decode only, without --hog")
+    if a.folders:
+        dtypes = [os.path.basename(os.path.normpath(a.folders[0]))]
     res = {}
     for dt in dtypes:
         print(f"--- {dt} against s{dt}")

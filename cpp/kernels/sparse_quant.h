@@ -51,8 +51,8 @@ inline const uint8_t* quant_record(const PackedMatrix& w, int64_t s) {
 // The zero code as the dense layout stores it, expanded (Q8: 128 = q + 128; Q4: 8).
 inline uint8_t zero_code(WeightType t) { return t == WeightType::SQ8 ? 0x80 : 0x08; }
 // Bytes of a group block's codes, from its four window masks (SQ4: a pair's bytes, pair_bytes).
-inline int pair_bytes(const uint64_t* mask, int u) {
-  return std::max(__builtin_popcountll(mask[2 * u]), __builtin_popcountll(mask[2 * u + 1]));
+inline int64_t pair_bytes(const uint64_t* mask, int u) {  // 64-bit: no sign extension on decode's pointer walk
+  return std::max<int64_t>(__builtin_popcountll(mask[2 * u]), __builtin_popcountll(mask[2 * u + 1]));
 }
 // How far the codes advance past window w (SQ4: a pair's bytes after its second window, none after its first).
 inline int64_t window_advance(WeightType t, const uint64_t* mask, int w) {

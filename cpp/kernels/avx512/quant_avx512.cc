@@ -686,7 +686,8 @@ CORELM_VBMI2_TARGET inline const uint8_t* sparse_load_w(const uint8_t* mp, const
   } else {  // windows 2u and 2u + 1 in the low and high nibbles of one run of bytes
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int u = 0; u < 2; u++) {
-      const __m512i raw = _mm512_loadu_si512((const void*)p);
+      __m512i raw = _mm512_loadu_si512((const void*)p);
+      __asm__("" : "+v"(raw));  // one load for both windows: folded into each, the run was read twice
       w[2 * u] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u], _mm512_and_si512(raw, m4));
       w[2 * u + 1] = _mm512_mask_expand_epi8(_mm512_set1_epi8(8), (__mmask64)mk[2 * u + 1],
                                              _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
