@@ -87,19 +87,19 @@ CORELM_SPARSE_TARGET inline __m512i expand(const uint8_t* mask_at, const uint16_
   }
 }
 
-// A chunk's 8 masks and where each row's non-zeros start: each popcount loads its mask itself, and
-// only the running sum is a chain. Returns the next chunk.
-struct Chunk {
-  const uint8_t* mask;  // u32 mask[kGroup]
-  const uint16_t* v[kGroup];
-};
-inline const uint8_t* read_chunk(const uint8_t* p, Chunk& ch) {
-  ch.mask = p;
+// Calls row(j, mask, v) for each of a chunk's 8 rows (its mask, a u32 at mask; its non-zeros at v), each
+// row's start the last one's plus its popcount, and returns the next chunk. One pointer walks the rows:
+// with all 8 starts worked out first, GCC kept them in stack slots and vector registers (7 moves between
+// general and vector registers a chunk, on the ports the expansion needs): an L3-resident 50%-sparse
+// 896 x 4864 took 306-312 us against 264-273 now.
+template <class Row>
+CORELM_SPARSE_TARGET __attribute__((always_inline)) inline const uint8_t* for_rows(const uint8_t* p, Row row) {
   const uint16_t* v = reinterpret_cast<const uint16_t*>(p + kGroup * 4);
+#pragma GCC unroll 8
   for (int j = 0; j < kGroup; j++) {
+    row(j, p + 4 * j, v);
     uint32_t m;
     std::memcpy(&m, p + 4 * j, 4);
-    ch.v[j] = v;
     v += __builtin_popcount(m);
   }
   return reinterpret_cast<const uint8_t*>(v);
@@ -136,15 +136,12 @@ CORELM_SPARSE_TARGET void group_dp(const float* x, int64_t ldx, const PackedMatr
       const __m512 x1 = c < full ? _mm512_loadu_ps(xr + 16) : _mm512_maskz_loadu_ps(m_hi, xr + 16);
       xb[i] = _mm512_cvtne2ps_pbh(x1, x0);
     }
-    Chunk ch;
     const uint8_t* const at = p;
-    p = read_chunk(p, ch);
-    prefetch_ahead(at, p, kPrefetchBytes, kPrefetchL2);
-#pragma GCC unroll 8
-    for (int j = 0; j < kGroup; j++) {
-      const __m512bh wv = (__m512bh)expand<PERM>(ch.mask + 4 * j, ch.v[j]);
+    p = for_rows(p, [&](int j, const uint8_t* mask, const uint16_t* v) CORELM_SPARSE_TARGET {
+      const __m512bh wv = (__m512bh)expand<PERM>(mask, v);
       for (int i = 0; i < MR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xb[i]);
-    }
+    });
+    prefetch_ahead(at, p, kPrefetchBytes, kPrefetchL2);
   }
   store_group(y, ldy, g, n0, n1, acc, MR);
 }
@@ -173,16 +170,13 @@ CORELM_SPARSE_TARGET void gemv_fma(const float* x, const PackedMatrix& w, float*
     for (int64_t c = 0; c < nc; c++) {
       __m512 xe, xo;
       xs.split(x, c, xe, xo);
-      Chunk ch;
       const uint8_t* const at = p;
-      p = read_chunk(p, ch);
-      prefetch_ahead(at, p, kPrefetchBytes, kPrefetchL2);
-#pragma GCC unroll 8
-      for (int j = 0; j < kGroup; j++) {
-        const __m512i wv = expand<PERM>(ch.mask + 4 * j, ch.v[j]);
+      p = for_rows(p, [&](int j, const uint8_t* mask, const uint16_t* v) CORELM_SPARSE_TARGET {
+        const __m512i wv = expand<PERM>(mask, v);
         acc[j] = _mm512_fmadd_ps(xe, avx512::widen_even(wv), acc[j]);
         acc2[j] = _mm512_fmadd_ps(xo, avx512::widen_odd(wv), acc2[j]);
-      }
+      });
+      prefetch_ahead(at, p, kPrefetchBytes, kPrefetchL2);
     }
     for (int j = 0; j < kGroup; j++) acc[j] = _mm512_add_ps(acc[j], acc2[j]);
     store_group(y, 0, g, n0, n1, &acc, 1);
@@ -197,12 +191,11 @@ CORELM_SPARSE_TARGET void expand_group_simd(const PackedMatrix& w, int64_t g, ui
   const int64_t nc = nchunks(w.cols);
   const uint8_t* p = record(w, g);
   for (int64_t c = 0; c < nc; c++, dst += chunk_stride) {
-    Chunk ch;
     const uint8_t* const at = p;
-    p = read_chunk(p, ch);
+    p = for_rows(p, [&](int j, const uint8_t* mask, const uint16_t* v) CORELM_SPARSE_TARGET {
+      _mm512_storeu_si512((void*)(dst + j * row_stride), expand<PERM>(mask, v));
+    });
     prefetch_ahead(at, p, kPrefetchBytes, kPrefetchL2);
-    for (int j = 0; j < kGroup; j++)
-      _mm512_storeu_si512((void*)(dst + j * row_stride), expand<PERM>(ch.mask + 4 * j, ch.v[j]));
   }
 }
 
