@@ -266,7 +266,7 @@ def main():
         dtypes = [os.path.basename(os.path.normpath(a.folders[0]))]
     res = {}
     for dt in dtypes:
-        print(f"--- {dt} against s{dt}")
+        print(f"--- {', '.join(a.folders)}" if a.folders else f"--- {dt} against s{dt}")
         one = argparse.Namespace(**dict(vars(a), dtype=dt))
         res[dt] = stream(one) if a.stream else decode(one)
     res = res[dtypes[0]] if len(dtypes) == 1 else {"by_dtype": res}

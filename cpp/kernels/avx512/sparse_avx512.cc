@@ -91,7 +91,7 @@ CORELM_SPARSE_TARGET inline __m512i expand(const uint8_t* mask_at, const uint16_
 // row's start the last one's plus its popcount, and returns the next chunk. One pointer walks the rows:
 // with all 8 starts worked out first, GCC kept them in stack slots and vector registers (7 moves between
 // general and vector registers a chunk, on the ports the expansion needs): an L3-resident 50%-sparse
-// 896 x 4864 took 306-312 us against 264-273 now.
+// 896 x 4864 took 306-312 us against 264-283 now.
 template <class Row>
 CORELM_SPARSE_TARGET __attribute__((always_inline)) inline const uint8_t* for_rows(const uint8_t* p, Row row) {
   const uint16_t* v = reinterpret_cast<const uint16_t*>(p + kGroup * 4);
