@@ -6,18 +6,94 @@ partial block is read again, the same for every engine). Engines alternate withi
 
     python tools/bench_kv_sparse.py --model qwen2.5-coder-0.5b-instruct.gguf --seqs 8 --context 4096 \\
         --kv bf16:0 bf16:0.5 int8:0 int8:0.5 --threads 2 --rounds 2 [--out results.json]
+
+--attention times attention alone, as a decode step runs it: one query row per sequence against every
+layer's cache (`_core.testing.KVCache.attend`, the engine's attention over 16-token blocks, one thread per
+process) for --seqs sequences of --context tokens, the Qwen2.5-0.5B shape by default (--layers 24
+--kv-heads 2 --head-dim 64 --group 7); --procs 2 runs two processes at once (each its own caches, rounds
+started together), as two decode threads share the memory. No model is loaded.
+
+    python tools/bench_kv_sparse.py --attention --seqs 4 --context 4096 --kv int8:0 int8:0.5 --procs 2
 """
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import time
 
 import numpy as np
 
+BLOCK = 16   # the engine's KV block size (engine/model_builder.py: KV_BLOCK_SIZE)
+
+
+def attention_worker(a, start, out):
+    """One process: every --kv engine's caches filled with random rows, then per round (after `start`, a
+    barrier shared with the other processes) the ms of one decode step's attention for each engine."""
+    from corelm import _core
+    rng = np.random.default_rng(len(out))
+    per_seq = -(-a.context // BLOCK)
+    caches = {}
+    for spec in a.kv:
+        dtype, sparsity = spec.split(":")
+        layers = []
+        for _ in range(a.layers):
+            c = _core.testing.KVCache(a.kv_heads, a.head_dim, a.seqs * per_seq, BLOCK, dtype, float(sparsity))
+            for t in range(a.seqs * per_seq * BLOCK):
+                for h in range(a.kv_heads):
+                    c.store(t // BLOCK, t % BLOCK, h, False, rng.standard_normal(a.head_dim).astype(np.float32))
+                    c.store(t // BLOCK, t % BLOCK, h, True, rng.standard_normal(a.head_dim).astype(np.float32))
+            layers.append(c)
+        caches[spec] = layers
+    isa = _core.kernel_tables()[0]
+    q = rng.standard_normal((a.group, a.head_dim)).astype(np.float32)
+    blocks = [np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.int32) for s in range(a.seqs)]
+    ms = {spec: [] for spec in a.kv}
+    for rnd in range(a.rounds):
+        for spec in (a.kv if rnd % 2 == 0 else a.kv[::-1]):
+            start.wait()
+            t = time.perf_counter()
+            for c in caches[spec]:
+                for b in blocks:
+                    for h in range(a.kv_heads):
+                        c.attend(isa, h, b, 0, a.context - 1, q, a.head_dim ** -0.5, 0.0)
+            ms[spec].append((time.perf_counter() - t) * 1e3)
+    out.append(ms)
+
+
+def attention(a):
+    start = mp.Barrier(a.procs)
+    with mp.Manager() as m:
+        out = m.list()
+        procs = [mp.Process(target=attention_worker, args=(a, start, out)) for _ in range(a.procs)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        runs = {spec: [v for r in out for v in r[spec]] for spec in a.kv}
+    base = statistics.median(runs[a.kv[0]])
+    print(f"attention of one decode step: {a.seqs} sequences x {a.context} tokens, {a.layers} layers x "
+          f"{a.kv_heads} KV heads (group {a.group}, head size {a.head_dim}), {a.procs} process(es)")
+    print(f"| kv cache | sparsity | ms per step | vs {a.kv[0]} |\n|---|---|---|---|")
+    result = {}
+    for spec, r in runs.items():
+        d, sp = spec.split(":")
+        m = statistics.median(r)
+        result[spec] = {"ms": round(m, 3), "runs": r}
+        print(f"| {d} | {sp} | {m:.2f} | {base / m:.2f}x |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"mode": "attention", "args": vars(a), "results": result}, f, indent=1)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="the model (not with --attention)")
+    ap.add_argument("--attention", action="store_true", help="attention alone, no model (see above)")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--group", type=int, default=7, help="query heads per KV head")
+    ap.add_argument("--procs", type=int, default=1, help="--attention: processes at once")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps timed")
@@ -27,6 +103,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.attention:
+        return attention(a)
+    if not a.model:
+        ap.error("--model is needed (or --attention)")
     import corelm
     from corelm import SamplingParams
     rng = np.random.default_rng(0)
