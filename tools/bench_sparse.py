@@ -145,8 +145,8 @@ def folder_models(a):
             label = os.path.basename(os.path.normpath(path))
             loaded = load_model(path)
             vocab = loaded.spec.vocab_size
-            m = build_core_model(loaded, dtype=folder_dtype(loaded.source), threads=t, max_seq_len=1024,
-                                 pin_threads=False)
+            dtype = folder_dtype(loaded.source) if loaded.source_format == "corelm" else "auto"  # as LLM picks it
+            m = build_core_model(loaded, dtype=dtype, threads=t, max_seq_len=1024, pin_threads=False)
             wait_for_huge_pages([m], timeout=300)
             runs.append((label, label, 0.0, t, False))
             models[(label, 0.0, t)] = m
@@ -252,7 +252,8 @@ def main():
     ap.add_argument("--llama-model", default=None,
                     help="with --llama-bench: a GGUF of the same shape in the dense format's llama.cpp type")
     ap.add_argument("--folders", nargs="+", default=None,
-                    help="decode of these converted corelm folders instead (the first: the dense one)")
+                    help="decode of these models instead (converted corelm folders, or any model LLM loads, at its "
+                         "'auto' dtype; the first: the dense one)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON (with the commit)")
     a = ap.parse_args()
     dtypes = a.dtype.split(",")
