@@ -50,7 +50,7 @@ def attention_worker(a, start, out):
     ms = {spec: [] for spec in a.kv}
     for rnd in range(a.rounds):
         for spec in (a.kv if rnd % 2 == 0 else a.kv[::-1]):
-            start.wait()
+            start.wait(timeout=600)   # a process that died breaks the barrier instead of hanging the rest
             t = time.perf_counter()
             for c in caches[spec]:
                 for b in blocks:
@@ -69,6 +69,8 @@ def attention(a):
             p.start()
         for p in procs:
             p.join()
+        if any(p.exitcode != 0 for p in procs) or len(out) != a.procs:
+            raise SystemExit(f"--attention: a process failed (exit codes {[p.exitcode for p in procs]})")
         runs = {spec: [v for r in out for v in r[spec]] for spec in a.kv}
     base = statistics.median(runs[a.kv[0]])
     print(f"attention of one decode step: {a.seqs} sequences x {a.context} tokens, {a.layers} layers x "

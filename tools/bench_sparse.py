@@ -139,14 +139,15 @@ def folder_models(a):
     from corelm.convert import folder_dtype
     from corelm.loader import load_model
     from corelm.engine.model_builder import build_core_model
-    runs, models, vocab = [], {}, None
+    runs, models = [], {}
+    loaded = {path: load_model(path) for path in a.folders}
+    vocab = loaded[a.folders[0]].spec.vocab_size
     for t in map(int, a.threads.split(",")):
         for path in a.folders:
             label = os.path.basename(os.path.normpath(path))
-            loaded = load_model(path)
-            vocab = loaded.spec.vocab_size
-            dtype = folder_dtype(loaded.source) if loaded.source_format == "corelm" else "auto"  # as LLM picks it
-            m = build_core_model(loaded, dtype=dtype, threads=t, max_seq_len=1024, pin_threads=False)
+            src = loaded[path]
+            dtype = folder_dtype(src.source) if src.source_format == "corelm" else "auto"  # as LLM picks it
+            m = build_core_model(src, dtype=dtype, threads=t, max_seq_len=1024, pin_threads=False)
             wait_for_huge_pages([m], timeout=300)
             runs.append((label, label, 0.0, t, False))
             models[(label, 0.0, t)] = m

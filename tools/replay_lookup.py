@@ -39,11 +39,18 @@ def candidates(ctx, k, n_min, n_max, want):
 
 
 def replay(prompt, answer, k, n_min, n_max, want, row_costs=None):
-    """(steps, rows, cost) of the answer's replay."""
+    """(steps, rows, cost) of the answer's replay. One candidate a step is the engine's own proposer
+    (PromptLookup); more are candidates()' (the engine proposes one)."""
+    from corelm.engine.speculative import PromptLookup
+    lookup = PromptLookup(k_max=k, n_max=n_max, n_min=n_min)
     i = steps = rows = 0
     cost = 0.0
     while i < len(answer):
-        cands = candidates(prompt + answer[:i], k, n_min, n_max, want)
+        if want == 1:
+            guess = lookup.propose([(0, prompt + answer[:i], k)]).get(0)
+            cands = [guess] if guess else []
+        else:
+            cands = candidates(prompt + answer[:i], k, n_min, n_max, want)
         best = 0
         for c in cands:
             a = 0
