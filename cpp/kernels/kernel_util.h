@@ -31,7 +31,7 @@ struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads (thre
 // Whether decode's weight streams use software prefetch (each kernel keeps its own distance). It
 // depends on the core, not the ISA: one Zen 3 core streams q4 at 0.58 of a plain read without it and
 // ~0.8 with it (AVX2 quantized GEMV), while on Zen 4 the AVX-512 GEMVs ran faster without it (bf16
-// decode 1.5x at 1 thread, q4 1.36x: docs/benchmarks.md, tenth session; an earlier prefetch into L1),
+// decode 1.5x at 1 thread, q4 1.36x, with an earlier prefetch into L1),
 // and a Xeon streams q4/q8 at 1.03-1.06 of a plain read with the L2 chain of prefetch.h, 0.82-0.88
 // without. Each table passes its default; CORELM_DECODE_PREFETCH=0|1 overrides it (tools/hw_check.sh
 // measures both on a new machine).

@@ -70,8 +70,8 @@ int64_t count_nonzeros(const PackedMatrix& w);
 // (decode, and expanding them for a prompt) prefetch them record_prefetch_bytes() ahead
 // (CORELM_SPARSE_PREFETCH; 0: none; default 4 KiB into L2, 2 KiB elsewhere): after each chunk, the
 // lines that far past the bytes [from, to) just read. Without it a 50%-sparse matrix streamed from DRAM
-// at 0.5 (AVX-512) and 0.25 (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62
-// (docs/benchmarks.md). The AVX-512
+// at 0.5 (AVX-512) and 0.25 (AVX2) of a plain read on the Xeon with AMX, with it 0.72 and 0.62.
+// The AVX-512
 // kernels take the lines into L2 as one chain (prefetch.h: prefetch_lines_l2) where
 // record_prefetch_l2() (CORELM_SPARSE_PREFETCH_L2=0|1; default: not on AMD, where it is unmeasured): on
 // the Xeon the sparse q8/q4 streams went from 0.60 to 0.71 (1 thread) and 0.55 to 0.73 (2) of their

@@ -8,8 +8,8 @@
 // the dense matrix's bits while memory delivers only the masks and the non-zeros. Two ways to expand:
 // VPEXPANDW, or VPOPCNTW ranks of the set bits and VPERMW. On Zen 4 both cost ~3.6 cycles per 32
 // weights, the ranks slightly less, so AMD CPUs with BITALG take the ranks; on the Xeon with AMX a
-// 50%-sparse matrix in L3 streams at 13 GB/s with the ranks and 16.5 with VPEXPANDW
-// (docs/benchmarks.md), so every other CPU takes VPEXPANDW.
+// 50%-sparse matrix in L3 streams at 13 GB/s with the ranks and 16.5 with VPEXPANDW,
+// so every other CPU takes VPEXPANDW.
 // Decode prefetches the records ahead (sparse_layout.h: prefetch_ahead).
 // The AVX512_BF16 table (bf16_dot) multiplies a small batch (2..kRowExactRows rows) as its dense
 // kernels do, with VDPBF16PS on activations rounded to bf16, straight from the records: one
