@@ -1,6 +1,7 @@
 """Prefill and decode tok/s of two corelm builds, alternated process by process (A, B, B, A, ...), so a
 noisy neighbour on the machine hurts both alike. Each build is a python/ folder holding corelm with its
-_core extension (a worktree's python/, or a copy of one with the built .so in place).
+_core extension (a copy of a checkout's python/ with its built .so in corelm/); a worker that would load
+corelm from anywhere else (an editable install, say) stops with an error.
 
     python tools/ab_builds.py --a /tmp/base/python --b python [--dtypes q4,q8] [--threads 1,2] [--rounds 3]
                               [--model FOLDER_OR_GGUF]
@@ -22,8 +23,25 @@ MODEL = os.environ.get("AB_MODEL") or os.path.join(PEERS, "models", "qwen0.5b-di
 N_PROMPT, N_GEN = 128, 64
 
 
+def import_build(path):
+    """corelm from the build folder `path`. An editable install's import hook (a finder on sys.meta_path)
+    outranks PYTHONPATH, so under one both workers would load the installed extension: the hook is
+    dropped, and a module from anywhere else is an error."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+    sys.path.insert(0, path)
+    try:
+        import corelm
+        from corelm import _core
+    except ImportError as e:
+        sys.exit(f"no corelm build at {path} ({e}): copy python/ and put the built _core extension in corelm/")
+    for m in (corelm, _core):
+        if not os.path.realpath(m.__file__).startswith(os.path.realpath(path) + os.sep):
+            sys.exit(f"{m.__name__} came from {m.__file__}, not from the build at {path}")
+    return corelm
+
+
 def worker(dtype, threads, reps):
-    import corelm
+    corelm = import_build(os.environ["AB_BUILD"])
     dtype, _, act = dtype.partition("+")   # q8+i8 / q8+i16: int8 / int16 activations (else "auto")
     llm = corelm.LLM(MODEL, threads=threads, dtype=dtype, max_seq_len=512, speculative_model=None,
                      **({"activations": {"i8": "int8", "i16": "int16"}[act]} if act else {}))
@@ -64,7 +82,7 @@ def main():
     for r in range(a.rounds):
         for d, t in keys:
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                env = dict(os.environ, PYTHONPATH=builds[name])
+                env = dict(os.environ, AB_BUILD=builds[name])
                 o = subprocess.run([sys.executable, os.path.abspath(__file__), "--a", "-", "--b", "-", "--worker", d,
                                     str(t), str(a.reps)], env=env, capture_output=True, text=True)
                 line = [s for s in o.stdout.splitlines() if s.startswith("RESULT ")]
