@@ -198,8 +198,15 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
   // per thread: the scaled (for rotated int8 also rotated) queries [G][hd], their sums [G], int8 values'
   // probabilities times the row scale [G][bs] and the probability-weighted offsets [G]
   thread_local std::vector<float> work;
-  work.resize(G * (hd + bs + 2));
+  work.resize(G * (hd + bs + 2) + 2 * bs);
   float *qs = work.data(), *q_sum = qs + G * hd, *p_scaled = q_sum + G, *zero_sum = p_scaled + G * bs;
+  float *step = zero_sum + G, *zero = step + bs;  // a piece's int8 rows' fp16 steps and offsets as floats
+  auto row_scales = [&](const RowScale* rs, int64_t cnt) {  // once per row for all heads
+    for (int64_t i = 0; i < cnt; i++) {
+      step[i] = rs[i].scale();
+      zero[i] = rs[i].zero(step[i]);
+    }
+  };
   // int8 rows hold Hk: q . k = (Hq) . (step * k8 + zero) = step * ((Hq) . k8) + zero * sum(Hq)
   // (sparse int8 rows have zero = 0, so the sum over all channels is never used for them)
   for (int64_t g = 0; g < G; g++) {
@@ -240,14 +247,14 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
       kt.kv_scores_sparse(type_, qs, G, hd, km + row * mw, kb + row * row_bytes, nk, cnt, scores + off, n);
     else
       kt.kv_scores(type_, qs, G, hd, kb + (block_first * hd + row % bs) * esz_, bs, cnt, scores + off, n);
-    if (i8)
-      for (int64_t i = 0; i < cnt; i++) {  // each row's fp16 step and offset converted once for all heads
-        const float step = ks[row + i].scale(), zero = ks[row + i].zero();
-        for (int64_t g = 0; g < G; g++) {
-          float& s = scores[g * n + off + i];
-          s = s * step + zero * q_sum[g];
-        }
+    if (i8) {  // head by head over the piece's rows: loops the compiler vectorizes
+      row_scales(ks + row, cnt);
+      for (int64_t g = 0; g < G; g++) {
+        float* s = scores + g * n + off;
+        const float qg = q_sum[g];
+        for (int64_t i = 0; i < cnt; i++) s[i] = s[i] * step[i] + zero[i] * qg;
       }
+    }
   });
   if (softcap > 0)  // Gemma 2: scores squashed into (-cap, cap)
     for (int64_t i = 0; i < G * n; i++) scores[i] = softcap * std::tanh(scores[i] / softcap);
@@ -258,13 +265,14 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
     const float* p = scores + off;
     int64_t ldp = n;
     if (i8) {
-      for (int64_t i = 0; i < cnt; i++) {
-        const float step = vs[row + i].scale(), zero = vs[row + i].zero();
-        for (int64_t g = 0; g < G; g++) {
-          const float pg = scores[g * n + off + i];
-          p_scaled[g * bs + i] = pg * step;
-          zero_sum[g] += pg * zero;  // sum_j p_j * zero_j, added to every output element below
-        }
+      row_scales(vs + row, cnt);
+      for (int64_t g = 0; g < G; g++) {
+        const float* pg = scores + g * n + off;
+        float* ps = p_scaled + g * bs;
+        float z = zero_sum[g];
+        for (int64_t i = 0; i < cnt; i++) ps[i] = pg[i] * step[i];
+        for (int64_t i = 0; i < cnt; i++) z += pg[i] * zero[i];  // sum_j p_j * zero_j, added to every output below
+        zero_sum[g] = z;
       }
       p = p_scaled, ldp = bs;
     }

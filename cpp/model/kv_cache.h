@@ -29,7 +29,8 @@ namespace corelm {
 struct RowScale {
   uint16_t step_f16, lo_f16;
   float scale() const { return quant::f16_to_f32(step_f16); }
-  float zero() const { return quant::f16_to_f32(lo_f16) + 128.f * scale(); }
+  float zero() const { return zero(scale()); }
+  float zero(float step) const { return quant::f16_to_f32(lo_f16) + 128.f * step; }  // given scale()
 };
 
 // Quantizes n floats to int8 over their [min, max] with round-to-nearest.
