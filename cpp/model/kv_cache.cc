@@ -196,11 +196,12 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
   const RowScale* vs = static_cast<const RowScale*>(v_scale_.get());
   const bool i8 = type_ == KVType::I8;
   // per thread: the scaled (for rotated int8 also rotated) queries [G][hd], their sums [G], int8 values'
-  // probabilities times the row scale [G][bs] and the probability-weighted offsets [G]
+  // probabilities times the row scale [G][bs], the probability-weighted offsets [G], and a piece's int8
+  // rows' steps and offsets [bs] each
   thread_local std::vector<float> work;
   work.resize(G * (hd + bs + 2) + 2 * bs);
   float *qs = work.data(), *q_sum = qs + G * hd, *p_scaled = q_sum + G, *zero_sum = p_scaled + G * bs;
-  float *step = zero_sum + G, *zero = step + bs;  // a piece's int8 rows' fp16 steps and offsets as floats
+  float *step = zero_sum + G, *zero = step + bs;
   auto row_scales = [&](const RowScale* rs, int64_t cnt) {  // once per row for all heads
     for (int64_t i = 0; i < cnt; i++) {
       step[i] = rs[i].scale();
@@ -229,8 +230,8 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
   };
   // A sequence's blocks are scattered, and at batch sizes that matter they come from L3 or DRAM: each
   // pass asks for its next block while this one is computed (the prefetchers only catch up inside a
-  // block). The values are asked for in their own pass, not during the scores: one layer's 4,096 bf16
-  // tokens from L3 attend in 144-149 us a call so, 162-186 with the values fetched beside the keys.
+  // block). The values are asked for in their own pass, not during the scores (one layer's 4,096 bf16
+  // tokens from L3: 144-149 us a call, against 162-186 with the values fetched beside the keys).
   const size_t row_bytes = (size_t)nk * esz_;
   auto prefetch = [&](const void* base, size_t bytes_per_row, int64_t first_row) {
     if (first_row < 0) return;
@@ -248,7 +249,7 @@ void KVCache::attend(const KernelTable& kt, int64_t layer, int64_t kv_head, cons
       kt.kv_scores_sparse(type_, qs, G, hd, km + row * mw, kb + row * row_bytes, nk, cnt, scores + off, n);
     else
       kt.kv_scores(type_, qs, G, hd, kb + (block_first * hd + row % bs) * esz_, bs, cnt, scores + off, n);
-    if (i8) {  // head by head over the piece's rows: loops the compiler vectorizes
+    if (i8) {  // head by head over the piece's rows: contiguous loops, no conversion inside
       row_scales(ks + row, cnt);
       for (int64_t g = 0; g < G; g++) {
         float* s = scores + g * n + off;
