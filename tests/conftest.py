@@ -100,20 +100,22 @@ def data_dir():
 
 
 def tool_module(name):
-    """tools/<name>.py as a module."""
+    """tools/<folder>/<name>.py (bench/, fixtures/ or fuzz/) as a module."""
+    import glob
     import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
+    path, = glob.glob(os.path.join(ROOT, "tools", "*", name + ".py"))
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def corpus_tool():
-    """tools/make_corrupt_corpus.py: its byte-level GGUF/safetensors builders serve the tests."""
+    """tools/fixtures/make_corrupt_corpus.py: its byte-level GGUF/safetensors builders serve the tests."""
     return tool_module("make_corrupt_corpus")
 
 
-# A prompt through a _core.Model's forward_batch with the identity block table (tools/core_forward.py):
+# A prompt through a _core.Model's forward_batch with the identity block table (tools/bench/core_forward.py):
 # core_forward(model, tokens, pos, all_logits=False) -> the last token's logits, or every token's.
 core_forward = tool_module("core_forward").core_forward
 

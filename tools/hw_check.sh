@@ -45,19 +45,19 @@ tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 threads="1,$NT"
 for pf in 0 1; do
   log "decode's weight stream vs a plain read (kernel/read), threads $threads, CORELM_DECODE_PREFETCH=$pf"
-  CORELM_DECODE_PREFETCH=$pf timeout 75 $PY tools/bench_quant.py --stream --dtypes q4,q8,bf16 --activations int8,int16 \
+  CORELM_DECODE_PREFETCH=$pf timeout 75 $PY tools/bench/bench_quant.py --stream --dtypes q4,q8,bf16 --activations int8,int16 \
     --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
 done
 
 for gm in 0 1; do
   log "the AVX-512 q4/q8 decode's block rows side by side (0) or group after group (1): CORELM_DECODE_GROUP_MAJOR=$gm"
-  CORELM_DECODE_GROUP_MAJOR=$gm timeout 40 $PY tools/bench_quant.py --stream --dtypes q4,q8 --activations int16 \
+  CORELM_DECODE_GROUP_MAJOR=$gm timeout 40 $PY tools/bench/bench_quant.py --stream --dtypes q4,q8 --activations int16 \
     --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
 done
 
 log "quantized kernels alone, 1 thread, int8 vs int16 activations (m=1: GB/s of weights from cache)"
 for m in 1 128; do
-  timeout 35 $PY tools/bench_quant.py --gemm --m $m --dtypes q8,q4 --activations int8,int16 --threads 1 \
+  timeout 35 $PY tools/bench/bench_quant.py --gemm --m $m --dtypes q8,q4 --activations int8,int16 --threads 1 \
     --rounds 3 2>&1 | tee -a "$OUT/summary.txt"
 done
 
@@ -66,15 +66,15 @@ for isa in "$best" amx; do
   if [ "$isa" = amx ] && ! $PY -c "from corelm import _core; exit(0 if _core.amx_available() else 1)"; then
     echo "amx: not available here" | tee -a "$OUT/summary.txt"; continue
   fi
-  CORELM_ISA=$isa timeout 40 $PY tools/bench_quant.py --dtypes bf16 --threads "1,$NT" --rounds 3 --tokens 16 2>&1 |
+  CORELM_ISA=$isa timeout 40 $PY tools/bench/bench_quant.py --dtypes bf16 --threads "1,$NT" --rounds 3 --tokens 16 2>&1 |
     sed "s/^/$isa: /" | tee -a "$OUT/summary.txt"
 done
 
 log "sparse bf16 (sbf16) weight stream against dense bf16, ms per pass (expanding non-zeros: where it pays)"
-timeout 60 $PY tools/bench_sparse.py --stream --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
+timeout 60 $PY tools/bench/bench_sparse.py --stream --threads "$threads" --rounds 2 2>&1 | tee -a "$OUT/summary.txt"
 
 if $PY -c "from corelm import _core; exit(0 if _core.amx_available() else 1)"; then
   log "AMX GEMMs vs the kernel table"
-  timeout 150 $PY tools/bench_amx.py --ms 1 16 128 --threads 1 "$NT" --rounds 2 --seconds 0.3 2>&1 | tee -a "$OUT/summary.txt"
+  timeout 150 $PY tools/bench/bench_amx.py --ms 1 16 128 --threads 1 "$NT" --rounds 2 --seconds 0.3 2>&1 | tee -a "$OUT/summary.txt"
 fi
 log "done ($(date -u +%FT%TZ)); logs in $OUT"
