@@ -31,7 +31,7 @@ constexpr int64_t kGroup = 8;
 // Decode multiplies a super-group's kSuper groups at once (each activation load serves 32 rows).
 // With each group a record of its own (quants, then scales) decode read a dozen short streams at
 // once (4 KB each at 896 columns), which the hardware prefetcher kept retraining on: one core got
-// ~24 GB/s of Q4 in the model's shapes against ~33 for a plain read (tools/bench_quant.py --stream).
+// ~24 GB/s of Q4 in the model's shapes against ~33 for a plain read (tools/bench/bench_quant.py --stream).
 constexpr int kSuper = 4;
 
 constexpr int64_t qs_bytes(WeightType t) { return t == WeightType::Q8 ? 256 : 128; }

@@ -361,7 +361,7 @@ void Model::finalize() {
   release_freed_heap();  // the partner copies' freed heap
   // Decode reads every matrix once per token in this order: one stream (on 2 MiB pages where the machine
   // gives them cheaply: aligned_buffer) instead of a few hundred buffers. Kernel stream alone, q4, one
-  // thread: 0.8 -> 0.9 of a plain read (tools/bench_quant.py --stream).
+  // thread: 0.8 -> 0.9 of a plain read (tools/bench/bench_quant.py --stream).
   std::vector<PackedMatrix*> order;
   for (const NamedMatrix& nm : matrices_in_decode_order()) order.push_back(nm.m);
   pack_contiguously(order);

@@ -1,5 +1,5 @@
-// Kernel micro-benchmarks behind corelm._core.testing.bench_gemm / bench_gemv_stream (tools/bench_amx.py,
-// tools/bench_quant.py, tools/hw_check.sh): a kernel table's (or AMX's) GEMM in isolation, and decode's
+// Kernel micro-benchmarks behind corelm._core.testing.bench_gemm / bench_gemv_stream (tools/bench/bench_amx.py,
+// tools/bench/bench_quant.py, tools/hw_check.sh): a kernel table's (or AMX's) GEMM in isolation, and decode's
 // weight stream without the rest of the model against a plain read of as many bytes.
 #pragma once
 #include <cstddef>

@@ -1,6 +1,6 @@
 // What a parallel region of the ThreadPool costs: the fork (publishing the region and waking the
 // workers' spin loops) plus the join (the caller waiting until every slot is done), which is the only
-// barrier the model pays between its regions. Used by tools/bench_runtime.py and the tests through
+// barrier the model pays between its regions. Used by tools/bench/bench_runtime.py and the tests through
 // corelm._core.testing.
 #pragma once
 #include <cstdint>

@@ -115,7 +115,7 @@ constexpr int64_t kStreamRows = 8;  // up to this many rows, strips of kMaxStrea
 // stored: pair(b, qs, dp, g0, facc) adds block b of groups g0 and g0 + 1 (the one group when NG == 1)
 // for MR activation rows to facc[g * MR + i]. Two groups side by side, then the next two: from DRAM,
 // one Zen 3 core read q4 at 0.90 of a plain read this way against 0.83 with all four side by side
-// (0.80 one after another), q8 at 0.82 against 0.74 (tools/bench_quant.py --stream).
+// (0.80 one after another), q8 at 0.82 against 0.74 (tools/bench/bench_quant.py --stream).
 template <int NG, int MR, class Pair>
 inline void stream_blocks(const GroupView& v, int64_t nb, __m256 out[NG * MR], Pair pair) {
   __m256 facc[NG * MR];
