@@ -9,6 +9,7 @@ with the server's code (or "invalid_request" where the server's is only the HTTP
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
@@ -38,6 +39,27 @@ def _not_json(constant: str):
     raise ValueError(f"{constant} is not a JSON number")   # as the server's JSON parser says
 
 
+# A line read from UTF-8 bytes holds a surrogate only through a \uD800-\uDFFF escape; a pair decodes to
+# one character, a lone one stays and is not text: the tokenizer refuses it, and it cannot be written out.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
 def parse_line(line: Union[str, bytes]) -> BatchRequest:
     """One input line -> BatchRequest; BatchLineError (code, message) when it is malformed. The
     error carries `custom_id` when the line had a usable one."""
@@ -52,13 +74,19 @@ def parse_line(line: Union[str, bytes]) -> BatchRequest:
             obj = json.loads(line, parse_constant=_not_json)
         except ValueError as e:
             raise BatchLineError("invalid_json", f"the line is not valid JSON ({_short(str(e), 80)}).") from None
+        except RecursionError:
+            raise BatchLineError("invalid_json", "the line is not valid JSON (nested too deeply).") from None
         if not isinstance(obj, dict):
             raise BatchLineError("invalid_json", "the line must be a JSON object.")
         cid = obj.get("custom_id")
-        if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
+        if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID or _SURROGATE.search(cid):
             raise BatchLineError("invalid_custom_id",
-                                 f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters.")
+                                 f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters "
+                                 "(Unicode text: no lone \\uD800-\\uDFFF escape).")
         custom_id = cid
+        if (_SURROGATE_ESCAPE.search(line) or _SURROGATE.search(line)) and _has_lone_surrogate(obj):
+            raise BatchLineError("invalid_request", "the line holds a lone surrogate escape (\\uD800-\\uDFFF "
+                                 "without its pair), which is not Unicode text.")
         if "body" not in obj and ("messages" in obj or "prompt" in obj):   # the bare shorthand
             obj = {"custom_id": cid, "method": "POST",
                    "url": CHAT_URL if "messages" in obj else COMPLETIONS_URL,
@@ -75,6 +103,8 @@ def parse_line(line: Union[str, bytes]) -> BatchRequest:
             request = parse_request(url, body)
         except APIError as e:
             raise BatchLineError(e.code or "invalid_request", e.message) from None
+        except (ValueError, RecursionError) as e:   # a check below the API layer (a forced tool call's schema size)
+            raise BatchLineError("invalid_request", _short(str(e) or type(e).__name__)) from None
         if request.stream:   # a batch answer is whole
             raise BatchLineError("unsupported_parameter", "'stream' is not supported in batch files.")
         return BatchRequest(cid, request)

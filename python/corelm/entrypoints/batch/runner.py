@@ -7,20 +7,23 @@ its own copy of the weights after pinning so they sit in local memory. Each work
 duplex pipe, and holds at most one task: the parent sends the next task only after the previous
 result came back, so neither side can block the other, and the parent always knows which task each
 worker holds. A worker that dies (exit, SIGKILL, OOM) is seen through its process sentinel; its
-task goes back to the front of the queue and a replacement worker starts on the same CPUs. A task
-that has killed MAX_ATTEMPTS workers gets error lines instead of another try.
+task goes back to the front of the queue, one task per request (so a request that kills workers
+takes no neighbour down with it), and a replacement worker starts on the same CPUs. A request that
+has killed MAX_ATTEMPTS workers gets an error line instead of another try.
 
 No record is lost or duplicated: only the parent writes, once per custom_id, flushing each line;
 each input line gets exactly one output line, keyed by its custom_id (the first line with that id)
 or by its line number (a duplicate's or a malformed line's error); on a rerun, lines whose key is
 already in the output are skipped (a truncated last line left by a crash is cut off first, so the
-file stays valid JSONL).
+file stays valid JSONL). The output may not be the input, and a run whose output file is deleted or
+replaced while it runs stops with an error (OutputLostError) rather than report results not on disk.
 """
 from __future__ import annotations
 
 import collections
 import json
 import os
+import stat
 import sys
 import time
 from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
@@ -66,9 +69,32 @@ def load_done(path: str) -> Tuple[Set[str], Set[int]]:
     return ids, lines
 
 
+class OutputLostError(OSError):
+    """The output path no longer names the file being written (deleted, or replaced by another file)."""
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def check_not_input(input_path: str, output_path: str) -> None:
+    """Refuses an output that is the input file itself (the same path, a symlink or a hard link to it): the
+    run would append to what it reads, and load_done would truncate it."""
+    try:
+        src, out = os.stat(input_path), os.stat(output_path)   # follows symlinks; a hard link has the same inode
+    except OSError:                              # no output yet: not the input
+        return
+    if _same_file(src, out) and stat.S_ISREG(src.st_mode):   # (/dev/null -o /dev/null harms nothing)
+        raise ValueError(f"the output {output_path} is the input file {input_path}: results would be appended to "
+                         f"the requests being read. Give another -o file.")
+
+
 class _Writer:
     def __init__(self, path: str, done_ids: Set[str]):
+        self.path = path
         self.f = open(path, "a", encoding="utf-8")
+        st = os.fstat(self.f.fileno())
+        self.stat = st if stat.S_ISREG(st.st_mode) else None   # devices and pipes are not checked
         self.written = set(done_ids)
         self.count = self.errors = 0
 
@@ -78,11 +104,30 @@ class _Writer:
             if cid in self.written:            # never twice, whatever happens upstream
                 return False
             self.written.add(cid)
-        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        try:
+            text = json.dumps(rec, ensure_ascii=False) + "\n"
+            text.encode("utf-8")
+        except UnicodeEncodeError:             # a lone surrogate: \u escapes are still valid JSON
+            text = json.dumps(rec) + "\n"
+        self.f.write(text)
         self.f.flush()
+        self.check()
         self.count += 1
         self.errors += rec.get("error") is not None
         return True
+
+    def check(self) -> None:
+        """OutputLostError unless the path still names the file written to: results written to a deleted
+        or replaced file are not on disk where the user (or a resume) looks for them."""
+        if self.stat is None:
+            return
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            now = None
+        if now is None or not _same_file(now, self.stat):
+            raise OutputLostError(f"the output file {self.path} was {'deleted' if now is None else 'replaced'} "
+                                  f"while the batch ran: the results written to it are lost. Rerun to redo them.")
 
     def close(self) -> None:
         try:
@@ -247,6 +292,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     if os.path.isdir(input_path):
         raise IsADirectoryError(f"input file {input_path} is a directory.")
+    check_not_input(input_path, output_path)
     max_restarts = 3 * workers if max_restarts is None else max_restarts
     done_ids, done_lines = load_done(output_path)
     total = _count_lines(input_path) if os.path.isfile(input_path) else None   # a pipe is read once
@@ -283,6 +329,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                     cid = req.custom_id
                 except BatchLineError as e:
                     req, error, cid = None, e, e.custom_id
+                except Exception as e:           # a bug below the checks: this line's error, not the run's
+                    req, cid = None, None
+                    error = BatchLineError("invalid_request", f"the line could not be read ({type(e).__name__}).")
                 first = cid is not None and cid not in seen
                 if first:
                     seen.add(cid)
@@ -350,10 +399,14 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                     task = holding.pop(slot, None)
                     if task is not None:
                         task_id, reqs, attempts = task
-                        if attempts + 1 >= MAX_ATTEMPTS:
-                            for r in reqs:
-                                emit(error_line(r.custom_id, "worker_crashed",
-                                                f"the worker died {MAX_ATTEMPTS} times running this request's task."))
+                        if len(reqs) > 1:
+                            # one request may be what kills it: retry each alone, so only that one is blamed
+                            for r in reversed(reqs):
+                                pending.appendleft((next_id, [r], attempts + 1))
+                                next_id += 1
+                        elif attempts + 1 >= MAX_ATTEMPTS:
+                            emit(error_line(reqs[0].custom_id, "worker_crashed",
+                                            f"the worker died {MAX_ATTEMPTS} times running this request."))
                         else:
                             pending.appendleft((task_id, reqs, attempts + 1))
                     print(f"corelm batch: worker {slot} died ({ev[2]})"
@@ -371,6 +424,7 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                 stats["workers"].setdefault(slot, info)
         bar.close()
         writer.close()
+    writer.check()                               # never a summary of results that are not on disk
     stats["seconds"] = time.perf_counter() - t0
     lines = stats.pop("lines")
     stats["total_lines"] = lines if total is None else total

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,8 +21,22 @@ from .protocol import BatchRequest, error_line, response_line
 # Test hook: "WORKER:TASK" makes the first incarnation of worker WORKER ("*": of every worker) exit
 # abruptly (os._exit, as a SIGKILL would: no cleanup, no reply) on receiving its TASK-th task (1-based).
 CRASH_ENV = "CORELM_BATCH_TEST_CRASH"
+# Test hook: a custom_id; every worker exits abruptly on receiving a task that holds it (a request that
+# crashes the process, as a segfault in native code would).
+CRASH_ON_ENV = "CORELM_BATCH_TEST_CRASH_ON"
 
 Result = Tuple[Dict[str, Any], int]   # (output line, completion tokens)
+
+
+def _fatal(e: BaseException) -> bool:
+    """Whether an exception must end the worker. Anything else (a TypeError from the tokenizer, a pyo3
+    PanicException, which derives from BaseException, from a catastrophic regex) fails one request."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError))
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 class BatchWorker:
@@ -47,6 +63,13 @@ class BatchWorker:
             except APIError as e:
                 results.append((error_line(r.custom_id, e.code or "invalid_request", e.message), 0))
                 continue
+            except BaseException as e:           # this request's failure, not its neighbours'
+                if _fatal(e):
+                    raise
+                traceback.print_exc(file=sys.stderr)
+                results.append((error_line(r.custom_id, "internal_error",
+                                           f"the request failed before generating ({_why(e)})."), 0))
+                continue
             running.update(added)
         try:
             while running:
@@ -59,7 +82,9 @@ class BatchWorker:
                         for other in [k for k, v in running.items() if v[1] is response]:
                             del running[other]
                         results.append((response_line(r.custom_id, response.body()), response.completion_tokens))
-        except Exception as e:                   # a bug: the task's requests fail, the worker carries on
+        except BaseException as e:               # a bug: the task's requests fail, the worker carries on
+            if _fatal(e):
+                raise
             traceback.print_exc(file=sys.stderr)
             failed = {v[0].custom_id for v in running.values()}
             for rid in running:
@@ -79,11 +104,25 @@ class BatchWorker:
                 rid = f"{response.id}-{p}"
                 self.engine.add_request(rid, ids, req.params)
                 added[rid] = (r, response, p)
-        except ValueError as e:                  # as the server answers it
+        except BaseException as e:
             for rid in added:
                 self.engine.abort_request(rid)
-            raise sampling_error(e) from None
+            if isinstance(e, ValueError):        # as the server answers it
+                raise sampling_error(e) from None
+            raise
         return added
+
+
+def _exit_with_parent(poll_s: float = 0.2) -> None:
+    """A daemon thread that ends this process once its parent is gone (reparented: getppid changes), so
+    an orphan neither finishes its task for nobody nor prints a BrokenPipeError traceback."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+    threading.Thread(target=watch, name="corelm-batch-parent-watch", daemon=True).start()
 
 
 def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
@@ -91,14 +130,23 @@ def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], m
     """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
     pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results).
     Ctrl-C reaches the whole process group: the parent handles it (and stops the workers), so a worker
-    ignores SIGINT rather than print a KeyboardInterrupt traceback of its own."""
+    ignores SIGINT rather than print a KeyboardInterrupt traceback of its own. A worker whose parent is
+    gone (SIGKILLed) has nobody to answer: it exits at once, quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+
+    def send(msg) -> None:
+        try:
+            conn.send(msg)
+        except OSError:                      # BrokenPipeError: the parent died
+            os._exit(0)
+
     try:
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)   # before loading: the weights are first touched from here
         worker = BatchWorker(model, threads, options)
     except Exception as e:                   # a missing or corrupt model: the parent reports it
-        conn.send(("fatal", f"{e}"))
+        send(("fatal", f"{e}"))
         conn.close()
         os._exit(1)
     crash = os.environ.get(CRASH_ENV, "")
@@ -107,7 +155,8 @@ def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], m
         w, _, t = crash.partition(":")
         if w == "*" or int(w) == index:
             crash_at = int(t)
-    conn.send(("ready", worker.info()))
+    crash_on = os.environ.get(CRASH_ON_ENV)
+    send(("ready", worker.info()))
     received = 0
     while True:
         try:
@@ -118,7 +167,7 @@ def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], m
             break
         task_id, requests = msg
         received += 1
-        if crash_at is not None and received == crash_at:
+        if (crash_at is not None and received == crash_at) or any(r.custom_id == crash_on for r in requests):
             os._exit(17)
-        conn.send(("result", task_id, worker.run_task(requests)))
+        send(("result", task_id, worker.run_task(requests)))
     conn.close()
