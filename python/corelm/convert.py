@@ -37,7 +37,9 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -370,6 +372,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
     weights = choose("weights", weights)
     sparse = sparsity_option(sparsity, prune, keep_dense, weights)
     out = os.path.abspath(os.path.expanduser(out))
+    clean_leftovers(os.path.dirname(out))     # of a convert killed here earlier: may bring `out` back
     _check_replaceable(out, overwrite)        # before the (long) conversion, and again before the rename
     loaded = load_model(src)
     if sparse is not None:
@@ -386,7 +389,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
             importance["tok_embeddings"] = importance.pop("lm_head")
     parent = os.path.dirname(out) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".corelm-convert-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=_owned(STAGING_PREFIX), dir=parent)
     try:
         meta = {"source": loaded.source, "source_format": loaded.source_format, "weights": weights}
         writer = WeightsWriter(os.path.join(tmp, WEIGHTS_FILE),
@@ -466,22 +469,105 @@ def _few_names(names, n: int = 5) -> str:
 
 def _move_into_place(tmp: str, out: str) -> None:
     """Renames the finished folder `tmp` to `out`. An existing `out` (already checked replaceable) is first
-    renamed aside and deleted only once the new folder is in place, so `out` is never a half folder."""
-    old = None
+    moved aside, into a folder of its own named after this process (ASIDE_PREFIX), and deleted only once
+    the new folder is in place, so `out` is never a half folder; a kill between the two renames leaves the
+    old folder where clean_leftovers puts it back."""
+    aside = None
     if os.path.lexists(out):
-        old = tempfile.mkdtemp(prefix=".corelm-old-", dir=os.path.dirname(out))
-        os.rmdir(old)
-        os.rename(out, old)
+        aside = tempfile.mkdtemp(prefix=_owned(ASIDE_PREFIX), dir=os.path.dirname(out))
+        try:
+            os.rename(out, os.path.join(aside, os.path.basename(out)))
+        except OSError:
+            os.rmdir(aside)
+            raise
     try:
         os.rename(tmp, out)
     except OSError:
-        if old is not None:
-            os.rename(old, out)
+        if aside is not None:
+            os.rename(os.path.join(aside, os.path.basename(out)), out)
+            os.rmdir(aside)
         elif os.path.isdir(out):
             raise FileExistsError(f"{out} appeared while converting") from None
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# A convert killed without cleaning up (SIGKILL, power loss) leaves, beside its output, its unfinished folder
+# (STAGING_PREFIX) and, killed between --force's two renames, the old output moved aside (ASIDE_PREFIX, the
+# old folder inside under its own name). Their names carry the owner (pid and a hash of the host name), so
+# the next convert into the same folder can tell a dead owner's leftovers from a running convert's.
+STAGING_PREFIX = ".corelm-convert-"
+ASIDE_PREFIX = ".corelm-old-"
+_LEFTOVER = re.compile(r"\.corelm-(convert|old)-(\d+)\.([0-9a-f]{8})-[a-z0-9_]+")
+
+
+def _host() -> str:
+    return hashlib.sha1(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def _owned(prefix: str) -> str:
+    """prefix + this process's owner tag: what mkdtemp names this process's leftovers with."""
+    return f"{prefix}{os.getpid()}.{_host()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True                          # someone else's live process (or not a pid: leave it)
+    return True
+
+
+def clean_leftovers(parent: str) -> None:
+    """Removes (STAGING_PREFIX) or puts back (ASIDE_PREFIX) what converts killed in `parent` left there, when
+    their process is gone and ran on this host; warns about hidden convert folders it cannot place (another
+    host's, or an older corelm's, named without an owner)."""
+    try:
+        names = sorted(n for n in os.listdir(parent) if n.startswith((STAGING_PREFIX, ASIDE_PREFIX)))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        m = _LEFTOVER.fullmatch(name)
+        if m is None or m.group(3) != _host():
+            what = ("an unfinished conversion; once no convert runs, delete it" if name.startswith(STAGING_PREFIX)
+                    else "a model folder `convert --force` moved aside; once no convert runs, rename it back to "
+                         "its name or delete it")
+            log.warning("%s: left by a convert that was killed or runs on another machine: %s", path, what)
+            continue
+        if _alive(int(m.group(2))):
+            continue                         # a convert running now
+        try:
+            if m.group(1) == "convert":
+                shutil.rmtree(path)
+                log.warning("removed %s, the unfinished folder of a convert that was killed", path)
+            else:
+                _restore_aside(parent, path)
+        except OSError as e:                 # another convert cleaning the same folder, or no permission
+            log.warning("could not clean up %s: %s", path, e)
+
+
+def _restore_aside(parent: str, aside: str) -> None:
+    entries = os.listdir(aside)
+    if not entries:                          # killed before the first rename
+        os.rmdir(aside)
+        return
+    if len(entries) > 1:
+        log.warning("%s holds %s, not one moved-aside folder: left as it is", aside, _few_names(sorted(entries)))
+        return
+    name = entries[0]
+    out = os.path.join(parent, name)
+    if os.path.lexists(out):                 # the new folder was in place: the old one was being deleted
+        shutil.rmtree(aside)
+        log.warning("removed %s, the folder a killed `convert --force` had replaced with %s", aside, out)
+    else:
+        os.rename(os.path.join(aside, name), out)
+        os.rmdir(aside)
+        log.warning("restored %s, which a `convert --force` killed before writing its replacement had moved aside",
+                    out)
 
 
 def _check_patterns(patterns: Sequence[str], loaded: LoadedModel) -> None:
