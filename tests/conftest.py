@@ -49,11 +49,22 @@ def real_model(name):
         pytest.fail(f"{how} ({MODELS_ENV}={folder} has no {name})")
     pytest.skip(how)
 
+# Test modules share helpers by importing one another (`from test_quant import ggml_quantize`), across
+# the folders too, so every folder of tests is on the path.
+sys.path[1:1] = [os.path.join(ROOT, "tests", d) for d in ("kernels", "loaders", "models", "engine", "serving", "runtime")]
+
 # Tests run against the installed package; a source checkout with an in-place build also works.
 try:
     import corelm  # noqa: F401
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(ROOT, "python"))
+
+
+def pytest_sessionstart(session):
+    from corelm import _core
+    if not hasattr(_core, "testing"):
+        pytest.exit("corelm was built without its test module corelm._core.testing: install it with README's test "
+                    "command, pip install \".[test]\" -C cmake.define.CORELM_TESTING=ON", returncode=4)
 
 
 def child_env(**extra):

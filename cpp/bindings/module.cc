@@ -329,6 +329,7 @@ PYBIND11_MODULE(_core, m) {
   register_amx(m);
   m.def("kernel_tables", &available_kernel_tables, "The kernel tables this CPU can run, the default first.");
 
+#ifdef CORELM_TESTING  // CMake's CORELM_TESTING option: tests' and tools' entry points, never in a default wheel
   py::module_ testing = m.def_submodule(
       "testing", "Entry points for tests and tools, not for the package: single kernels of any table, AMX tile "
       "instructions, benchmarks, and the runtime's placement functions.");
@@ -336,6 +337,7 @@ PYBIND11_MODULE(_core, m) {
   register_testing_bench(testing);
   register_testing_runtime(testing);
   py::module_::import("sys").attr("modules")["corelm._core.testing"] = testing;  // `import corelm._core.testing`
+#endif
 
   m.def("quantize_q4_1_search", [](FloatArray w, std::optional<FloatArray> importance) {
     if (w.ndim() != 2 || w.shape(1) % quant::kBlock != 0 || w.shape(0) < 1)

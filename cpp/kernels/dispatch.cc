@@ -1,8 +1,8 @@
 // CPU feature detection and the choice of kernel table. Runs once; the wheel is built for the
 // baseline ISA and only the files in kernels/<isa>/ use wider instructions.
+#include "kernels/tuning.h"
 #include "kernels/kernels.h"
 #include "kernels/amx/amx.h"
-#include "kernels/stream_read.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -54,23 +54,14 @@ namespace {
 // priority (collapse_into_huge_pages). CORELM_HUGE_PAGES=1 always asks at once (decode at full speed
 // from the first token, slow loads there), 0 never.
 // 1 ms; CORELM_HUGE_PAGE_SLOW_MS sets another line (0: the first page counts as slow, for tests)
-double slow_huge_page_seconds() {
-  static const double s = [] {
-    const char* e = std::getenv("CORELM_HUGE_PAGE_SLOW_MS");
-    char* end = nullptr;
-    const double ms = e ? std::strtod(e, &end) : 1.0;
-    return e && end != e && ms >= 0 ? 1e-3 * ms : 1e-3;
-  }();
-  return s;
-}
+double slow_huge_page_seconds() { return tuning::huge_page_slow_seconds(); }
 std::atomic<int> g_huge_pages{-1};  // -1: not yet read, 0: off, 1: on, 2: on while they come cheap
 std::atomic<bool> g_huge_pages_slow{false};  // auto saw a slow one
 
 int huge_page_policy() {
   int p = g_huge_pages.load(std::memory_order_relaxed);
   if (p < 0) {
-    const char* e = std::getenv("CORELM_HUGE_PAGES");
-    p = e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "1") == 0 ? 1 : 2;
+    p = tuning::huge_pages();
     int expected = -1;
     if (!g_huge_pages.compare_exchange_strong(expected, p)) p = expected;
   }
@@ -341,21 +332,9 @@ std::vector<std::string> available_kernel_tables() {
   return out;
 }
 
-float stream_read_sum(const void* p, size_t bytes) {
-#if defined(CORELM_HAVE_X86)
-  const CpuFeatures& f = cpu_features();
-  if (f.os_avx512 && f.avx512f) return avx512::stream_read_sum(p, bytes);
-  if (f.os_avx && f.avx2) return avx2::stream_read_sum(p, bytes);
-#endif
-  const float* x = static_cast<const float*>(p);
-  float t = 0;
-  for (size_t i = 0; i < bytes / 4; i++) t += x[i];
-  return t;
-}
-
 static const KernelTable& choose() {
-  if (const char* env = std::getenv("CORELM_ISA")) {
-    if (const KernelTable* t = kernels_by_name(env)) return *t;
+  if (const std::string isa = tuning::isa(); !isa.empty()) {
+    if (const KernelTable* t = kernels_by_name(isa.c_str())) return *t;
     // An unusable override falls back to the best table rather than failing the import.
   }
   return *kernels_by_name(available_kernel_tables().front());

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels/kernels.h"
+#include "kernels/tuning.h"
 
 namespace corelm {
 namespace {
@@ -35,10 +36,7 @@ struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads (thre
 // and a Xeon streams q4/q8 at 1.03-1.06 of a plain read with the L2 chain of prefetch.h, 0.82-0.88
 // without. Each table passes its default; CORELM_DECODE_PREFETCH=0|1 overrides it (tools/hw_check.sh
 // measures both on a new machine).
-inline bool decode_prefetch(bool table_default) {
-  const char* e = std::getenv("CORELM_DECODE_PREFETCH");
-  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : table_default;
-}
+inline bool decode_prefetch(bool table_default) { return tuning::decode_prefetch(table_default); }
 
 // Whether the AVX-512 decode GEMVs read a super-group's block row group after group (each group's
 // bytes in address order) rather than the groups side by side (one activation load for all of them).
@@ -47,10 +45,7 @@ inline bool decode_prefetch(bool table_default) {
 // streams int16 q4 at 0.83 of a plain read and q8 at 0.78, group after group at 0.86 and 0.86; on Zen 3
 // (AVX2) pairs side by side beat group after group (quant_avx2.cc). Default: group after group except
 // on AMD, whose AVX-512 cores were not measured this way; CORELM_DECODE_GROUP_MAJOR=0|1 overrides it.
-inline bool decode_group_major(bool amd) {
-  const char* e = std::getenv("CORELM_DECODE_GROUP_MAJOR");
-  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : !amd;
-}
+inline bool decode_group_major(bool amd) { return tuning::decode_group_major(amd); }
 
 // Calls f(std::integral_constant<int, G>) for G = g in [1, kMaxHeadTile]: the head count becomes a
 // compile-time constant, so an attention tile's accumulators live in registers.

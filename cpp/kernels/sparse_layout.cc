@@ -1,4 +1,5 @@
 // Packing into, and reading out of, the sparse layout (sparse_layout.h). Built for the baseline ISA.
+#include "kernels/tuning.h"
 #include "kernels/sparse_layout.h"
 
 #include <algorithm>
@@ -143,18 +144,10 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 #if defined(CORELM_HAVE_X86)
 int64_t record_prefetch_bytes() {
-  static const int64_t bytes = [] {
-    const char* e = std::getenv("CORELM_SPARSE_PREFETCH");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : record_prefetch_l2() ? int64_t{4096} : int64_t{2048};
-  }();
-  return bytes;
+  return tuning::sparse_prefetch_bytes(record_prefetch_l2());
 }
 bool record_prefetch_l2() {
-  static const bool l2 = [] {
-    const char* e = std::getenv("CORELM_SPARSE_PREFETCH_L2");
-    return e ? std::atoi(e) != 0 : !cpu_features().amd;
-  }();
-  return l2;
+  return tuning::sparse_prefetch_l2(cpu_features().amd);
 }
 #endif
 

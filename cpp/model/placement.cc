@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "kernels/tuning.h"
 #include "model/model.h"
 
 namespace corelm {
@@ -13,8 +14,7 @@ namespace corelm {
 // Only under Distribute or Isolate, and only where there is more than one node to choose from;
 // CORELM_NUMA_FORCE=1 places anyway, so a one-node machine can test the path (everything on node 0).
 bool Model::numa_places_memory() const {
-  const char* force = std::getenv("CORELM_NUMA_FORCE");
-  return !numa_.shares.empty() && (system_topology().nodes.size() > 1 || (force && std::string(force) == "1"));
+  return !numa_.shares.empty() && (system_topology().nodes.size() > 1 || tuning::numa_force());
 }
 
 void Model::place(const std::string& name, const void* base, size_t bytes, std::vector<RowRange> byte_ranges,

@@ -12,7 +12,7 @@
 
 #include "kernels/amx/amx.h"
 #include "kernels/ggml_formats.h"
-#include "kernels/stream_read.h"
+#include "testing/stream_read.h"
 #include "runtime/cpu_relax.h"
 
 namespace corelm {

@@ -29,7 +29,7 @@ GemmBenchResult bench_gemm(const std::string& kind, int64_t M, int64_t N, int64_
 struct StreamBenchResult {
   size_t bytes = 0;                  // weight bytes one pass streams
   std::vector<double> gemv_GBps;     // per rep: the kernels' stream
-  std::vector<double> read_GBps;     // per rep: the plain read (kernels/stream_read.h)
+  std::vector<double> read_GBps;     // per rep: the plain read (testing/stream_read.h)
 };
 
 // `layers` copies of the matrices `shapes` ([(N, K), ...] in the order a layer reads them), end to end

@@ -1,7 +1,7 @@
 """Every option name corelm accepts, spelled once: weight formats, KV-cache types, activation precision,
 work schedules, NUMA policies and convert's pruning methods. The Python API, every CLI command, convert,
 the loaders and the calls into the C++ core (`corelm._core`, whose own name tables `_core.option_names()`
-must agree, see tests/test_options.py) read them from here.
+must agree, see tests/loaders/test_options.py) read them from here.
 
     fmt = weight_format("q8")        # -> WEIGHT_FORMATS["q8_0"]
     choose("kv_cache_dtype", "i8")   # -> "int8"

@@ -215,7 +215,9 @@ def test_mixed_type_model_matches_its_dequantized_weights(tmp_path, isa):
     import sys
     path = mixed_gguf(tmp_path / "mixed.gguf")
     here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_ggml_blocks as t; print(t.check_mixed_model({path!r}))"
+    tests = os.path.dirname(here)  # conftest.py's folder
+    code = (f"import sys; sys.path[:0] = [{here!r}, {tests!r}]; import test_ggml_blocks as t; "
+            f"print(t.check_mixed_model({path!r}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, CORELM_ISA=isa), cwd=here)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

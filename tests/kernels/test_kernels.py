@@ -181,7 +181,7 @@ def test_option_names_are_canonical():
                      "numa": ["default", "distribute", "isolate"],
                      "raw_weight": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "BF16", "SQ8", "SQ4"],
                      "activation": ["silu", "gelu_tanh"]}
-    # agreement with corelm.options: tests/test_options.py
+    # agreement with corelm.options: tests/loaders/test_options.py
     x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)
     for alias in ("f32", "i8", "FP32"):  # the core takes canonical names only
         with pytest.raises(ValueError, match="weight type must be"):

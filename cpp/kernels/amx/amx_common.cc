@@ -8,6 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "kernels/tuning.h"
 #include "kernels/amx/amx.h"
 #include "kernels/kernels.h"
 
@@ -107,7 +108,7 @@ static Status detect() {
   if (!s.cpu) { s.reason = "the CPU has no AMX-TILE/INT8/BF16"; return s; }
   if (!s.os) { s.reason = "the OS does not enable the tile state (XCR0)"; return s; }
   if (!s.compiled) { s.reason = "this build has no AMX kernels (compiler without -mamx-tile)"; return s; }
-  if (const char* off = std::getenv("CORELM_DISABLE_AMX"); off && *off && std::strcmp(off, "0") != 0) {
+  if (tuning::disable_amx()) {
     s.reason = "disabled by CORELM_DISABLE_AMX";
     return s;
   }

@@ -29,7 +29,7 @@
 //   bf16/fp32 denormal input (including the accumulator) is read as a zero of the same sign, a
 //   denormal result is flushed to a zero of the same sign. bf16 x bf16 products are exact in
 //   fp32, so one rounding per FMA. That is the SDM's order. Measured on a Sapphire Rapids-class
-//   Xeon (tests/test_amx.py probes), the hardware does not round after each product: it sums the
+//   Xeon (tests/kernels/test_amx.py probes), the hardware does not round after each product: it sums the
 //   products of one instruction's row first and then adds that sum to C (C = 1, sixteen products
 //   of 2^-24: SDM order gives 1, the hardware 1 + 2^-20; C = 2^-24 with the pair (1, 2^-24): both
 //   give 1). Real and emulated GEMMs therefore agree to fp32 rounding, not bit for bit; the

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/tuning.h"
 #include "kernels/amx/amx.h"
 #include "kernels/ggml_grouped.h"
 #include "kernels/kernels.h"
@@ -73,10 +74,7 @@ void expand_rows(const void* ctx, int64_t r0, int64_t rows, uint16_t* dst, int64
 // activations rounded to bf16 (llama.cpp's prefill quantizes them to 8 bits) on AMX-BF16: 4x the
 // integer GEMM's prefill. The integer kernels give every table and batch the same bits; these give a
 // prompt's logits that depend on how it was chunked. CORELM_AMX_PREFILL=0 keeps the integer kernels.
-const bool kQuantPrefill = [] {
-  const char* e = std::getenv("CORELM_AMX_PREFILL");
-  return !(e && e[0] == '0');
-}();
+const bool kQuantPrefill = tuning::amx_prefill();
 bool dequantizes(WeightType t) {
   return kQuantPrefill && (quant::is_quant(t) || quant::is_grouped_ggml(t) || sparse::is_sparse_quant(t));
 }

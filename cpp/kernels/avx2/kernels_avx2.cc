@@ -34,10 +34,7 @@ constexpr int64_t kSmallBatch = 32;  // up to this many rows, bf16 is widened in
 constexpr int kMaxRows = 6;          // rows of x per tile: 6 x 16 columns = 12 accumulators of 16 registers
 // Decode's software prefetch, bytes ahead of each panel stream; 0: none. Measured on one Zen 3 core
 // from DRAM with four streams: none is best (fp32 ~27 GB/s; 512..2048 bytes ahead: ~19..24).
-#ifndef CORELM_AVX2_PREFETCH
-#define CORELM_AVX2_PREFETCH 0
-#endif
-constexpr int kPrefetchBytes = CORELM_AVX2_PREFETCH;
+constexpr int kPrefetchBytes = 0;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 

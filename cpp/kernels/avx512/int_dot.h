@@ -8,13 +8,14 @@
 #include <cstring>
 
 #include "kernels/kernels.h"
+#include "kernels/tuning.h"
 
 namespace corelm {
 namespace quant {
 namespace {
 
 bool use_vnni() {
-  static const bool v = cpu_features().os_avx512 && cpu_features().avx512_vnni && !std::getenv("CORELM_NO_VNNI");
+  static const bool v = cpu_features().os_avx512 && cpu_features().avx512_vnni && !tuning::no_vnni();
   return v;
 }
 

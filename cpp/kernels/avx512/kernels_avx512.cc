@@ -32,9 +32,6 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 constexpr int kPrefetchBytes = 1024;  // decode's software prefetch distance, when on:
 const bool kPrefetch = decode_prefetch(false);  // off by default (kernel_util.h)
 constexpr int64_t kSmallBatch = kRowExactRows;  // up to this many rows of x, stream weights like GEMV (measured: faster than panels through 32 rows)
-#ifndef CORELM_PREFILL_GROUPS
-#define CORELM_PREFILL_GROUPS 2
-#endif  // ahead of the hardware prefetcher, measured best of 512..2048
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/tuning.h"
 #include "kernels/avx512/int_dot.h"
 #include "kernels/avx512/panel_gemm.h"
 #include "kernels/decode_store.h"
@@ -659,10 +660,7 @@ void matmul_t(const QuantAct& qa, int64_t m, const PackedMatrix& w, float* y, in
 // planes, split_act) and scaled in the dense decode's order: the dense matrix's bits. Everything else (several rows, CPUs without VBMI2)
 // expands panels of super-groups into the dense layout and runs the dense kernels on them.
 
-const bool kSparseVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && [] {
-  const char* e = std::getenv("CORELM_SPARSE_WITHOUT");
-  return !(e && std::strcmp(e, "vbmi2") == 0);
-}();
+const bool kSparseVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && tuning::sparse_without_level() < 3;
 
 #define CORELM_VBMI2_TARGET __attribute__((target("avx512vbmi2")))
 

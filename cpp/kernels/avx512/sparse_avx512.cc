@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/tuning.h"
 #include "kernels/avx512/kernels_avx512_bf16.h"
 #include "kernels/decode_store.h"
 #include "kernels/kernel_util.h"
@@ -40,19 +41,11 @@ inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 // What the CPU offers; CORELM_SPARSE_WITHOUT=bf16|bitalg|vbmi2 takes that instruction set away (and
 // the ones before it in this list), and CORELM_SPARSE_EXPAND=ranks|vpexpandw picks the expansion where
 // both run, so the tests run every path on one machine.
-std::string env_or(const char* name, const char* fallback) {
-  const char* e = std::getenv(name);
-  return e ? e : fallback;
-}
-int without_level() {
-  const std::string s = env_or("CORELM_SPARSE_WITHOUT", "");
-  return s == "vbmi2" ? 3 : s == "bitalg" ? 2 : s == "bf16" ? 1 : 0;
-}
-const int kWithout = without_level();
+const int kWithout = tuning::sparse_without_level();
 const bool kVbmi2 = cpu_features().avx512_vbmi2 && cpu_features().os_avx512 && kWithout < 3;
 const bool kBitalg = kVbmi2 && cpu_features().avx512_bitalg && kWithout < 2;
 const bool kBf16 = kVbmi2 && cpu_features().avx512_bf16 && kWithout < 1;
-const bool kRanks = kBitalg && env_or("CORELM_SPARSE_EXPAND", cpu_features().amd ? "ranks" : "vpexpandw") == "ranks";
+const bool kRanks = kBitalg && tuning::sparse_expand_ranks(cpu_features().amd);
 const int64_t kPrefetchBytes = record_prefetch_bytes();
 const bool kPrefetchL2 = record_prefetch_l2();
 constexpr int kMaxRows = 3;  // activation rows per pass over a group (VDPBF16PS: 8 x 3 accumulators)

@@ -10,10 +10,10 @@ namespace corelm {
 float stream_read_sum(const void* p, size_t bytes);
 
 namespace avx512 {
-float stream_read_sum(const void* p, size_t bytes);  // kernels/avx512/stream_read_avx512.cc
+float stream_read_sum(const void* p, size_t bytes);  // testing/stream_read_avx512.cc
 }
 namespace avx2 {
-float stream_read_sum(const void* p, size_t bytes);  // kernels/avx2/stream_read_avx2.cc
+float stream_read_sum(const void* p, size_t bytes);  // testing/stream_read_avx2.cc
 }
 
 }  // namespace corelm

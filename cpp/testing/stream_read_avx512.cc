@@ -1,7 +1,7 @@
 // stream_read_sum with AVX-512: eight independent adds per 512 bytes.
 #include <immintrin.h>
 
-#include "kernels/stream_read.h"
+#include "testing/stream_read.h"
 
 namespace corelm {
 namespace avx512 {

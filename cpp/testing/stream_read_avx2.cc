@@ -1,7 +1,7 @@
 // stream_read_sum with AVX: eight independent adds per 256 bytes.
 #include <immintrin.h>
 
-#include "kernels/stream_read.h"
+#include "testing/stream_read.h"
 
 namespace corelm {
 namespace avx2 {
