@@ -67,6 +67,22 @@ def pytest_sessionstart(session):
                     "command, pip install \".[test]\" -C cmake.define.CORELM_TESTING=ON", returncode=4)
 
 
+# Crash injection for `corelm batch` workers (tests/data/batch_crash_hook/sitecustomize.py): the env vars
+# that choose the crash, and the PYTHONPATH that puts the hook in every Python the test starts.
+BATCH_CRASH = "CORELM_BATCH_TEST_CRASH"
+BATCH_CRASH_ON = "CORELM_BATCH_TEST_CRASH_ON"
+
+
+def batch_crash_env(env, **crash):
+    """`env` (a dict, or pytest's monkeypatch) with the crash hook on PYTHONPATH and `crash` set."""
+    hook = os.path.join(DATA, "batch_crash_hook")
+    if isinstance(env, dict):
+        return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")])), **crash)
+    env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [hook, os.environ.get("PYTHONPATH")])))
+    for k, v in crash.items():
+        env.setenv(k, v)
+
+
 def child_env(**extra):
     """os.environ for a child Python that imports the same corelm as these tests (with its compiled
     _core: the installed package, or the checkout's python/ with an in-place build), plus `extra`."""

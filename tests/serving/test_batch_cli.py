@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from conftest import BATCH_CRASH, batch_crash_env
 from corelm.entrypoints import cli
 from corelm.entrypoints.batch import parse_line, run_batch, split_cpus, BatchLineError
 from corelm.entrypoints.batch.runner import ProcessBackend, load_done
 from corelm.entrypoints.batch.topology import numa_nodes
-from corelm.entrypoints.batch.worker import CRASH_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STORIES = os.path.join(ROOT, "tests", "data", "models", "stories260K")
@@ -239,7 +239,7 @@ def test_killed_and_resumed_many_times_every_input_line_gets_exactly_one_output_
     deadline = time.monotonic() + 60
     kills = 0
     while True:
-        env = dict(os.environ, **{CRASH_ENV: f"{rng.choice('01*')}:{rng.randint(1, 4)}"})
+        env = batch_crash_env(dict(os.environ), **{BATCH_CRASH: f"{rng.choice('01*')}:{rng.randint(1, 4)}"})
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
         # kill once this run has written 1-3 more lines (mid-run whatever the machine's speed), 12 times
@@ -261,7 +261,7 @@ def test_killed_and_resumed_many_times_every_input_line_gets_exactly_one_output_
 
 
 def test_a_worker_that_dies_mid_task_has_its_task_redone(tmp_path, monkeypatch):
-    monkeypatch.setenv(CRASH_ENV, "*:1")        # each first worker exits abruptly on receiving its 1st task
+    batch_crash_env(monkeypatch, **{BATCH_CRASH: "*:1"})  # each first worker exits abruptly on its 1st task
     src = write_input(tmp_path / "in.jsonl", mixed(16))
     out = str(tmp_path / "out.jsonl")
     s = run_batch(src, out, workers=2, model=STORIES, task_size=2, progress=False)

@@ -16,12 +16,12 @@ import time
 import psutil
 import pytest
 
-from conftest import MODELS, child_env
+from conftest import BATCH_CRASH_ON, MODELS, batch_crash_env, child_env
 from corelm.entrypoints import cli
 from corelm.entrypoints.batch import BatchLineError, parse_line, run_batch
 from corelm.entrypoints.batch.protocol import error_line
 from corelm.entrypoints.batch.runner import OutputLostError, _Writer
-from corelm.entrypoints.batch.worker import CRASH_ON_ENV, BatchWorker
+from corelm.entrypoints.batch.worker import BatchWorker
 
 STORIES = os.path.join(MODELS, "stories260K")
 SURROGATE_LINE = '{"custom_id": "bad", "messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 4}'
@@ -175,7 +175,7 @@ def test_a_tokenizer_panic_fails_only_its_request(tmp_path):
 def test_a_request_that_kills_its_worker_takes_no_neighbour_down(tmp_path, monkeypatch):
     """A crash the worker cannot catch (native code, the OOM killer): the task is retried one request at a
     time, so only the request that kills the worker is written as worker_crashed."""
-    monkeypatch.setenv(CRASH_ON_ENV, "p3")
+    batch_crash_env(monkeypatch, **{BATCH_CRASH_ON: "p3"})
     src = write_lines(tmp_path / "in.jsonl", [completion(f"p{i}") for i in range(8)])
     out = str(tmp_path / "out.jsonl")
     s = run_batch(src, out, model=STORIES, threads=1, task_size=8, progress=False)

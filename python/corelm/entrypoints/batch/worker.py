@@ -18,12 +18,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...openai import APIError, Response, TokenText, encode_prompts, sampling_error
 from .protocol import BatchRequest, error_line, response_line
 
-# Test hook: "WORKER:TASK" makes the first incarnation of worker WORKER ("*": of every worker) exit
-# abruptly (os._exit, as a SIGKILL would: no cleanup, no reply) on receiving its TASK-th task (1-based).
-CRASH_ENV = "CORELM_BATCH_TEST_CRASH"
-# Test hook: a custom_id; every worker exits abruptly on receiving a task that holds it (a request that
-# crashes the process, as a segfault in native code would).
-CRASH_ON_ENV = "CORELM_BATCH_TEST_CRASH_ON"
 
 Result = Tuple[Dict[str, Any], int]   # (output line, completion tokens)
 
@@ -77,6 +71,13 @@ class BatchWorker:
                     if rid not in running:       # an aborted request's last chunk
                         continue
                     r, response, prompt_index = running[rid]
+                    if chunk.finish_reason == "error":   # the model gave no answer: the line says why
+                        for other in [k for k, v in running.items() if v[1] is response]:
+                            del running[other]
+                            if other != rid:
+                                self.engine.abort_request(other)
+                        results.append((error_line(r.custom_id, "server_error", chunk.error), 0))
+                        continue
                     response.add(prompt_index, chunk)
                     if response.finished:
                         for other in [k for k, v in running.items() if v[1] is response]:
@@ -149,15 +150,7 @@ def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], m
         send(("fatal", f"{e}"))
         conn.close()
         os._exit(1)
-    crash = os.environ.get(CRASH_ENV, "")
-    crash_at = None
-    if crash and incarnation == 0:
-        w, _, t = crash.partition(":")
-        if w == "*" or int(w) == index:
-            crash_at = int(t)
-    crash_on = os.environ.get(CRASH_ON_ENV)
     send(("ready", worker.info()))
-    received = 0
     while True:
         try:
             msg = conn.recv()
@@ -166,8 +159,5 @@ def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], m
         if msg is None:
             break
         task_id, requests = msg
-        received += 1
-        if (crash_at is not None and received == crash_at) or any(r.custom_id == crash_on for r in requests):
-            os._exit(17)
         send(("result", task_id, worker.run_task(requests)))
     conn.close()
