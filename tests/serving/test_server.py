@@ -341,7 +341,7 @@ def test_body_size_limit(server):
         for _ in range(100):
             yield b"x" * 1024
     r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
-                   headers={"Authorization": f"Bearer {KEY}"})
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert_error(r, 413)
 
 
@@ -349,7 +349,7 @@ def _stalled_upload(port, key=None, path="/v1/completions"):
     """A raw connection that sends its headers (Content-Length: 100) and one byte of the body, then stalls."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n"
                  f"Content-Length: 100\r\n\r\n{{".encode())
     return sock
 

@@ -10,6 +10,7 @@ Targets and what one input is:
     hf        an HF folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)   as gguf
     corelm    a corelm folder (`corelm convert`'s config.json + weights.corelm + tokenizer files)      as gguf
     template  a JSON {"template", "messages", "kwargs"}   corelm.tokenizer.chat_template.render_chat_template
+    server    a hostile HTTP client against a running `corelm serve` (fuzz_server.py; not part of "all")
 
 Each input starts from a seed in tests/data/fuzz/<target>/ (small files made from the committed test
 model and corrupt corpus by --make-seeds), gets 1-4 stacked mutations (byte flips, interesting integers,
@@ -571,6 +572,11 @@ FAILURES = ("crash", "hang", "foreign")
 
 def fuzz(target: str, seconds: float, seed: int, timeout: float = 10.0, failures_dir: Optional[str] = None,
          seeds_root: str = FUZZ_DIR, max_inputs: Optional[int] = None, verbose: bool = True) -> Dict[str, Any]:
+    if target == "server":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fuzz_server import fuzz_server
+        return fuzz_server(seconds, seed, failures_dir or os.path.join(os.getcwd(), "fuzz-failures", target), REPO,
+                           lambda data, rng: mutate_bytes(data, rng), verbose, max_inputs, _corelm_root())
     seeds = load_seeds(target, seeds_root)
     rng = random.Random(f"{target}:{seed}")
     failures_dir = failures_dir or os.path.join(os.getcwd(), "fuzz-failures", target)
@@ -639,7 +645,7 @@ def replay(target: str, dest: str, timeout: float) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--target", choices=TARGETS + ("all",), default="all")
+    ap.add_argument("--target", choices=TARGETS + ("all", "server"), default="all")
     ap.add_argument("--seconds", type=float, default=60.0, help="per target")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=10.0, help="per input, seconds (a miss counts as a hang)")

@@ -215,9 +215,28 @@ def _state(tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> _TokenizerStat
     return st
 
 
+class UnsatisfiableConstraint(ValueError):
+    """The constraint matches no output at all ("start: start", a schema that is only "$ref": "#"):
+    generating under it could only ever give empty text."""
+
+
+def _check_satisfiable(matcher, eos, kind: str) -> None:
+    """A fresh matcher that does not accept the empty output and allows no token but EOS (llguidance
+    stops it at once) matches nothing: UnsatisfiableConstraint."""
+    if matcher.is_accepting():
+        return
+    if not matcher.is_stopped():
+        probe = matcher.deep_copy()
+        mask = np.unpackbits(np.frombuffer(probe.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = set(np.flatnonzero(mask).tolist()) if mask.any() else set()
+        if allowed - set(eos):
+            return
+    raise UnsatisfiableConstraint(f"structured_outputs.{kind} can never be satisfied: no output matches it.")
+
+
 class GuidedMatcher:
     """One sequence's grammar state. Raises ValueError when the grammar does not compile for this
-    tokenizer."""
+    tokenizer, UnsatisfiableConstraint (a ValueError) when it matches no output."""
 
     def __init__(self, so: StructuredOutputsParams, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         G = _need_llguidance()
@@ -231,6 +250,7 @@ class GuidedMatcher:
             if template.is_error():
                 msg = template.get_error().strip().splitlines()[0][:300] if template.get_error() else "invalid"
                 raise ValueError(f"structured_outputs.{so.kind} is invalid: {msg}")
+            _check_satisfiable(template, st.eos, so.kind)
             with _lock:
                 st.templates[so.grammar_text] = template
                 while len(st.templates) > _CACHE:

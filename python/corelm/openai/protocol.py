@@ -477,9 +477,12 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
 def _compile_for(engine, so: StructuredOutputsParams) -> None:
     """Compiles the grammar for the engine's tokenizer here (off the event loop; the engine's sequences
     then copy the cached matcher); a 400 when it does not compile for this vocabulary."""
-    from ..engine.guided import GuidedMatcher
+    from ..engine.guided import GuidedMatcher, UnsatisfiableConstraint
     try:
         GuidedMatcher(so, engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    except UnsatisfiableConstraint:
+        raise bad_request("The structured output constraint can never be satisfied: no output matches it.",
+                          getattr(so, "source_param", "structured_outputs"), code="unsatisfiable_constraint") from None
     except ValueError:
         raise bad_request("The structured output constraint could not be compiled for this model's "
                           "vocabulary.", getattr(so, "source_param", "structured_outputs")) from None
@@ -523,6 +526,45 @@ def fim_prompt(tokenizer, fim: List[int], prefix: str, suffix: str) -> List[int]
     pre, suf, mid = fim
     return (head + [pre] + tokenizer.encode(prefix, add_special_tokens=False) + [suf]
             + tokenizer.encode(suffix, add_special_tokens=False) + [mid])
+
+
+# A token spells at most as many bytes of text as its vocabulary entry has in UTF-8 (byte-level
+# entries use one character per byte, SentencePiece's "\u2581" stands for a space, byte-fallback entries
+# read "<0x41>"); Unicode normalization (NFC, NFKC) composes at most 3 input bytes into 1 (Hangul jamo).
+NORMALIZATION_SLACK = 3
+
+
+def prompt_byte_limit(engine) -> Optional[int]:
+    """The most bytes of prompt text that can fit the engine's context: max_seq_len tokens times the
+    most bytes one token can stand for (its longest vocabulary entry, times NORMALIZATION_SLACK). A
+    longer text needs more tokens than the context holds, so it is refused without tokenizing it.
+    None when the tokenizer cannot tell."""
+    tok = getattr(engine, "tokenizer", None)
+    try:
+        longest = max(len(t.encode("utf-8", "surrogatepass"))
+                      for t in map(tok.id_to_token, range(int(engine.vocab_size))) if t)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return int(engine.max_seq_len) * max(longest, 1) * NORMALIZATION_SLACK
+
+
+def _text_bytes(text: Optional[str]) -> int:
+    return len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+
+
+def check_prompt_bytes(req: GenerationRequest, limit: Optional[int], max_seq_len: int) -> None:
+    """A 400 context_length_exceeded when a prompt's text (a chat's message contents) is more than
+    `limit` bytes (prompt_byte_limit): cheap, before the template renders it and the tokenizer reads it."""
+    if limit is None:
+        return
+    if req.chat:
+        sizes = [sum(_text_bytes(m.get("content")) for m in req.messages or ())]
+    else:
+        sizes = [_text_bytes(p) + _text_bytes(req.suffix) for p in req.prompts]
+    if max(sizes, default=0) > limit:
+        raise bad_request(f"This model's maximum context length is {max_seq_len} tokens, and the "
+                          f"{req.prompt_param} has {max(sizes)} bytes of text, more than that many tokens can "
+                          f"hold ({limit} bytes at most).", req.prompt_param, code="context_length_exceeded")
 
 
 def check_context(ids: List[int], limit: int, param: str, max_tokens: Optional[int] = None,

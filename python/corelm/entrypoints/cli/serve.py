@@ -33,6 +33,19 @@ def add_parser(commands) -> None:
                    help="a request body not received within S seconds gets a 408 (default: %(default)s)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="open connections at most; more are answered 503 (default: %(default)s)")
+    p.add_argument("--max-connections-per-client", type=int, default=64, metavar="N",
+                   help="open connections one client address may hold; more are answered 503 and closed, so "
+                        "one client cannot take them all (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="a request's headers not received within S seconds of the connection opening (or of "
+                        "the previous response) close the connection (default: %(default)s)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="comma-separated host names the server answers to besides IP addresses, localhost "
+                        "and --host ('*.example.com' for subdomains, '*' for any); other Host headers get a "
+                        "400, which stops DNS rebinding from web pages (default: none)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated origins (https://app.example.com) whose web pages may call the API "
+                        "(CORS); '*' for any (default: none; the server's own web chat needs none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -46,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--body-timeout must be positive, got {args.body_timeout}.")
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}.")
+    if args.max_connections_per_client < 1:
+        raise ValueError(f"--max-connections-per-client must be at least 1, got {args.max_connections_per_client}.")
+    if not args.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}.")
     api_key = api_key_of(args)
     engine_options(args)   # bad engine flags fail now, not in the thread that loads the model
     try:
@@ -57,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
     return server.run(lambda: llm_from_args(args), args.served_model_name or served_model_name(args.model),
                       host=args.host, port=args.port, api_key=api_key, max_body_bytes=args.max_body_bytes,
                       log_level=args.log_level, body_timeout=args.body_timeout,
-                      max_connections=args.max_connections)
+                      max_connections=args.max_connections, header_timeout=args.header_timeout,
+                      max_connections_per_client=args.max_connections_per_client,
+                      allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins))
+
+
+def _names(text: str):
+    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def api_key_of(args: argparse.Namespace):

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
@@ -21,6 +21,8 @@ from starlette.requests import ClientDisconnect
 
 from ...openai import (CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, encode_prompts,
                        parse_request, sampling_error)
+from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
+from .guard import HostGuard
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
 from .tokens import detokenize, tokenize
 
@@ -39,6 +41,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
                 "Cache-Control": "no-cache"}
 _DISCONNECTED = object()
+_SHUTDOWN = object()      # put on every open request's queue when the server starts shutting down
 
 
 @dataclass
@@ -64,7 +67,10 @@ class ServerState:
         self.engine = None
         self.runner: Optional[EngineRunner] = None
         self.tokens: Optional[TokenText] = None
+        self.max_prompt_bytes: Optional[int] = None
         self.created = int(time.time())
+        self.stopping = False
+        self.open_queues: "dict[asyncio.Queue, asyncio.AbstractEventLoop]" = {}   # requests in flight
         self._loader = threading.Thread(target=self._load, name="corelm-load", daemon=True)
 
     def start_loading(self) -> None:
@@ -75,6 +81,7 @@ class ServerState:
             llm = self.load_llm()
             engine = make_engine(llm)
             runner = EngineRunner(engine, self.metrics)
+            self.max_prompt_bytes = prompt_byte_limit(engine)
             runner.start()
             self.llm, self.engine, self.tokens, self.runner = llm, engine, TokenText(engine.tokenizer), runner
             self.status = "ready"
@@ -88,6 +95,13 @@ class ServerState:
     def wait_ready(self, timeout: float) -> bool:
         self._loader.join(timeout)
         return self.status == "ready"
+
+    def begin_shutdown(self) -> None:
+        """The server is about to stop: every request in flight ends now (a stream with an error
+        event and [DONE], others with a 503), so the server need not wait for them, nor cancel them."""
+        self.stopping = True
+        for queue, loop in list(self.open_queues.items()):
+            loop.call_soon_threadsafe(queue.put_nowait, _SHUTDOWN)
 
     def shutdown(self) -> None:
         if self.runner is not None:
@@ -144,10 +158,14 @@ async def _wait_disconnect(request: Request) -> None:
 def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_pending: int = 512,
                body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-               on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+               on_load_error: Optional[Callable[[BaseException], None]] = None,
+               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The ASGI app. `load_llm()` runs in a background thread once the server is up; until it returns,
     /health and the generation endpoints answer 503. A body not received within `body_timeout`
-    seconds gets a 408 and the connection is closed."""
+    seconds gets a 408 and the connection is closed. Requests whose Host is not an IP address, a
+    localhost name or one of `allowed_hosts` ("*" for any) get a 400 (guard.HostGuard); CORS headers
+    go only to the `allowed_origins` ("*" for any), none by default. POST bodies must be
+    application/json (a 415 otherwise: a cross-site form or text/plain POST never reaches the API)."""
     state = ServerState(load_llm, ServerConfig(model_name, api_key, max_body_bytes, max_pending, body_timeout),
                         on_load_error)
 
@@ -163,6 +181,12 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
 
     app = FastAPI(title="corelm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.corelm = state
+    origins = [o.strip() for o in allowed_origins if o and o.strip()]
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
+    app.add_middleware(HostGuard, allowed_hosts=allowed_hosts)     # added last: runs first
     metrics = state.metrics
     key = api_key.encode("utf-8") if api_key else None
 
@@ -199,7 +223,15 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         if not hmac.compare_digest(given, key):   # constant time
             raise APIError(401, "Invalid or missing API key.", "invalid_request_error", code="invalid_api_key")
 
+    def require_json(request: Request) -> None:
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            raise APIError(415, "The request body must be JSON, sent with 'Content-Type: application/json'.",
+                           code="unsupported_media_type")
+
     def require_ready() -> None:
+        if state.stopping:
+            raise APIError(503, "The server is shutting down.", "unavailable_error", code="server_shutdown")
         if state.status == "loading":
             raise APIError(503, "Loading model.", "unavailable_error", code="model_loading")
         if state.status != "ready":
@@ -232,6 +264,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
 
     async def generate(request: Request, endpoint: str):
         authorize(request)
+        require_json(request)
         require_ready()
         try:
             body = await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
@@ -240,36 +273,47 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             return HTTPResponse(status_code=499)
         engine, runner = state.engine, state.runner
         req = parse_request(endpoint, body)
+        # a prompt too long for the context by its size alone is refused before anything is rendered
+        check_prompt_bytes(req, state.max_prompt_bytes, engine.max_seq_len)
         # off the event loop: a long prompt or conversation takes a while to render and tokenize
         prompts = await asyncio.to_thread(encode_prompts, engine, req)
         if runner.num_choices + req.num_choices > state.config.max_pending:
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
         response = Response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
-        queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED
+        queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
 
         def abort_all() -> None:           # the runner ignores requests that already finished
             for rid in request_ids:
                 runner.abort(rid)
 
+        require_ready()                    # the server may have begun shutting down meanwhile
         try:
             for p, ids in enumerate(prompts):
                 runner.add(request_ids[p], ids, req.params, queue, p)
         except ValueError as e:
             abort_all()
             raise sampling_error(e) from None
+        loop = asyncio.get_running_loop()
+        state.open_queues[queue] = loop
+
+        def close() -> None:
+            state.open_queues.pop(queue, None)
+            abort_all()
 
         async def next_chunk():
             item = await queue.get()
             if isinstance(item, EngineFailed):
                 raise APIError(500, "The engine failed while generating.", "server_error")
+            if item is _SHUTDOWN:
+                raise APIError(503, "The server is shutting down.", "unavailable_error", code="server_shutdown")
             return item
 
         if req.stream:
             async def watch() -> None:
                 await _wait_disconnect(request)
-                abort_all()
+                close()
                 queue.put_nowait(_DISCONNECTED)
 
             # Watching starts now, not when the body is first iterated: if the client is gone before
@@ -283,8 +327,9 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
                     while not response.finished:
                         try:
                             item = await next_chunk()
-                        except APIError as e:
+                        except APIError as e:      # the stream still ends as streams do
                             yield _sse(e.body())
+                            yield "data: [DONE]\n\n"
                             return
                         if item is _DISCONNECTED:
                             return
@@ -296,7 +341,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
                     yield "data: [DONE]\n\n"
                 finally:
                     watcher.cancel()
-                    abort_all()
+                    close()
 
             metrics.count_request(endpoint, 200)
             return StreamingResponse(events(), media_type="text/event-stream",
@@ -318,12 +363,13 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         finally:
             collector.cancel()
             watcher.cancel()
-            abort_all()
+            close()
         metrics.count_request(endpoint, 200)
         return JSONResponse(response.body())
 
     async def token_endpoint(request: Request, endpoint: str, handler):
         authorize(request)
+        require_json(request)
         require_ready()
         try:
             body = await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
