@@ -40,6 +40,7 @@ T get(const py::dict& d, const char* key) {
 ModelConfig config_from_dict(const py::dict& d) {
   ModelConfig c;
   c.vocab_size = get<int64_t>(d, "vocab_size");
+  if (d.contains("lm_head_rows")) c.lm_head_rows = d["lm_head_rows"].cast<int64_t>();
   c.dim = get<int64_t>(d, "dim");
   c.ffn_dim = get<int64_t>(d, "ffn_dim");
   c.n_layers = get<int64_t>(d, "n_layers");
@@ -225,6 +226,26 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.finalize();
       })
+      .def("set_allreduce", [](PyModel& self, py::object fn) {
+        Model::Allreduce f;
+        if (!fn.is_none()) {
+          // the forward runs without the GIL; the call takes it back for as long as fn(address, n) runs
+          auto held = std::make_shared<py::object>(std::move(fn));
+          f = [held](float* data, int64_t n) {
+            py::gil_scoped_acquire gil;
+            (*held)(reinterpret_cast<uintptr_t>(data), n);
+          };
+        }
+        Model::Allreduce old;  // let go of with the GIL held: it may hold the last reference to a Python callable
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> lock(self.mu);
+          old = self.model.allreduce();
+          self.model.set_allreduce(std::move(f));
+        }
+      }, py::arg("fn"),
+           "Tensor parallelism: fn(address, n) sums the n float32 at address in place across the ranks (this "
+           "model holds one rank's shard); called twice a layer during a forward. None: one process.")
       .def("park_threads", [](PyModel& self) { self.model.park_threads(); },
            "The worker threads sleep at once instead of spinning for the next forward: call it before "
            "another model (a speculative draft) runs on the same cores.")
@@ -253,7 +274,7 @@ PYBIND11_MODULE(_core, m) {
         if (slices.empty()) throw std::invalid_argument("forward_batch needs at least one sequence");
         if (total != tokens.shape(0)) throw std::invalid_argument("the sequences' n_tokens must add up to len(tokens)");
         const int64_t rows = self.model.logit_rows(slices.data(), (int64_t)slices.size());
-        py::array_t<float> logits({rows, self.model.config().vocab_size});
+        py::array_t<float> logits({rows, self.model.config().logits_size()});
         const int32_t* tp = tokens.data();
         float* lp = logits.mutable_data();
         {

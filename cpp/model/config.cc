@@ -6,6 +6,8 @@ namespace corelm {
 
 void ModelConfig::validate() const {
   require(vocab_size > 0 && dim > 0 && ffn_dim > 0 && n_layers > 0, "model dimensions must be positive");
+  require(lm_head_rows >= 0 && lm_head_rows <= vocab_size, "lm_head_rows must be in [0, vocab_size]");
+  require(!(lm_head_rows && tie_embeddings), "a slice of lm_head needs a separate lm_head, not tied embeddings");
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
           "n_heads must be a positive multiple of n_kv_heads");
   require(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");

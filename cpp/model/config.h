@@ -26,6 +26,9 @@ inline constexpr EnumName<Activation> kActivationNames[] = {{Activation::Silu, "
 // says which a family switches on); the defaults are the Llama family's.
 struct ModelConfig {
   int64_t vocab_size = 0;
+  // Rows of lm_head this process holds: a tensor-parallel rank's slice of the vocabulary, whose logits it
+  // computes (the ranks' slices side by side are the whole); 0: vocab_size.
+  int64_t lm_head_rows = 0;
   int64_t dim = 0;           // hidden size
   int64_t ffn_dim = 0;       // intermediate size
   int64_t n_layers = 0;
@@ -73,6 +76,7 @@ struct ModelConfig {
 
   void validate() const;  // throws std::invalid_argument
   int64_t rotary_dim() const { return rope_dim ? rope_dim : head_dim; }
+  int64_t logits_size() const { return lm_head_rows ? lm_head_rows : vocab_size; }
   bool sliding_layer(int64_t l) const { return sliding_layers.empty() || sliding_layers[l]; }
   bool moe() const { return n_experts > 0; }
 };

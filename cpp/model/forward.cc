@@ -36,7 +36,7 @@ void Model::ensure_scratch(int64_t n) {
   const int64_t dense_ffn = cfg_.moe() ? 0 : cfg_.ffn_dim;  // experts have buffers of their own
   hb_.assign(nth * T * 2 * dense_ffn, 0.f);
   act_.assign(T * dense_ffn, 0.f);
-  proj_.assign(cfg_.post_norms ? T * cfg_.dim : 0, 0.f);
+  proj_.assign(cfg_.post_norms || allreduce_ ? T * cfg_.dim : 0, 0.f);
   // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
   qact_ld_ = 0;
   auto fit = [&](const PackedMatrix& w) {
@@ -457,15 +457,17 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     const bool quantized = act_bytes(k, w, T, cfg_.act_type) != 0 || act_bytes(k, w, 1, cfg_.act_type) != 0;
     return TaskMatmul{&k, &w, quantized ? static_cast<uint8_t*>(qact_.get()) : nullptr, qact_ld_, cfg_.act_type};
   };
-  // x += in @ W^T; with post-norms x += rmsnorm(in @ W^T) * post_norm, which needs whole rows first
+  // x += in @ W^T; with post-norms x += rmsnorm(in @ W^T) * post_norm, which needs whole rows first, as
+  // does a tensor-parallel rank's partial product (summed across the ranks before anything else)
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w, const std::vector<float>& post_norm) {
-    const bool post = !post_norm.empty();
-    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, post ? proj_.data() : x, d, !post},
+    const bool post = !post_norm.empty(), whole_rows = post || allreduce_;
+    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, whole_rows ? proj_.data() : x, d, !whole_rows},
                           chunking(w, d, k.row_grain, T, 1));
-    if (!post) return;
+    if (!whole_rows) return;
+    if (allreduce_) allreduce_(proj_.data(), T * d);
     for (int64_t t = 0; t < T; t++) {
       float* p = proj_.data() + t * d;
-      k.rmsnorm(p, p, post_norm.data(), d, cfg_.norm_eps);
+      if (post) k.rmsnorm(p, p, post_norm.data(), d, cfg_.norm_eps);
       for (int64_t i = 0; i < d; i++) x[t * d + i] += p[i];
     }
   };
@@ -501,9 +503,9 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
-  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.vocab_size, false,
+  pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.logits_size(), false,
                                    cfg_.final_softcap},
-                        chunking(lm_head_, cfg_.vocab_size, k.row_grain, rows, 1));
+                        chunking(lm_head_, cfg_.logits_size(), k.row_grain, rows, 1));
 }
 
 // OLMoE's q/k norms over all heads of a token at once, then RoPE and the cache, which QkvTask left out.
@@ -632,20 +634,29 @@ void Model::moe(int64_t l, int64_t T) {
                                        row_weight_.data(), d, k.row_grain},
                         expert_chunking(first.w_down, down_blocks, k.row_grain));
 
-  // x += each token's rows, in its routing order
+  // x += each token's rows, in its routing order; a tensor-parallel rank sums its partial rows first and
+  // adds them once the ranks' sums are in
+  float* out = allreduce_ ? proj_.data() : x;
+  if (allreduce_) std::fill(proj_.begin(), proj_.begin() + T * d, 0.f);
   auto add_rows = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++)
       for (int64_t i = 0; i < K; i++) {
         const float* o = moe_out_.data() + row_of_[t * K + i] * d;
-        for (int64_t j = 0; j < d; j++) x[t * d + j] += o[j];
+        for (int64_t j = 0; j < d; j++) out[t * d + j] += o[j];
       }
   };
-  if (T * K * d < (1 << 16)) return add_rows(0, T);
-  pool_.parallel([&](int tid, int nth) {
-    int64_t t0, t1;
-    split_range(T, tid, nth, 1, &t0, &t1);
-    add_rows(t0, t1);
-  });
+  if (T * K * d < (1 << 16)) {
+    add_rows(0, T);
+  } else {
+    pool_.parallel([&](int tid, int nth) {
+      int64_t t0, t1;
+      split_range(T, tid, nth, 1, &t0, &t1);
+      add_rows(t0, t1);
+    });
+  }
+  if (!allreduce_) return;
+  allreduce_(proj_.data(), T * d);
+  for (int64_t i = 0; i < T * d; i++) x[i] += proj_[i];
 }
 
 // Causal (optionally sliding-window) grouped-query attention of every new token over its own sequence.

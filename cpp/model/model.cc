@@ -134,4 +134,10 @@ Model::HugePagePromotion Model::huge_page_promotion() const {
   return {promoter_.total, promoter_.done.load(), promoter_.running.load()};
 }
 
+void Model::set_allreduce(Allreduce allreduce) {
+  pool_.quiesce();
+  allreduce_ = std::move(allreduce);
+  scratch_tokens_ = 0;  // the partial sums need proj_: the scratch is sized anew at the next forward
+}
+
 }  // namespace corelm

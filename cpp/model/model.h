@@ -8,6 +8,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -88,6 +89,13 @@ class Model {
   // (or n_tokens rows with all_logits) of [vocab].
   void forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
   int64_t logit_rows(const SeqSlice* seqs, int64_t n_seqs) const;
+  // Tensor parallelism: this model holds one rank's shard (a slice of the heads, of the MLP's rows and of
+  // the vocabulary), so each attention and MLP output is a partial sum. `allreduce` sums n floats in
+  // place across the ranks, in an order fixed so every rank gets the same bits; it is called on the
+  // forward's calling thread, between parallel regions, twice a layer. Empty: one process holds it all.
+  using Allreduce = std::function<void(float* data, int64_t n)>;
+  void set_allreduce(Allreduce allreduce);
+  const Allreduce& allreduce() const { return allreduce_; }
   const KVCache& kv_cache() const { return kv_; }
   // The experts the last forward routed its tokens to: [n_layers][its tokens][n_experts_used], each
   // token's in falling probability (empty without experts). For tests against the reference's routing.
@@ -210,6 +218,7 @@ class Model {
   std::vector<float> att_;      // [T][n_heads * head_dim]
   std::vector<float> hb_;       // [n_threads][T][2 * ffn_dim] each thread's gate/up rows (interleaved)
   std::vector<float> act_;      // [T][ffn_dim]
+  Allreduce allreduce_;          // tensor parallelism's partial sums, summed across ranks (set_allreduce)
   std::vector<float> proj_;     // [T][dim] attention or MLP output before its post-norm (post_norms)
   std::shared_ptr<void> qact_;  // [n_threads][qact_ld_] each thread's quantized matmul input (quantized weights)
   size_t qact_ld_ = 0;

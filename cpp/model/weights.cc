@@ -141,8 +141,8 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
       if (cfg_.tie_embeddings) lm_head_ = tok_embeddings_;
     } else if (part == "lm_head") {
       require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
-      check_shape(name, shape, {cfg_.vocab_size, d});
-      lm_head_ = kt_.pack(data, cfg_.vocab_size, d, cfg_.weight_type, &pack_threads_);
+      check_shape(name, shape, {cfg_.logits_size(), d});
+      lm_head_ = kt_.pack(data, cfg_.logits_size(), d, cfg_.weight_type, &pack_threads_);
     } else {  // norm
       check_shape(name, shape, {d});
       norm_ = vec(d);
@@ -246,7 +246,7 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   const bool model_matrix = w.layer < 0 && (part == "tok_embeddings" || part == "lm_head");
   if (model_matrix || (w.layer >= 0 && (part == "wo" || part == "w_down"))) {  // packed as they come
     if (part == "lm_head") require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
-    check_shape(name, shape, model_matrix ? std::vector<int64_t>{cfg_.vocab_size, d}
+    check_shape(name, shape, model_matrix ? std::vector<int64_t>{part == "lm_head" ? cfg_.logits_size() : cfg_.vocab_size, d}
                              : part == "wo" ? std::vector<int64_t>{d, q_rows} : std::vector<int64_t>{d, f});
     PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
     if (!model_matrix) {
