@@ -9,6 +9,9 @@ vLLM's offline API runs unchanged.
         print(chunk.text, end="")
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))
 
+A model that produces no valid logits for a request (NaN or infinity) raises GenerationError (a
+ValueError) from generate, chat and stream, naming the cause, rather than answer with a made-up token.
+
 A thin facade over one LLMEngine (`llm.engine`, corelm.engine): every request goes through its
 continuous batcher over a paged KV cache, whose full blocks stay in a prefix cache, so a multi-turn
 chat re-reads only the new turn and prompts that share a prefix share its blocks.
@@ -23,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from .engine.llm_engine import DEFAULT_MODEL_FILE, LLMEngine, PromptType, default_model_path, is_single_prompt  # noqa: F401
 from .engine.sampling import SamplingParams
-from .engine.sequence import StreamChunk
+from .engine.sequence import GenerationError, StreamChunk
 
 
 @dataclass
@@ -115,7 +118,8 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
         """Generates one completion, yielding text as soon as it is complete UTF-8 and cannot be the
-        start of a stop string. Closing the iterator early stops generation (finish_reason "abort")."""
+        start of a stop string. Closing the iterator early stops generation (finish_reason "abort").
+        GenerationError when the model's logits are not finite."""
         params = sampling_params or SamplingParams()
         self.engine.check_params(params)
         if params.n != 1:
@@ -146,6 +150,8 @@ class LLM:
                 if chunk.token_id is not None:
                     m["generated_tokens"] += 1
                 finish = chunk.finish_reason
+                if finish == "error":
+                    raise GenerationError(chunk.error)
                 yield chunk
         finally:
             if finish is None:
@@ -221,6 +227,10 @@ class LLM:
             if progress is not None:
                 progress.close()
         elapsed = time.perf_counter() - t0
+        for i, rid in enumerate(rids):
+            failed = next((c for c in chunks[rid] if c.finish_reason == "error"), None)
+            if failed is not None:
+                raise GenerationError(failed.error if len(rids) == 1 else f"prompt {i}: {failed.error}")
         results = []
         for rid, prompt, ids, params in zip(rids, prompts, encoded, params_list):
             outs = [self._completion(k, [c for c in chunks[rid] if c.index == k], params) for k in range(params.n)]

@@ -157,8 +157,8 @@ def test_runtime_errors_become_chat_template_errors(stories, template, message):
         render(stories, template)
 
 
-def test_template_over_1mb_is_rejected(stories):
-    with pytest.raises(ChatTemplateError, match="over the 1048576-byte limit"):
+def test_template_over_the_size_limit_is_rejected(stories):
+    with pytest.raises(ChatTemplateError, match=f"over the {MAX_TEMPLATE_BYTES}-byte limit"):
         render(stories, "x" * (MAX_TEMPLATE_BYTES + 1))
 
 

@@ -328,7 +328,8 @@ class Scheduler:
             accepted = 0
             for j in range(len(d) + 1):
                 chunk = r.seq.step(logits[first + j])
-                r.tokens.append(chunk.token_id)
+                if chunk.token_id is not None:      # None: no token (finish_reason "error")
+                    r.tokens.append(chunk.token_id)
                 out.append((r.rid, chunk))
                 emitted += 1
                 if r.seq.finished or j == len(d) or chunk.token_id != d[j]:

@@ -1,6 +1,8 @@
 """One request's generation state, shared by every engine: sampling, stop conditions and UTF-8-safe
 text. An engine runs the model and hands each step's logits to `Sequence.step`, which picks the next
-token and returns the text it completes, with `finish_reason` set on the last step."""
+token and returns the text it completes, with `finish_reason` set on the last step. Logits that are not
+all finite (NaN or infinity: weights that overflow float32) pick no token: the sequence ends with
+finish_reason "error" and the chunk's `error` says why (LLM raises GenerationError, the server answers 500)."""
 from __future__ import annotations
 
 import logging
@@ -14,16 +16,21 @@ from .sampling import Sampler, SamplingParams
 log = logging.getLogger("corelm")
 
 
+class GenerationError(ValueError):
+    """The model could not produce a token for a request (its logits were NaN or infinite)."""
+
+
 @dataclass
 class StreamChunk:
     text: str                             # new text; "" while a multi-byte character or a possible stop string is pending
     token_id: Optional[int]               # the token behind this chunk
-    finish_reason: Optional[str] = None   # "stop" | "length" on the last chunk ("abort" is set by engines)
+    finish_reason: Optional[str] = None   # "stop" | "length" | "error" on the last chunk ("abort" is set by engines)
     stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
     logprob: Optional[float] = None
     top_logprobs: Optional[List[Any]] = None  # [(token id, logprob)], best first
     index: int = 0                        # which of the request's n choices
     logprob_rank: Optional[int] = None    # the token's rank among the whole vocabulary (1 = most likely)
+    error: Optional[str] = None           # with finish_reason "error": what went wrong
 
 
 class StopStringFilter:
@@ -90,6 +97,10 @@ class Sequence:
         """Samples the next token from `logits` and returns what it adds."""
         params = self.params
         guide = self.guide
+        # max and min propagate NaN: two passes over the row, a few microseconds next to the forward pass
+        row = np.asarray(logits)
+        if not (np.isfinite(row.max()) and np.isfinite(row.min())):
+            return self._fail(row)
         token = self.sampler.sample(logits, grammar=guide)
         self.output_ids.append(token)
         n = len(self.output_ids)
@@ -122,6 +133,15 @@ class Sequence:
             text += self.stops.feed(self.detok.flush())[0] + self.stops.flush()
             return StreamChunk(text, token, "length", None, **extra)
         return StreamChunk(text, token, None, None, **extra)
+
+    def _fail(self, logits: np.ndarray) -> StreamChunk:
+        n_nan = int(np.isnan(logits).sum())
+        what = f"{n_nan} NaN" if n_nan else "infinite"
+        msg = (f"the model produced non-finite logits ({what} of {logits.size}) at generated token "
+               f"{len(self.output_ids) + 1}: its weights or activations overflow float32, so it has no answer "
+               f"(the model file is likely corrupt)")
+        self.finish_reason = "error"
+        return StreamChunk("", None, "error", None, index=self.index, error=msg)
 
     def abort(self) -> None:
         if self.finish_reason is None:

@@ -35,7 +35,12 @@ DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 20          # llama.cpp PR#24997: an unbounded alignment overflows padding arithmetic
 MAX_KEY_LEN = 1 << 10            # keys are short dotted names
 MAX_STRING_LEN = 1 << 26         # 64 MiB: chat templates and merges are long, but never this long
-MAX_ARRAY_LEN = 1 << 28          # bounded by the bytes left in the file as well
+# Metadata arrays are per token (the largest vocabularies have ~262k) or per layer. A list of Python values
+# takes 8 bytes a pointer plus the object, up to 36 bytes an element, so a cap by the file's size alone
+# would let a 1 GB file ask for 8+ GB (a UINT8 array of 2^28 elements peaked at 2.6 GB).
+MAX_ARRAY_LEN = 1 << 22
+# The arrays with one entry per token: each as long as tokenizer.ggml.tokens, checked before reading it.
+VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 MAX_TENSOR_NAME_LEN = 1 << 10    # ggml itself stops at 63 bytes
 MAX_DIMS = 4                     # GGML_MAX_DIMS
 MAX_TENSOR_BYTES = 1 << 62       # anything bigger cannot be a real tensor on this planet
@@ -234,12 +239,16 @@ def read_gguf(path: str) -> GGUFFile:
     path = os.fspath(path)
     buf = _map_file(path)
     r = _Reader(buf, path)
-    version, n_tensors, n_kv = _read_header(r)
-    metadata, types = _read_metadata(r, n_kv)
-    alignment = _alignment(r, metadata, types)
-    infos = _read_tensor_infos(r, n_tensors)
-    data_offset = _pad(r.pos, alignment)
-    tensors = _place_tensors(r, infos, data_offset, alignment)
+    try:
+        version, n_tensors, n_kv = _read_header(r)
+        metadata, types = _read_metadata(r, n_kv)
+        alignment = _alignment(r, metadata, types)
+        infos = _read_tensor_infos(r, n_tensors)
+        data_offset = _pad(r.pos, alignment)
+        tensors = _place_tensors(r, infos, data_offset, alignment)
+    except MemoryError:
+        raise ModelLoadError(f"{path}: ran out of memory reading the GGUF metadata (stopped at offset {r.pos}); "
+                             f"the file is corrupt or this machine is short of memory") from None
     return GGUFFile(path, version, metadata, types, tensors, alignment, data_offset, buf)
 
 
@@ -287,25 +296,33 @@ def _read_metadata(r: _Reader, n_kv: int) -> Tuple[Dict[str, Any], Dict[str, int
         if key in metadata:
             raise r.fail(f"duplicate metadata key {key!r}")
         vtype = r.u32(f"value type of {key!r}")
-        metadata[key] = _read_value(r, vtype, key)
+        metadata[key] = _read_value(r, vtype, key, _vocab_size(metadata) if key in VOCAB_ARRAYS else None)
         types[key] = vtype
     return metadata, types
 
 
-def _read_value(r: _Reader, vtype: int, key: str) -> Any:
+def _vocab_size(metadata: Dict[str, Any]) -> Optional[int]:
+    """The vocabulary's size, from whichever per-token array came first (None before any)."""
+    return next((len(metadata[k]) for k in VOCAB_ARRAYS if isinstance(metadata.get(k), list)), None)
+
+
+def _read_value(r: _Reader, vtype: int, key: str, vocab: Optional[int] = None) -> Any:
     if vtype in _SCALAR_TYPES:
         v = r.scalar(_SCALAR_TYPES[vtype][1], f"value of {key!r}")
         return bool(v) if vtype == GGUF_TYPE_BOOL else v
     if vtype == GGUF_TYPE_STRING:
         return r.string(f"value of {key!r}")
     if vtype == GGUF_TYPE_ARRAY:
-        return _read_array(r, key)
+        return _read_array(r, key, vocab)
     raise r.fail(f"metadata key {key!r} has unknown value type {vtype}")
 
 
-def _read_array(r: _Reader, key: str) -> list:
+def _read_array(r: _Reader, key: str, vocab: Optional[int] = None) -> list:
+    """An array's elements as a list; `vocab`: the length it must have (a per-token array), when known."""
     etype = r.u32(f"element type of {key!r}")
     n = r.u64(f"length of array {key!r}")
+    if vocab is not None and n != vocab:
+        raise r.fail(f"array {key!r} has {n} elements, but the vocabulary has {vocab} tokens")
     if etype == GGUF_TYPE_ARRAY:
         raise r.fail(f"metadata key {key!r} is a nested array, which GGUF readers do not support")
     if etype == GGUF_TYPE_STRING:
@@ -314,12 +331,16 @@ def _read_array(r: _Reader, key: str) -> list:
         min_elem = struct.calcsize(_SCALAR_TYPES[etype][1])
     else:
         raise r.fail(f"array {key!r} has unknown element type {etype}")
-    if n > MAX_ARRAY_LEN or n * min_elem > r.size - r.pos:
+    if n * min_elem > r.size - r.pos:
         raise r.fail(f"array {key!r} claims {n} elements, more than the file can hold")
+    if n > MAX_ARRAY_LEN:
+        raise r.fail(f"array {key!r} claims {n} elements, over the limit of {MAX_ARRAY_LEN} (metadata arrays hold "
+                     f"one entry per token or per layer)")
     if etype == GGUF_TYPE_STRING:
         return _read_strings(r, key, n)
-    raw = r.take(n * min_elem, f"array {key!r}")
-    arr = np.frombuffer(raw, dtype=_NUMPY_TYPES[etype], count=n)
+    # a view of the mapping, not a copy of its bytes
+    arr = np.frombuffer(r.buf, dtype=_NUMPY_TYPES[etype], count=n, offset=r.pos)
+    r.pos += n * min_elem
     # Plain lists: consumers (the tokenizer) can treat them like any other metadata value.
     return arr.astype(bool).tolist() if etype == GGUF_TYPE_BOOL else arr.tolist()
 

@@ -26,6 +26,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 _CAPS = {"vocab_size": 1 << 23, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 4096,
          "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 4096}
 MAX_EXPERTS = 1 << 12   # DeepSeek-V3 and Qwen3-235B route among 256 and 128
+MIN_CONTEXT = 2         # the smallest context that runs anything: one prompt token and one generated
 
 # HF tensor name -> internal name (layer tensors: the family's hf_layer, loader/families.py).
 _HF_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings", "model.norm.weight": "norm",
@@ -58,6 +59,10 @@ def validate_spec(spec: ModelSpec, source: str,
     if not _pos_int(spec.max_position_embeddings) or spec.max_position_embeddings > 1 << 31:
         raise ModelLoadError(f"{source}: max_position_embeddings = {spec.max_position_embeddings!r} "
                              f"is not a positive integer")
+    if spec.max_position_embeddings < MIN_CONTEXT:     # every prompt would then be refused
+        raise ModelLoadError(f"{source}: the model's context (max_position_embeddings, or a GGUF's context_length) "
+                             f"is {spec.max_position_embeddings} tokens; it must hold at least {MIN_CONTEXT}: a "
+                             f"prompt token and a generated one")
     if spec.sliding_window is not None and not _pos_int(spec.sliding_window):
         raise ModelLoadError(f"{source}: sliding_window = {spec.sliding_window!r} is not a positive integer")
     # The engine computes in float32: a value that is not a finite float32 there is as bad as NaN.

@@ -12,6 +12,15 @@ Templates come from model files, which may be hostile, so:
     `wordwrap`, `tojson`, `str()` of a container, ...) checks the result size against the budget
     *before* building it. Jinja's compile-time constant folding runs none of these (they refuse to
     fold), so compiling a template costs no more than parsing it;
+  - no value a template builds nests more than MAX_VALUE_DEPTH levels deep: hashing a tuple that holds
+    a tuple ... 200k levels deep (a dict key, `unique`, `in`) overflows the C stack, which no Python
+    exception catches. Every place a value can wrap others checks the depth of what it built: tuple,
+    list and dict literals, calls (`dict()`, `namespace()`, `cycler()`, macros' varargs), filters and
+    namespaces stored in a namespace; `+`, `*` and slicing never nest deeper, so a loop that grows a
+    list (`ns.items + [x]`) is not traversed again at every step;
+  - compiling has a budget as well: at most MAX_TEMPLATE_BYTES of source and MAX_TEMPLATE_TOKENS
+    tokens (the cost of parsing and compiling follows the tokens), and a template that fails to
+    compile is remembered, so asking again fails at once with the same error;
   - renders run on their own daemon threads, at most MAX_CONCURRENT_RENDERS at a time; the caller
     waits at most RENDER_DEADLINE_S (plus a grace second) and a runaway render stops itself at its
     next budget check, so no thread spins on.
@@ -22,6 +31,7 @@ The environment otherwise matches transformers' (`trim_blocks`, `lstrip_blocks`,
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -38,13 +48,19 @@ import jinja2.filters
 import jinja2.tests
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
-from jinja2.runtime import LoopContext, markup_join
+from jinja2.lexer import TokenStream
+from jinja2.runtime import LoopContext, Macro, markup_join
 from jinja2.sandbox import (ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter,
                             SecurityError)
 from jinja2.utils import Cycler, Joiner, Namespace, _PassArg
 from markupsafe import Markup
 
-MAX_TEMPLATE_BYTES = 1 << 20
+# Real templates are under 64 KiB (Qwen3's is 4 KiB and ~1,000 tokens; tool-calling ones reach ~20 KiB); these
+# bounds leave room for 4x that while keeping a compile under ~0.3 s and a few MB.
+MAX_TEMPLATE_BYTES = 256 << 10
+MAX_TEMPLATE_TOKENS = 32_768        # lexer tokens: what parsing and compiling cost grows with
+COMPILE_CACHE_SIZE = 16             # compiled templates kept, and failed ones remembered
+MAX_VALUE_DEPTH = 256               # nesting of values built by a template (JSON tool schemas nest ~10-30)
 MAX_RANGE_ITEMS = 1_000_000         # total items all `range()` calls of one render may produce
 MAX_RENDER_OPS = 2_000_000          # loop iterations, calls, lookups, operators and filters per render
 RENDER_DEADLINE_S = 1.0             # wall time per render
@@ -182,15 +198,44 @@ def _render(template: str, variables: Dict[str, Any], budget: "_Budget") -> str:
         raise ChatTemplateError(f"chat template failed while rendering: {type(e).__name__}: {e}") from None
 
 
-@functools.lru_cache(maxsize=16)
+_failed_lock = threading.Lock()
+_failed: "collections.OrderedDict[str, str]" = collections.OrderedDict()   # template -> why it does not compile
+
+
 def _compile(template: str) -> jinja2.Template:
+    """The compiled template (cached). A template that does not compile fails again at once, with the same
+    error, from the cache of failures: a model's broken template costs one compile, not one per request."""
     if not isinstance(template, str):
         raise ChatTemplateError(f"chat template must be a string, got {type(template).__name__}")
+    if len(template) > MAX_TEMPLATE_BYTES:          # characters <= bytes: no need to encode it to know
+        raise ChatTemplateError(f"chat template is at least {len(template)} bytes, over the "
+                                f"{MAX_TEMPLATE_BYTES}-byte limit")
     size = len(template.encode("utf-8", "surrogatepass"))
     if size > MAX_TEMPLATE_BYTES:
         raise ChatTemplateError(f"chat template is {size} bytes, over the {MAX_TEMPLATE_BYTES}-byte limit")
+    with _failed_lock:
+        why = _failed.get(template)
+        if why is not None:
+            _failed.move_to_end(template)
+    if why is not None:
+        raise ChatTemplateError(why)
+    try:
+        return _compile_cached(template)
+    except ChatTemplateError as e:
+        if not getattr(e, "transient", False):
+            with _failed_lock:
+                _failed[template] = str(e)
+                while len(_failed) > COMPILE_CACHE_SIZE:
+                    _failed.popitem(last=False)
+        raise
+
+
+@functools.lru_cache(maxsize=COMPILE_CACHE_SIZE)
+def _compile_cached(template: str) -> jinja2.Template:
     try:
         return _environment().from_string(template)
+    except ChatTemplateError:
+        raise
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template has a syntax error on line {e.lineno}: {e.message}") from None
     except jinja2.TemplateError as e:
@@ -198,9 +243,20 @@ def _compile(template: str) -> jinja2.Template:
     except RecursionError:
         raise ChatTemplateError("chat template is nested too deeply to compile") from None
     except MemoryError:
-        raise ChatTemplateError("chat template ran out of memory while compiling") from None
+        e = ChatTemplateError("chat template ran out of memory while compiling")
+        e.transient = True          # another try may have the memory: not remembered as a failure
+        raise e from None
     except Exception as e:
         raise ChatTemplateError(f"chat template could not be compiled: {type(e).__name__}: {e}") from None
+
+
+def _counted_tokens(stream: TokenStream):
+    """The lexer's tokens, refused past MAX_TEMPLATE_TOKENS (before the parser and compiler see them)."""
+    for n, token in enumerate(stream):
+        if n >= MAX_TEMPLATE_TOKENS:
+            raise ChatTemplateError(f"chat template has more than {MAX_TEMPLATE_TOKENS} tokens (tags, names, "
+                                    "operators, text runs); real templates have a few thousand")
+        yield token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +371,75 @@ def _text_bound(value: Any, b: _Budget, json_mode: bool = False, ensure_ascii: b
         return total
 
     return bound(value, 0)
+
+
+# Values that hold others. Hashing nests through tuples with no recursion check in C; the others are
+# bounded too, so no mix of them can carry a deep tuple (and repr/compare stay far from their limits).
+_NESTING = (list, tuple, dict, set, frozenset, Namespace, Cycler)
+
+
+def _inner(v: Any) -> List[Any]:
+    """The values v holds directly that hold others in turn."""
+    if isinstance(v, Namespace):
+        items: Any = object.__getattribute__(v, "_Namespace__attrs").values()
+    elif isinstance(v, Cycler):
+        items = v.items
+    elif isinstance(v, dict):
+        items = [*v, *v.values()]
+    else:
+        items = v
+    kinds = set(map(type, items))           # flat lists of strings and numbers: one pass in C
+    if not any(issubclass(k, _NESTING) for k in kinds):
+        return []
+    return [x for x in items if isinstance(x, _NESTING)]
+
+
+def _check_depth(value: Any) -> Any:
+    """`value` unchanged if it nests at most MAX_VALUE_DEPTH levels deep, else ChatTemplateError. Each value
+    it holds is visited once (shared ones are not walked again); each one visited costs an operation."""
+    if not isinstance(value, _NESTING):
+        return value
+    b = _budget()
+    height: Dict[int, int] = {}             # id -> levels, of the values already walked (all alive: in value)
+    walking = {id(value)}                   # a namespace may hold itself
+    stack = [[value, _inner(value), 0, 0]]  # value, what it holds, next index, deepest of those so far
+    visited, deep = 1, False
+    while stack and not deep:
+        top = stack[-1]
+        held = top[1]
+        if top[2] < len(held):
+            x = held[top[2]]
+            top[2] += 1
+            h = height.get(id(x))
+            if h is not None:
+                top[3] = max(top[3], h)
+            elif id(x) not in walking:
+                deep = len(stack) >= MAX_VALUE_DEPTH
+                walking.add(id(x))
+                stack.append([x, _inner(x), 0, 0])
+                visited += 1
+            continue
+        stack.pop()
+        walking.discard(id(top[0]))
+        h = top[3] + 1
+        deep = h > MAX_VALUE_DEPTH
+        height[id(top[0])] = h
+        if stack:
+            stack[-1][3] = max(stack[-1][3], h)
+    b.charge(visited)
+    if deep:
+        raise ChatTemplateError(f"chat template builds a value nested more than {MAX_VALUE_DEPTH} levels deep")
+    return value
+
+
+class _Namespace(Namespace):
+    """namespace(): storing a namespace in another can chain them, so that is where their depth is checked
+    (other values grow deeper only where they are built, which checks them)."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(value, (Namespace, Cycler)):
+            _check_depth(value)
+        super().__setitem__(name, value)
 
 
 def _str(value: Any) -> str:
@@ -571,7 +696,7 @@ def _wrap_filter(name: str, f: Any) -> Any:
         rv = f(*args, **kwargs)
         if isinstance(rv, (str, list, tuple)):
             b.size(len(rv) * (1 if isinstance(rv, str) else 8), "a string")
-        return rv
+        return _check_depth(rv)             # batch, slice, groupby, dictsort, items|list wrap what they get
     return filt
 
 
@@ -739,6 +864,22 @@ class _BoundedCodeGenerator(CodeGenerator):
         self.write(")")
         super()._output_child_post(node, frame, finalize)
 
+    def _bounded(self, visit, node, frame) -> None:
+        if getattr(node, "ctx", "load") != "load":     # `{% for a, b in ... %}`: a target, not a value
+            return visit(node, frame)
+        self.write("environment.bounded_value(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_Tuple(self, node: nodes.Tuple, frame) -> None:
+        self._bounded(super().visit_Tuple, node, frame)
+
+    def visit_List(self, node: nodes.List, frame) -> None:
+        self._bounded(super().visit_List, node, frame)
+
+    def visit_Dict(self, node: nodes.Dict, frame) -> None:
+        self._bounded(super().visit_Dict, node, frame)
+
     def visit_Concat(self, node: nodes.Concat, frame) -> None:
         if frame.eval_ctx.volatile:
             self.write("environment.bounded_join(context.eval_ctx.autoescape, (")
@@ -758,6 +899,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     concat = staticmethod(_concat)
     bounded_str = staticmethod(_keep_str)
     bounded_join = staticmethod(_join)
+    bounded_value = staticmethod(_check_depth)
+
+    def _tokenize(self, source, name, filename=None, state=None):
+        stream = super()._tokenize(source, name, filename, state)
+        return TokenStream(_counted_tokens(stream), stream.name, stream.filename)
 
     def _parse(self, source, name, filename):
         tree = super()._parse(source, name, filename)
@@ -828,9 +974,14 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             args = (_Counted(args[0], b), *args[1:])
         if b.depth >= MAX_CALL_DEPTH:
             raise ChatTemplateError(f"chat template recursed too deeply (more than {MAX_CALL_DEPTH} nested calls)")
+        if isinstance(__obj, Macro):        # `varargs` / `kwargs` hold the arguments
+            if __obj.catch_varargs:
+                _check_depth(args)
+            if __obj.catch_kwargs:
+                _check_depth(kwargs)
         b.depth += 1
         try:
-            return super().call(__context, __obj, *args, **kwargs)
+            return _check_depth(super().call(__context, __obj, *args, **kwargs))
         finally:
             b.depth -= 1
 
@@ -862,6 +1013,6 @@ def _environment() -> jinja2.Environment:
     env.filters["__corelm_loop"] = _loop_iter
     env.tests = {name: _wrap_test(name, t) for name, t in jinja2.tests.TESTS.items()}
     env.globals = {"range": _bounded_range, "raise_exception": _raise_exception, "strftime_now": _strftime_now,
-                   "dict": _global(dict), "namespace": _global(Namespace), "cycler": _global(Cycler),
+                   "dict": _global(dict), "namespace": _global(_Namespace), "cycler": _global(Cycler),
                    "joiner": _global(Joiner)}
     return env

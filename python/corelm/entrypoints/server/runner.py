@@ -27,7 +27,8 @@ def make_engine(llm):
 
 
 class EngineFailed(Exception):
-    """Delivered to a request's queue when the engine raised while stepping it."""
+    """Delivered to a request's queue when the engine raised while stepping it, or ended one of its choices
+    with finish_reason "error" (the message says why)."""
 
 
 @dataclass
@@ -199,7 +200,11 @@ class EngineRunner:
                 if chunk.token_id is not None and not target.first_token:
                     target.first_token = True
                     ttfts.append(now - target.started)
-                target.loop.call_soon_threadsafe(target.queue.put_nowait, (target.prompt_index, chunk))
+                item = (target.prompt_index, chunk)
+                if chunk.finish_reason == "error":
+                    log.error("request %s failed: %s", rid, chunk.error)
+                    item = EngineFailed(chunk.error)
+                target.loop.call_soon_threadsafe(target.queue.put_nowait, item)
         m = self.metrics
         with m.lock:
             m.engine_steps += 1
