@@ -10,6 +10,9 @@ Targets and what one input is:
     hf        an HF folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)   as gguf
     corelm    a corelm folder (`corelm convert`'s config.json + weights.corelm + tokenizer files)      as gguf
     template  a JSON {"template", "messages", "kwargs"}   corelm.tokenizer.chat_template.render_chat_template
+    template_depth  as template, mutated towards deep values (nested tuples, lists, dicts, namespaces,
+              macros' varargs), recursive macros and huge loops: no crash (a deep tuple's hash() overflows
+              the C stack) and no hang
     server    a hostile HTTP client against a running `corelm serve` (fuzz_server.py; not part of "all")
 
 Each input starts from a seed in tests/data/fuzz/<target>/ (small files made from the committed test
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import select
 import shutil
 import subprocess
@@ -37,7 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUZZ_DIR = os.path.join(REPO, "tests", "data", "fuzz")
-TARGETS = ("gguf", "hf", "corelm", "template")
+TARGETS = ("gguf", "hf", "corelm", "template", "template_depth")
+TEMPLATE_TARGETS = ("template", "template_depth")
 MEMORY_LIMIT = 4 << 30
 
 INTERESTING_INTS = [0, 1, 2, 3, 7, 8, 16, 31, 32, 33, 63, 64, 127, 128, 255, 256, 1023, 1024, 4095, 4096,
@@ -59,6 +64,21 @@ JINJA_SNIPPETS = [
     "{{ cycler(1,2).next() }}", "{{ dict(a=1) | items | list }}", "{{ x | replace('', 'yy') }}", "{{", "}}",
     "{%", "%}", "{#", "#}", "\n", "{{ m.content.split('') }}", "{{ 'a'.center(10**8) }}", "{{ [1] * 10**8 }}",
 ]
+# template_depth: what builds a deep value, and what then hashes, prints or compares it
+DEPTH_WRAPS = ["({},)", "[{}]", "{{'k': {}}}", "dict(a={})", "namespace(p={})", "cycler({}).items",
+               "dict(a={})|items|first", "dict(a={})|dictsort|first", "[dict(a={})]|groupby('a')|first",
+               "[{}]|batch(1)|first", "({}, 1)", "[{}]|list", "({},)|unique|list"]
+DEPTH_USES = ["{{ {ns.t: 1}|length }}", "{{ [ns.t, ns.t]|unique|list|length }}", "{{ ns.t in {ns.t: 1} }}",
+              "{{ ns.t|tojson|length }}", "{{ ns.t|string|length }}", "{{ ns.t == ns.t }}", "{{ ns.t }}",
+              "{{ [ns.t]|sort|length }}", "{{ (ns.t, 1)|dictsort }}", "{{ {(ns.t,): ns.t} }}"]
+DEPTH_SNIPPETS = ["{% for i in range(300) %}", "{% for i in range(300000) %}", "{% endfor %}",
+                  "{% set m = namespace() %}{% set m.p = ns %}{% set ns = m %}", "{% set ns.me = ns %}",
+                  "{% macro f() %}{% set ns.t = varargs %}{% endmacro %}{{ f(ns.t) }}",
+                  "{% macro g(n) %}{{ g(n + 1) }}{% endmacro %}{{ g(0) }}",
+                  "{% macro h() %}{% set ns.t = kwargs %}{% endmacro %}{{ h(a=ns.t) }}",
+                  "{% for m in messages recursive %}{{ loop([ns.t]) }}{% endfor %}",
+                  "{% for i in range(10 ** 6) %}{% endfor %}", "{% set ns.t = ns.t + ns.t %}"]
+DEPTH_NUMBERS = [0, 1, 2, 3, 60, 255, 256, 257, 300, 1000, 4000, 300000, 10 ** 6]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,7 +140,38 @@ def make_seeds(out: str = FUZZ_DIR) -> Dict[str, List[str]]:
                "kwargs": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
                if i % 2 else {}}
         put("template", f"{name}.json", {f"{name}.json": (json.dumps(doc, indent=1) + "\n").encode()})
+    for name, doc in depth_seeds().items():
+        put("template_depth", f"{name}.json", {f"{name}.json": (json.dumps(doc, indent=1) + "\n").encode()})
     return made
+
+
+def depth_seeds() -> Dict[str, Dict[str, Any]]:
+    """template_depth's seeds: each builds a nested value a few levels deep and uses it (all render; their
+    mutants raise the counts and the nesting). refused_*: issue 50's reproducers, refused since."""
+    msgs = _SEED_MESSAGES[0]
+    loop = "{{% set ns = namespace(t={init}) %}}{{% for i in range({n}) %}}{{% set ns.t = {wrap} %}}{{% endfor %}}"
+    templates = {
+        "tuple_chain": loop.format(init="()", n=3, wrap="(" * 4 + "ns.t" + ",)" * 4) +
+        "{{ {ns.t: 1}|length }} {{ [ns.t, ns.t]|unique|list|length }} {{ ns.t in {ns.t: 1} }}",
+        "list_dict_chain": loop.format(init="[]", n=4, wrap="[ns.t, {'k': ns.t, 'm': messages[0]}]") +
+        "{{ ns.t|tojson|length }} {{ ns.t|string|length }} {{ ns.t == ns.t }}",
+        "filter_chain": loop.format(init="0", n=5, wrap="dict(a=ns.t)|items|first") +
+        "{% set ns.t = dict(b=ns.t)|dictsort|first %}{{ {ns.t: 1}|length }}"
+        "{% set ns.t = [dict(a=ns.t)]|groupby('a')|first %}{{ {ns.t|first: 1}|length }} {{ ns.t|string|length }}",
+        "macro_varargs": "{% set ns = namespace(t=()) %}{% macro f() %}{% set ns.t = varargs %}{% endmacro %}"
+        "{% for i in range(8) %}{{ f(ns.t) }}{% endfor %}{% macro r(n) %}{% if n > 0 %}{{ r(n - 1) }}{% endif %}"
+        "{% endmacro %}{{ r(10) }}{{ {ns.t: 1}|length }}",
+        "namespace_chain": "{% set ns = namespace(t=none) %}{% for i in range(10) %}{% set m = namespace(i=i) %}"
+        "{% set m.p = ns.t %}{% set ns.t = m %}{% endfor %}{% set c = cycler(ns.t, (1,)) %}"
+        "{{ c.next() is not none }} {{ ns.t.i }} {{ ns.t.p.p.i }}",
+        "accumulate": "{% set ns = namespace(t=[]) %}{% for m in messages * 50 %}{% set ns.t = ns.t + [m] %}"
+        "{% endfor %}{% for m in ns.t %}{{ m.role }}{% endfor %}",
+        "refused_issue50_dict_key": loop.format(init="()", n=4000, wrap="(" * 60 + "ns.t" + ",)" * 60) +
+        "{{ {ns.t: 1} }}",
+        "refused_issue50_unique": loop.format(init="()", n=4000, wrap="(" * 60 + "ns.t" + ",)" * 60) +
+        "{{ [ns.t, ns.t]|unique|list }}",
+    }
+    return {name: {"template": t, "messages": msgs, "kwargs": {}} for name, t in templates.items()}
 
 
 _SEED_MESSAGES = [
@@ -360,6 +411,38 @@ def mutate_template_doc(data: bytes, rng: random.Random) -> bytes:
     return json.dumps({"template": template, "messages": messages, "kwargs": kwargs}).encode()
 
 
+def mutate_depth_doc(data: bytes, rng: random.Random) -> bytes:
+    """template_depth: a template that nests deeper, uses what it built, loops or recurses more."""
+    try:
+        doc = json.loads(data)
+        template = doc["template"]
+    except (ValueError, KeyError, TypeError):
+        return data
+    if not isinstance(template, str):
+        return data
+    r = rng.random()
+    numbers = [m.span() for m in re.finditer(r"\d+", template)]
+    tags = [m.start() for m in re.finditer(r"\{[%{]", template)] + [len(template)]
+    pos = rng.choice(tags)
+    if r < 0.3 and numbers:                 # more iterations, deeper recursion
+        a, b = rng.choice(numbers)
+        template = template[:a] + str(rng.choice(DEPTH_NUMBERS)) + template[b:]
+    elif r < 0.55:                          # another layer of wrapping, k deep
+        k = rng.choice([1, 2, 8, 60, 100])
+        value = "ns.t"
+        for _ in range(k):
+            value = rng.choice(DEPTH_WRAPS).format(value)
+        template = template[:pos] + "{% set ns.t = " + value + " %}" + template[pos:]
+    elif r < 0.75:
+        template = template[:pos] + rng.choice(DEPTH_USES) + template[pos:]
+    elif r < 0.9:
+        template = template[:pos] + rng.choice(DEPTH_SNIPPETS) + template[pos:]
+    else:
+        return mutate_template_doc(data, rng)
+    doc["template"] = template
+    return json.dumps(doc).encode()
+
+
 BINARY_FILE = {"hf": "model.safetensors", "corelm": "weights.corelm"}
 
 
@@ -371,6 +454,8 @@ def mutate(target: str, seed: Any, rng: random.Random, others: List[Any]) -> Any
             x = mutate_bytes(x, rng, other if isinstance(other, bytes) else None)
         elif target == "template":
             x = mutate_template_doc(x, rng)
+        elif target == "template_depth":
+            x = mutate_depth_doc(x, rng)
         else:
             x = mutate_folder(x, rng, BINARY_FILE[target])
     return x
@@ -466,8 +551,9 @@ def worker(target: str) -> None:
     warnings.simplefilter("ignore")
     from corelm.loader import ModelLoadError
     from corelm.tokenizer.chat_template import ChatTemplateError
-    expected = (ChatTemplateError, _PreconditionRefused) if target == "template" else ModelLoadError
-    run = {"template": _run_template, "selftest": _run_selftest}.get(target, _exercise_model)
+    expected = (ChatTemplateError, _PreconditionRefused) if target in TEMPLATE_TARGETS else ModelLoadError
+    run = {"template": _run_template, "template_depth": _run_template, "selftest": _run_selftest}.get(
+        target, _exercise_model)
     out = sys.stdout
     sys.stdout = sys.stderr          # anything the code under test prints must not corrupt the protocol
     out.write("ready\n")
@@ -582,10 +668,10 @@ def fuzz(target: str, seconds: float, seed: int, timeout: float = 10.0, failures
     failures_dir = failures_dir or os.path.join(os.getcwd(), "fuzz-failures", target)
     counts = {k: 0 for k in ("ok", "refused") + FAILURES}
     found: List[Dict[str, Any]] = []
-    seed_problems: List[str] = []     # seeds must load (render) cleanly, but for the nomodel_* ones
+    seed_problems: List[str] = []     # seeds must load (render) cleanly, but for the nomodel_* and refused_* ones
     w = Worker(target, timeout)
     scratch = tempfile.mkdtemp(prefix=f"corelm-fuzz-{target}-")
-    ext = {"gguf": ".gguf", "template": ".json"}.get(target, "")
+    ext = {"gguf": ".gguf", "template": ".json", "template_depth": ".json"}.get(target, "")
     t0 = time.monotonic()
     w.start()
     n = 0
@@ -598,7 +684,7 @@ def fuzz(target: str, seconds: float, seed: int, timeout: float = 10.0, failures
             path = write_input(target, x, os.path.join(scratch, f"input{ext}"))
             answer = w.run(path)
             n += 1
-            if n <= len(seeds) and answer["status"] != "ok" and not name.startswith("nomodel_"):
+            if n <= len(seeds) and answer["status"] != "ok" and not name.startswith(("nomodel_", "refused_")):
                 seed_problems.append(f"{name}: {answer['status']}: {answer.get('error')}")
             counts[answer["status"]] += 1
             if answer["status"] in FAILURES:

@@ -10,7 +10,8 @@ It owns the loaded model, the tokenizer, the C++ model and the scheduler. It che
 before queueing it (prompt within the vocabulary and the context, sampling parameters against the
 vocabulary) and fans a request out into its n choices. One thread steps it; add_request and
 abort_request may be called from other threads between steps. Every choice ends with exactly one
-chunk whose finish_reason is set ("stop" | "length" | "abort").
+chunk whose finish_reason is set ("stop" | "length" | "abort", or "error" with the chunk's `error`
+saying why: the model's logits were not finite).
 """
 from __future__ import annotations
 

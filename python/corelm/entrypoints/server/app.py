@@ -305,7 +305,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         async def next_chunk():
             item = await queue.get()
             if isinstance(item, EngineFailed):
-                raise APIError(500, "The engine failed while generating.", "server_error")
+                raise APIError(500, str(item) or "The engine failed while generating.", "server_error")
             if item is _SHUTDOWN:
                 raise APIError(503, "The server is shutting down.", "unavailable_error", code="server_shutdown")
             return item
