@@ -516,12 +516,36 @@ void Model::qk_norm_whole(int64_t l, const SeqSlice* seqs, int64_t T) {
   const bool local = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
   const float* cos = (local ? rope_cos_local_ : rope_cos_).data();
   const float* sin = (local ? rope_sin_local_ : rope_sin_).data();
+  // A tensor-parallel rank holds some of the heads: the norms' sums of squares (and their element counts)
+  // are summed across the ranks first, then each rank scales its own heads.
+  std::vector<float> squares;
+  if (allreduce_) {
+    squares.assign(2 * T + 2, 0.f);
+    for (int64_t t = 0; t < T; t++) {
+      const float* q = qkv_.data() + t * qkv_dim;
+      double sq = 0, sk = 0;
+      for (int64_t i = 0; i < nh * hd; i++) sq += (double)q[i] * q[i];
+      for (int64_t i = 0; i < nkv * hd; i++) sk += (double)q[nh * hd + i] * q[nh * hd + i];
+      squares[2 * t] = (float)sq, squares[2 * t + 1] = (float)sk;
+    }
+    squares[2 * T] = (float)(nh * hd), squares[2 * T + 1] = (float)(nkv * hd);
+    allreduce_(squares.data(), 2 * T + 2);
+  }
+  auto norm_by = [&](float* v, const float* w, int64_t n, float sum_sq, float count) {
+    const float scale = 1.f / std::sqrt(sum_sq / count + cfg_.norm_eps);
+    for (int64_t i = 0; i < n; i++) v[i] = v[i] * scale * w[i];
+  };
   pool_.parallel([&](int tid, int nth) {
     for (int64_t t = tid; t < T; t += nth) {
       float* q = qkv_.data() + t * qkv_dim;
       float* k = q + nh * hd;
-      kt_.rmsnorm(q, q, L.q_norm.data(), nh * hd, cfg_.norm_eps);
-      kt_.rmsnorm(k, k, L.k_norm.data(), nkv * hd, cfg_.norm_eps);
+      if (allreduce_) {
+        norm_by(q, L.q_norm.data(), nh * hd, squares[2 * t], squares[2 * T]);
+        norm_by(k, L.k_norm.data(), nkv * hd, squares[2 * t + 1], squares[2 * T + 1]);
+      } else {
+        kt_.rmsnorm(q, q, L.q_norm.data(), nh * hd, cfg_.norm_eps);
+        kt_.rmsnorm(k, k, L.k_norm.data(), nkv * hd, cfg_.norm_eps);
+      }
       const int64_t p = tok_pos_[t];
       for (int64_t h = 0; h < nh + nkv; h++) rope_head(q + h * hd, cos + p * half, sin + p * half, half);
       const SeqSlice& seq = seqs[tok_seq_[t]];

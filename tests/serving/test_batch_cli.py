@@ -15,7 +15,7 @@ from conftest import BATCH_CRASH, batch_crash_env
 from corelm.entrypoints import cli
 from corelm.entrypoints.batch import parse_line, run_batch, split_cpus, BatchLineError
 from corelm.entrypoints.batch.runner import ProcessBackend, load_done
-from corelm.entrypoints.batch.topology import numa_nodes
+from corelm.engine.placement import numa_nodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STORIES = os.path.join(ROOT, "tests", "data", "models", "stories260K")

@@ -65,6 +65,12 @@ def served_model_name(model: Optional[str]) -> str:
     return name[:-5] if name.lower().endswith(".gguf") else name
 
 
+def check_tensor_parallel_size(size) -> int:
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}.")
+    return int(size)
+
+
 def is_single_prompt(prompts) -> bool:
     """True for one prompt (text, a TextPrompt/TokensPrompt dict, or a flat list of token ids), False
     for a list of prompts."""
@@ -84,7 +90,8 @@ class LLMEngine:
     sizes matched; for "[lookahead]", shorter matches come after the Jacobi guess; with a draft model, a
     match's copy is proposed instead of drafting where it gives more tokens per second), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
-    False: num_speculative_tokens every step, as vLLM and llama.cpp do)."""
+    False: num_speculative_tokens every step, as vLLM and llama.cpp do). tensor_parallel_size: ranks the model is
+    cut across (distributed/tensor_parallel.py; MPI, started here unless an MPI launcher started this process)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -94,7 +101,7 @@ class LLMEngine:
                  activations: str = "auto",
                  speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
-                 speculative_adaptive: bool = True):
+                 speculative_adaptive: bool = True, tensor_parallel_size: int = 1):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         self.model_name = served_model_name(model)
@@ -106,16 +113,30 @@ class LLMEngine:
                                  f"(weights= converts and keeps that format, dtype= repacks at load).")
             from ..convert import cached_conversion
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
-        # a GGUF's tokenizer is built on a thread while the weights load (their C++ releases the GIL)
-        self.loaded = load_model(self.model_path, revision=revision, tokenizer_in_background=True)
-        if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
-            from ..convert import folder_dtype
-            dtype = folder_dtype(self.loaded.source)
-        self.spec = self.loaded.spec
-        self.core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
-                                     progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
-                                     kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa, schedule=schedule,
-                                     activations=activations)
+        tp = check_tensor_parallel_size(tensor_parallel_size)
+        if tp > 1:
+            from ..distributed.tensor_parallel import start
+            from ..loader.hub import download_from_hub, looks_like_repo_id
+            path = os.path.expanduser(self.model_path)
+            if not os.path.exists(path) and looks_like_repo_id(self.model_path):   # every rank loads one local copy
+                self.model_path = download_from_hub(self.model_path, revision)
+            options = dict(model=self.model_path, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
+                           kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb, kv_sparsity=kv_sparsity,
+                           pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations)
+            self.core, self.loaded = start(options, tp)
+            self.spec = self.loaded.spec
+        else:
+            # a GGUF's tokenizer is built on a thread while the weights load (their C++ releases the GIL)
+            self.loaded = load_model(self.model_path, revision=revision, tokenizer_in_background=True)
+            if dtype == "auto" and self.loaded.source_format == "corelm":   # a converted folder: its own type
+                from ..convert import folder_dtype
+                dtype = folder_dtype(self.loaded.source)
+            self.spec = self.loaded.spec
+            self.core = build_core_model(self.loaded, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
+                                         progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
+                                         kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa,
+                                         schedule=schedule, activations=activations)
+        self.tensor_parallel_size = tp
         self.tokenizer = self.loaded.tokenizer
         self.loaded.release_all()
         self.threads = self.core.n_threads

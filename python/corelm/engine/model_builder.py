@@ -276,7 +276,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
                      max_seq_len: Optional[int] = None, progress: bool = False, kv_cache_dtype: str = "auto",
                      kv_cache_gb: Optional[float] = None, pin_threads: Optional[bool] = None,
                      numa: Optional[str] = None, schedule: Optional[str] = None, activations: str = "auto",
-                     kv_sparsity: float = 0.0):
+                     kv_sparsity: float = 0.0, shard=None):
     """Returns a ready `_core.Model`. Weights are decoded one at a time, so peak memory stays near
     the packed model plus one fp32 tensor. pin_threads (default: default_pin_threads()) pins the
     pool's workers to the thread plan's CPUs; `model.thread_cpus` says where each thread runs. numa
@@ -285,7 +285,9 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     activations: how matmuls with quantized weights take their input, per block of 32: "int16" (about
     15 bits, close to fp32: what "auto" picks, see AUTO_ACTIVATIONS) or "int8" (faster prefill, at a
     fidelity cost measured in docs/quality.md). kv_sparsity: the fraction of each key and value row
-    the cache drops, keeping the largest magnitudes (model/kv_cache.h; its cost in docs/quality.md)."""
+    the cache drops, keeping the largest magnitudes (model/kv_cache.h; its cost in docs/quality.md).
+    shard: a tensor-parallel rank's slice (distributed/shard.py): the model built holds only that, and
+    its KV cache has as many blocks as the whole model's would (every rank follows one block table)."""
     from .. import _core
     spec = loaded.spec
     numa = check_numa(numa)
@@ -305,8 +307,10 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
     config.update(kv_type=kv_cache_dtype, kv_sparsity=kv_sparsity, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb, kv_sparsity))
+    if shard is not None:
+        config.update(shard.config_changes())
     model = _core.Model(config)
-    names = list(loaded.weight_names())
+    names = list(loaded.weight_names()) if shard is None else shard.weight_names(loaded.weight_names())
     matrices = _matrices(spec)
     if progress:
         from tqdm import tqdm
@@ -314,16 +318,22 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     keep_raw = keep_as_stored(dtype)
     stored = collections.Counter()  # weight format -> matrices stored in it, for LLM.dtype / corelm info
     for name in names:
-        kept = _kept_blocks(loaded, name, keep_raw)
+        src = name if shard is None else shard.source(name)
+        kept = _kept_blocks(loaded, src, keep_raw)
         is_matrix = name in matrices
+        if kept is not None and shard is not None:
+            raw = shard.slice_raw(name, kept[0])
+            kept = (raw, kept[1]) if raw is not None else None   # a cut through blocks: sliced as floats
         if kept is not None:           # quantized blocks or sparse bf16: repacked, no float round trip
             raw, raw_format = kept
             model.set_weight_raw(name, raw[0], raw[1], list(raw[2]))
             stored[raw_format.name] += is_matrix
         else:
-            model.set_weight(name, loaded.get_weight(name))
+            weight = loaded.get_weight(src)
+            model.set_weight(name, weight if shard is None else shard.slice_floats(name, weight))
             stored[format_of_core(model.weight_type).name] += is_matrix
-        loaded.release_weight(name)
+        if not (shard is not None and shard.tied and name == "tok_embeddings"):   # lm_head, last, is cut from it
+            loaded.release_weight(src)
     model.finalize()
     model.activations = AUTO_ACTIVATIONS if activations == "auto" else activations
     if numa is not None:

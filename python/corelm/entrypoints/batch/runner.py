@@ -29,7 +29,7 @@ import time
 from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 from .protocol import BatchLineError, BatchRequest, error_line, parse_line
-from .topology import split_cpus
+from ...engine.placement import split_cpus
 from .worker import worker_main
 
 MAX_ATTEMPTS = 3

@@ -1,6 +1,6 @@
-"""Which CPUs each batch worker gets: one NUMA node per worker where there are enough nodes, else
-disjoint contiguous slices of the CPUs the parent may use (so each worker's weights, first touched
-by its own pinned threads, stay in its node's memory)."""
+"""Which CPUs each process of a group gets (batch workers, tensor-parallel ranks): one NUMA node each
+where there are enough nodes, else disjoint contiguous slices of the CPUs the parent may use (so each
+process's weights, first touched by its own pinned threads, stay in its node's memory)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 def numa_nodes(root: Optional[str] = None) -> Dict[int, List[int]]:
     """{node id: its CPUs} as the engine layer reports the C++ core's topology (sysfs below root,
     default this machine: only the core reads sysfs); {} when it cannot tell."""
-    from ...engine.system import topology_info
+    from .system import topology_info
     topo = topology_info(root)
     nodes: Dict[int, List[int]] = {}
     for cpu in topo["cpus"] if topo else ():   # no core: split_cpus slices the allowed CPUs without nodes

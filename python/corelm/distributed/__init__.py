@@ -1,0 +1,1 @@
+"""corelm beyond one process: tensor parallelism over MPI (tensor_parallel.py, shard.py)."""

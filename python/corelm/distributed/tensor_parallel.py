@@ -1,0 +1,391 @@
+"""Tensor parallelism over MPI (mpi4py; `pip install "corelm[distributed]"` brings it with MPICH).
+
+Rank 0 is the engine: tokenizer, scheduler, sampling, the server. Every other rank holds its shard
+(shard.py) and follows: for each call rank 0 makes on its core (`forward_batch`, `park_threads`) it
+broadcasts the call, every rank runs it on its own shard, the cores sum their partial products twice a
+layer through `RankGroup.allreduce`, and the ranks' slices of the logits are gathered on rank 0. The
+engine above sees one core (`TensorParallelCore`), so batching, the prefix cache, speculative decoding
+and structured output work unchanged. Messages are flat integer arrays, never pickles: MPI's ports are
+unauthenticated.
+
+Launch: `start(...)` from a plain Python process spawns the other ranks (MPI_Comm_spawn of
+`python -m corelm.distributed.follower`), each pinned to its own NUMA node or slice of the cores; under
+an MPI launcher (`mpiexec -n N python app.py`) the ranks it started are used, and ranks other than 0
+follow inside `LLM(...)` and exit when rank 0 is done.
+
+Faults: every wait polls, so a rank that dies is noticed within a second (its process is gone, on one
+machine) or after `stall_timeout` seconds without progress (any machine): rank 0's call raises
+`RankFailure` and every later one does too; followers exit when rank 0 is gone.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger("corelm")
+
+OP_FORWARD, OP_PARK, OP_STOP = 1, 2, 3
+HEADER = 4   # op, tokens, sequences, block-table entries
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the group cannot run another step."""
+
+
+def mpi():
+    """mpi4py's MPI module, without MPI_Finalize at exit (a dead rank would make it wait forever)."""
+    try:
+        import mpi4py
+    except ImportError as e:
+        raise ImportError('tensor parallelism needs mpi4py and an MPI: pip install "corelm[distributed]"') from e
+    mpi4py.rc.finalize = False
+    mpi4py.rc.threads = True
+    from mpi4py import MPI
+    return MPI
+
+
+def under_launcher() -> bool:
+    """Whether an MPI launcher (mpiexec, srun) started this process as one of several ranks."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+class RankGroup:
+    """The ranks of one tensor-parallel model over an MPI communicator: the collectives the cores and
+    the engine need, each polled so that a dead or stalled rank becomes an error, not a hang."""
+
+    def __init__(self, comm, stall_timeout: float = 120.0):
+        self.MPI = mpi()
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.stall_timeout = float(stall_timeout)
+        self.failed: Optional[str] = None
+        self.stopped = False
+        self.launcher = None   # the followers' mpiexec, where rank 0 launched them
+        self._gathered = np.empty(0, np.float32)
+        # who runs where: a rank on this machine whose process is gone has died
+        me = (socket.gethostname(), os.getpid())
+        self.peers = comm.allgather(me)
+        self._local = [(r, pid) for r, (host, pid) in enumerate(self.peers) if host == me[0] and r != self.rank]
+        self._last_check = 0.0
+
+    # -- failure detection -------------------------------------------------------------------------
+    def _check_peers(self) -> None:
+        now = time.monotonic()
+        if now - self._last_check < 0.2:
+            return
+        self._last_check = now
+        import psutil
+        for r, pid in self._local:
+            try:
+                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                self.fail(f"tensor-parallel rank {r} (pid {pid}) died")
+
+    def fail(self, why: str) -> None:
+        self.failed = self.failed or why
+        self.end_launcher(kill=True)
+        raise RankFailure(self.failed)
+
+    def end_launcher(self, kill: bool = False, timeout: float = 10.0) -> None:
+        """The followers' job (ranks rank 0 launched): waited for after a stop, killed after a failure."""
+        launcher, self.launcher = self.launcher, None
+        if launcher is None:
+            return
+        if not kill:
+            try:
+                launcher.wait(timeout)
+                return
+            except Exception:
+                pass
+        try:
+            os.killpg(launcher.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        launcher.wait()
+
+    def wait(self, request, stall_timeout: Optional[float] = None) -> None:
+        """Completes a non-blocking MPI request: spins briefly (a step's collectives answer within
+        microseconds), then sleeps between polls; raises RankFailure if a rank dies or nothing moves for
+        stall_timeout seconds (None: this group's; 0: wait for ever, as an idle follower does)."""
+        if self.failed:
+            raise RankFailure(self.failed)
+        limit = self.stall_timeout if stall_timeout is None else stall_timeout
+        start = time.monotonic()
+        spins = 0
+        while not request.Test():
+            spins += 1
+            if spins < 20000:
+                continue
+            self._check_peers()
+            waited = time.monotonic() - start
+            if limit and waited > limit:
+                self.fail(f"tensor-parallel ranks stopped answering for {waited:.0f} s")
+            time.sleep(0.0002 if waited < 0.05 else 0.002)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def allreduce(self, address: int, n: int) -> None:
+        """Sums n float32 at `address` across the ranks in place, with the same bits on every rank (so the
+        ranks never drift apart) and from run to run: two ranks' a + b is b + a, so MPI_Allreduce is exact
+        there; from three on every rank adds the gathered parts in rank order (MPI fixes no order)."""
+        part = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
+        if self.size == 2:
+            self.wait(self.comm.Iallreduce(self.MPI.IN_PLACE, part, op=self.MPI.SUM))
+            return
+        if self._gathered.size < n * self.size:
+            self._gathered = np.empty(n * self.size, np.float32)
+        every = self._gathered[:n * self.size]
+        self.wait(self.comm.Iallgather(part, every))
+        every = every.reshape(self.size, n)
+        np.add(every[0], every[1], out=part)
+        for r in range(2, self.size):
+            np.add(part, every[r], out=part)
+
+    def bcast_ints(self, values: Optional[np.ndarray], n: int, idle: bool = False) -> np.ndarray:
+        buf = values if self.rank == 0 else np.empty(n, np.int64)
+        self.wait(self.comm.Ibcast(buf, root=0), stall_timeout=0 if idle else None)
+        return buf
+
+    def bcast_json(self, value: Any = None) -> Any:
+        """A small JSON-able value from rank 0 (options at start-up)."""
+        data = np.frombuffer(json.dumps(value).encode(), np.uint8) if self.rank == 0 else None
+        size = self.bcast_ints(np.array([0 if data is None else data.size], np.int64), 1)
+        buf = data if self.rank == 0 else np.empty(int(size[0]), np.uint8)
+        self.wait(self.comm.Ibcast(buf, root=0))
+        return json.loads(buf.tobytes().decode())
+
+    def gather_columns(self, part: np.ndarray, widths: Sequence[int]) -> Optional[np.ndarray]:
+        """Rank 0: the ranks' [rows][width_r] arrays side by side, [rows][sum of widths]; others: None."""
+        rows = part.shape[0]
+        counts = [rows * w for w in widths]
+        if self.rank != 0:
+            self.wait(self.comm.Igatherv(np.ascontiguousarray(part, np.float32), None, root=0))
+            return None
+        flat = np.empty(sum(counts), np.float32)
+        self.wait(self.comm.Igatherv(np.ascontiguousarray(part, np.float32),
+                                     [flat, counts, np.cumsum([0] + counts[:-1]).tolist(), self.MPI.FLOAT], root=0))
+        out = np.empty((rows, sum(widths)), np.float32)
+        col = 0
+        for w, piece in zip(widths, np.split(flat, np.cumsum(counts)[:-1])):
+            out[:, col:col + w] = piece.reshape(rows, w)
+            col += w
+        return out
+
+    def gather_json(self, value: Any) -> Optional[List[Any]]:
+        """Rank 0: every rank's small JSON-able value, by rank; others: None."""
+        data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        self.wait(self.comm.Iallgather(np.array([data.size], np.int64), sizes))
+        if self.rank != 0:
+            self.wait(self.comm.Igatherv(data, None, root=0))
+            return None
+        flat = np.empty(int(sizes.sum()), np.uint8)
+        counts = sizes.tolist()
+        self.wait(self.comm.Igatherv(data, [flat, counts, np.cumsum([0] + counts[:-1]).tolist(), self.MPI.BYTE], root=0))
+        return [json.loads(p.tobytes().decode()) for p in np.split(flat, np.cumsum(counts)[:-1])]
+
+
+def _encode_forward(tokens: np.ndarray, seqs) -> np.ndarray:
+    """One int64 array: the header, the tokens, (n_tokens, pos, n_blocks, all_logits) per sequence, then
+    the block tables."""
+    tables = [np.asarray(s[2], np.int64).reshape(-1) for s in seqs]
+    meta = np.array([(int(s[0]), int(s[1]), t.size, int(bool(s[3]))) for s, t in zip(seqs, tables)],
+                    np.int64).reshape(-1)
+    head = np.array([OP_FORWARD, tokens.size, len(seqs), sum(t.size for t in tables)], np.int64)
+    return np.concatenate([head, tokens.astype(np.int64), meta] + tables)
+
+
+def _decode_forward(body: np.ndarray, T: int, n: int):
+    tokens = body[:T].astype(np.int32)
+    meta = body[T:T + 4 * n].reshape(n, 4)
+    seqs, at = [], T + 4 * n
+    for n_tokens, pos, n_blocks, all_logits in meta.tolist():
+        seqs.append((n_tokens, pos, body[at:at + n_blocks].astype(np.int32), bool(all_logits)))
+        at += n_blocks
+    return tokens, seqs
+
+
+class TensorParallelCore:
+    """Rank 0's view of the group: the calls the engine makes on a core, made on every rank. Any other
+    attribute is rank 0's own core's (its shard's sizes, threads, KV cache)."""
+
+    def __init__(self, core, group: RankGroup, vocab_widths: Sequence[int]):
+        self._core, self._group, self._widths = core, group, list(vocab_widths)
+        atexit.register(self.stop)   # the followers exit with rank 0
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._group.size
+
+    def forward_batch(self, tokens, seqs):
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        seqs = list(seqs)
+        msg = _encode_forward(tokens, seqs)
+        self._group.bcast_ints(msg[:HEADER].copy(), HEADER)
+        self._group.bcast_ints(msg[HEADER:].copy(), msg.size - HEADER)
+        logits = self._core.forward_batch(tokens, seqs)
+        return self._group.gather_columns(logits, self._widths)
+
+    def park_threads(self):
+        self._group.bcast_ints(np.array([OP_PARK, 0, 0, 0], np.int64), HEADER)
+        self._core.park_threads()
+
+    def stop(self) -> None:
+        """Tells the followers to exit (rank 0's engine is done); once."""
+        if self._group.failed or self._group.stopped:
+            return
+        self._group.stopped = True
+        try:
+            self._group.bcast_ints(np.array([OP_STOP, 0, 0, 0], np.int64), HEADER)
+            self._group.end_launcher()
+        except RankFailure:
+            pass
+
+
+def follow(core, group: RankGroup) -> None:
+    """A follower's loop: run each call rank 0 broadcasts on this rank's shard until told to stop. A call
+    that fails here fails on rank 0 too (the same input), so the loop goes on; a dead rank 0 ends it."""
+    while True:
+        head = group.bcast_ints(None, HEADER, idle=True)
+        op, T, n, blocks = (int(v) for v in head)
+        if op == OP_STOP:
+            return
+        if op == OP_PARK:
+            core.park_threads()
+            continue
+        body = group.bcast_ints(None, T + 4 * n + blocks)
+        tokens, seqs = _decode_forward(body, T, n)
+        try:
+            logits = core.forward_batch(tokens, seqs)
+        except (ValueError, RuntimeError) as e:
+            if isinstance(e, RankFailure):
+                raise
+            continue
+        group.gather_columns(logits, [])
+
+
+# -- start-up ----------------------------------------------------------------------------------------
+
+def _build_shard(options: Dict[str, Any], group: RankGroup):
+    """Loads the model and builds this rank's shard; returns (core, plan)."""
+    from ..engine.model_builder import build_core_model
+    from ..loader import load_model
+    from .shard import plan
+    loaded = load_model(options["model"])
+    shards = plan(loaded.spec, group.size)
+    core = build_core_model(loaded, dtype=options["dtype"], threads=options["threads"],
+                            max_seq_len=options["max_seq_len"], kv_cache_dtype=options["kv_cache_dtype"],
+                            kv_cache_gb=options["kv_cache_gb"], kv_sparsity=options["kv_sparsity"],
+                            pin_threads=options["pin_threads"], numa=options["numa"],
+                            schedule=options["schedule"], activations=options["activations"],
+                            shard=shards[group.rank])
+    core.set_allreduce(group.allreduce)
+    return core, shards, loaded
+
+
+def _pin(cpus: Optional[List[int]]) -> None:
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+
+def run_follower(group: RankGroup) -> None:
+    """A follower from start to end: options from rank 0, its shard, then `follow` until stopped."""
+    start = group.bcast_json()
+    group.stall_timeout = float(start["stall_timeout"])
+    _pin(start["cpus"][group.rank] if start["cpus"] else None)
+    try:
+        core, _, _ = _build_shard(start["options"], group)
+        status = {"ok": True}
+    except Exception as e:                    # reported by rank 0, which raises it
+        core, status = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    group.gather_json(status)
+    if not group.bcast_json():                # rank 0's verdict: every rank built its shard
+        return
+    follow(core, group)
+
+
+def _launch_followers(MPI, size: int, hosts: Optional[str]):
+    """Ranks 1..size-1 as a job of their own (the MPI wheel's mpiexec), joined to this process through
+    an MPI port. Their own job, not MPI_Comm_spawn's: MPICH ends every process of a job when one dies,
+    and rank 0 is the user's process, which must live to report it. Returns (communicator, launcher)."""
+    import shutil
+    import subprocess
+    import threading
+    port = MPI.Open_port()
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if mpiexec is None:
+        raise ImportError('tensor parallelism needs an MPI launcher (mpiexec): pip install "corelm[distributed]"')
+    cmd = [mpiexec, "-disable-auto-cleanup", "-n", str(size - 1)] + (["-f", hosts] if hosts else []) + \
+          [sys.executable, "-m", "corelm.distributed.follower", port]
+    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    joined: Dict[str, Any] = {}
+
+    def accept() -> None:   # blocking, with no timeout of its own: a thread, watched below
+        try:
+            joined["comm"] = MPI.COMM_SELF.Accept(port, root=0).Merge(high=False)
+        except Exception as e:  # pragma: no cover - MPI refused the connection
+            joined["error"] = e
+    t = threading.Thread(target=accept, name="corelm-tp-accept", daemon=True)
+    t.start()
+    deadline = time.monotonic() + 300
+    while t.is_alive():
+        t.join(0.05)
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill() if launcher.poll() is None else None
+            raise RankFailure(f"the tensor-parallel ranks did not start ({' '.join(cmd)} exited with "
+                              f"{launcher.returncode})")
+    if "error" in joined:
+        raise RankFailure(f"the tensor-parallel ranks could not join: {joined['error']}")
+    return joined["comm"], launcher
+
+
+def start(options: Dict[str, Any], size: int, stall_timeout: float = 120.0, hosts: Optional[str] = None):
+    """Rank 0's start: the group (spawned here, or the launcher's), every rank's shard built with
+    `options` (build_core_model's, plus "model"), and the core the engine drives. Returns
+    (TensorParallelCore, the loaded model: its tokenizer and spec). On a rank other than 0 under a
+    launcher, follows rank 0 and exits the process when rank 0 is done."""
+    MPI = mpi()
+    if under_launcher():
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() != size:
+            raise ValueError(f"tensor_parallel_size={size} but the MPI launcher started {comm.Get_size()} ranks.")
+        group = RankGroup(comm, stall_timeout)
+        if group.rank != 0:
+            run_follower(group)
+            sys.exit(0)
+        cpus = None                            # the launcher placed the ranks (mpiexec --bind-to ...)
+    else:
+        from ..engine.placement import split_cpus
+        cpus = split_cpus(size) if hosts is None else None
+        comm, launcher = _launch_followers(MPI, size, hosts)
+        group = RankGroup(comm, stall_timeout)
+        group.launcher = launcher
+    group.bcast_json({"options": options, "cpus": cpus, "stall_timeout": stall_timeout})
+    _pin(cpus[0] if cpus else None)
+    try:
+        core, shards, loaded = _build_shard(options, group)
+        status = {"ok": True}
+    except Exception as e:
+        core, shards, loaded, status = None, None, None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    statuses = group.gather_json(status)
+    bad = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if not s["ok"]]
+    group.bcast_json(not bad)
+    if bad:
+        raise ValueError("tensor parallelism could not start: " + "; ".join(bad))
+    return TensorParallelCore(core, group, [s.vocab[1] - s.vocab[0] for s in shards]), loaded
