@@ -31,13 +31,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..errors import EngineDead
+
 log = logging.getLogger("corelm")
 
 OP_FORWARD, OP_PARK, OP_STOP = 1, 2, 3
 HEADER = 4   # op, tokens, sequences, block-table entries
 
 
-class RankFailure(RuntimeError):
+class RankFailure(EngineDead):
     """A tensor-parallel rank died or stopped answering: the group cannot run another step."""
 
 

@@ -58,6 +58,9 @@ def add_engine_flags(p: argparse.ArgumentParser,
                         "pages are reserved, and memory is used only as the cache fills)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own, at most 4096)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="cut the model across N processes (MPI ranks, one per NUMA node or slice of the cores; "
+                        "needs pip install \"corelm[distributed]\"); --threads is then per rank (default 1: one process)")
     g = p.add_argument_group("speculative decoding (lossless: the output is what plain decoding gives)")
     g.add_argument("--draft-model", default=None, metavar="DRAFT",
                    help="a smaller model over the same vocabulary that proposes tokens (HF folder, .gguf, corelm "
@@ -114,6 +117,10 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     options = dict(threads=args.threads, dtype=args.dtype, max_seq_len=args.ctx_size or None, numa=args.numa)
+    if args.tensor_parallel_size != 1:
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}.")
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     if args.schedule:
         options["schedule"] = args.schedule
     if args.activations != "auto":

@@ -80,7 +80,7 @@ class ServerState:
         try:
             llm = self.load_llm()
             engine = make_engine(llm)
-            runner = EngineRunner(engine, self.metrics)
+            runner = EngineRunner(engine, self.metrics, on_dead=self._engine_died)
             self.max_prompt_bytes = prompt_byte_limit(engine)
             runner.start()
             self.llm, self.engine, self.tokens, self.runner = llm, engine, TokenText(engine.tokenizer), runner
@@ -91,6 +91,13 @@ class ServerState:
             log.error("the model failed to load: %s", e)
             if self.on_load_error is not None:
                 self.on_load_error(e)
+
+    def _engine_died(self, e: BaseException) -> None:
+        """The engine can serve no more (a tensor-parallel rank died): /health and new requests answer 503, and
+        `corelm serve` stops with an error (on_load_error) rather than serve nothing."""
+        self.status = "failed"
+        if self.on_load_error is not None:
+            self.on_load_error(e)
 
     def wait_ready(self, timeout: float) -> bool:
         self._loader.join(timeout)

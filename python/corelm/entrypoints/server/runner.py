@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ... import SamplingParams, StreamChunk
+from ...errors import EngineDead
 
 log = logging.getLogger("corelm.server")
 
@@ -101,9 +102,11 @@ class _Target:
 
 
 class EngineRunner:
-    def __init__(self, engine, metrics: Metrics):
+    def __init__(self, engine, metrics: Metrics, on_dead: Optional[Callable[[BaseException], None]] = None):
         self.engine = engine
         self.metrics = metrics
+        self.on_dead = on_dead     # called once, from the engine thread, when the engine can serve no more
+        self.dead: Optional[str] = None
         self._cv = threading.Condition()
         self._targets: Dict[str, _Target] = {}
         self._stopping = False
@@ -173,6 +176,13 @@ class EngineRunner:
                     return
             try:
                 out = self.engine.step()
+            except EngineDead as e:   # nothing more can run: fail what was in flight, stop stepping
+                log.error("the engine died: %s", e)
+                self.dead = str(e)
+                self._fail_all(f"The engine stopped: {e}")
+                if self.on_dead is not None:
+                    self.on_dead(e)
+                return
             except Exception:  # a bug in the engine: fail what was in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all()
@@ -216,12 +226,12 @@ class EngineRunner:
             if tokens:
                 m.window.append((now, tokens))
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, message: Optional[str] = None) -> None:
         with self._cv:
             targets, self._targets = self._targets, {}
             for rid in targets:
                 self.engine.abort_request(rid)
         for t in targets.values():   # their "abort" chunks from the next step are dropped
-            t.loop.call_soon_threadsafe(t.queue.put_nowait, EngineFailed())
+            t.loop.call_soon_threadsafe(t.queue.put_nowait, EngineFailed(message) if message else EngineFailed())
         with self.metrics.lock:
             self.metrics.finished["error"] += sum(t.unfinished for t in targets.values())
