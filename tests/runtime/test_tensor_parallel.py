@@ -1,4 +1,4 @@
-"""Tensor parallelism (python/corelm/distributed/): the shard plan, each family's shards against the whole model
+"""Tensor parallelism (python/corelm/engine/distributed/): the shard plan, each family's shards against the whole model
 in one process (a thread per rank, summing through a barrier), and real MPI ranks through every entry point:
 LLM(tensor_parallel_size=2) spawning its ranks over shared memory and over TCP loopback, an MPI launcher's
 ranks, `corelm serve --tensor-parallel-size 2` with the openai client, and a killed rank."""
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import DEFAULT_GGUF, MODELS, ROOT, child_env
 
-from corelm.distributed.shard import plan
+from corelm.engine.distributed.shard import plan
 from corelm.engine.model_builder import build_core_model
 from corelm.loader import load_model
 
@@ -277,7 +277,7 @@ def test_serve_with_two_ranks_answers_the_openai_client_as_one_process():
         # the follower dies: requests fail with a clear error, /health says so, and the server exits nonzero
         import psutil
         followers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "corelm.distributed.follower" in " ".join(p.cmdline())]
+                     if "corelm.engine.distributed.follower" in " ".join(p.cmdline())]
         assert followers
         followers[0].kill()
         with pytest.raises(openai.APIError):

@@ -91,7 +91,7 @@ class LLMEngine:
     match's copy is proposed instead of drafting where it gives more tokens per second), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do). tensor_parallel_size: ranks the model is
-    cut across (distributed/tensor_parallel.py; MPI, started here unless an MPI launcher started this process)."""
+    cut across (engine/distributed/tensor_parallel.py; MPI, started here unless an MPI launcher started this process)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -115,7 +115,7 @@ class LLMEngine:
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
         tp = check_tensor_parallel_size(tensor_parallel_size)
         if tp > 1:
-            from ..distributed.tensor_parallel import start
+            from .distributed.tensor_parallel import start
             from ..loader.hub import download_from_hub, looks_like_repo_id
             path = os.path.expanduser(self.model_path)
             if not os.path.exists(path) and looks_like_repo_id(self.model_path):   # every rank loads one local copy

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..options import format_of_raw
+from ...options import format_of_raw
 
 _LAYER = re.compile(r"^layers\.\d+\.(?:experts\.\d+\.)?(.+)$")
 # the cut of the MLP's hidden size: activations are quantized per block of 32 along it, and K-quant

@@ -9,7 +9,7 @@ and structured output work unchanged. Messages are flat integer arrays, never pi
 unauthenticated.
 
 Launch: `start(...)` from a plain Python process spawns the other ranks (MPI_Comm_spawn of
-`python -m corelm.distributed.follower`), each pinned to its own NUMA node or slice of the cores; under
+`python -m corelm.engine.distributed.follower`), each pinned to its own NUMA node or slice of the cores; under
 an MPI launcher (`mpiexec -n N python app.py`) the ranks it started are used, and ranks other than 0
 follow inside `LLM(...)` and exit when rank 0 is done.
 
@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import EngineDead
+from ...errors import EngineDead
 
 log = logging.getLogger("corelm")
 
@@ -286,8 +286,8 @@ def follow(core, group: RankGroup) -> None:
 
 def _build_shard(options: Dict[str, Any], group: RankGroup):
     """Loads the model and builds this rank's shard; returns (core, plan)."""
-    from ..engine.model_builder import build_core_model
-    from ..loader import load_model
+    from ..model_builder import build_core_model
+    from ...loader import load_model
     from .shard import plan
     loaded = load_model(options["model"])
     shards = plan(loaded.spec, group.size)
@@ -334,7 +334,7 @@ def _launch_followers(MPI, size: int, hosts: Optional[str]):
     if mpiexec is None:
         raise ImportError('tensor parallelism needs an MPI launcher (mpiexec): pip install "corelm[distributed]"')
     cmd = [mpiexec, "-disable-auto-cleanup", "-n", str(size - 1)] + (["-f", hosts] if hosts else []) + \
-          [sys.executable, "-m", "corelm.distributed.follower", port]
+          [sys.executable, "-m", "corelm.engine.distributed.follower", port]
     launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
     joined: Dict[str, Any] = {}
 
@@ -373,7 +373,7 @@ def start(options: Dict[str, Any], size: int, stall_timeout: float = 120.0, host
             sys.exit(0)
         cpus = None                            # the launcher placed the ranks (mpiexec --bind-to ...)
     else:
-        from ..engine.placement import split_cpus
+        from ..placement import split_cpus
         cpus = split_cpus(size) if hosts is None else None
         comm, launcher = _launch_followers(MPI, size, hosts)
         group = RankGroup(comm, stall_timeout)
