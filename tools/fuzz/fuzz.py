@@ -527,7 +527,7 @@ def _messages_ok(messages: Any) -> bool:
 
 
 def _run_selftest(path: str) -> None:
-    """The harness's own check (tests/test_fuzz.py): the input says how to fail."""
+    """The harness's own check (tests/loaders/test_fuzz.py): the input says how to fail."""
     with open(path, "rb") as f:
         what = f.read().strip()
     if what == b"crash":
