@@ -226,6 +226,30 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.finalize();
       })
+      .def("set_pipeline", [](PyModel& self, py::object receive, py::object send) {
+        auto wrap = [](py::object fn) {
+          Model::Transfer f;
+          if (!fn.is_none()) {
+            auto held = std::make_shared<py::object>(std::move(fn));
+            f = [held](float* data, int64_t n) {
+              py::gil_scoped_acquire gil;
+              (*held)(reinterpret_cast<uintptr_t>(data), n);
+            };
+          }
+          return f;
+        };
+        Model::Transfer in = wrap(std::move(receive)), out = wrap(std::move(send));
+        std::pair<Model::Transfer, Model::Transfer> old;  // let go of with the GIL held (Python callables)
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> lock(self.mu);
+          old = self.model.pipeline();
+          self.model.set_pipeline(std::move(in), std::move(out));
+        }
+      }, py::arg("receive"), py::arg("send"),
+           "Pipeline parallelism: receive(address, n) fills the n float32 hidden states at address from the stage "
+           "before (instead of the embeddings), send(address, n) hands them to the stage after (and the forward "
+           "computes no logits). None: this stage has none before / after.")
       .def("set_allreduce", [](PyModel& self, py::object fn) {
         Model::Allreduce f;
         if (!fn.is_none()) {

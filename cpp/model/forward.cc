@@ -442,10 +442,14 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
   const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
   float* x = x_.data();
-  for (int64_t t = 0; t < T; t++) {
-    k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
-    if (cfg_.embed_scale != 1.f)
-      for (int64_t i = 0; i < d; i++) x[t * d + i] *= cfg_.embed_scale;
+  if (receive_) {   // a later pipeline stage: the hidden states of the layers before this one's
+    receive_(x, T * d);
+  } else {
+    for (int64_t t = 0; t < T; t++) {
+      k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
+      if (cfg_.embed_scale != 1.f)
+        for (int64_t i = 0; i < d; i++) x[t * d + i] *= cfg_.embed_scale;
+    }
   }
 
   auto normed = [&](const std::vector<float>& w) {
@@ -495,6 +499,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm);
   }
 
+  if (send_) return send_(x, T * d);   // a pipeline stage before the last: its layers' output goes on
   if (!logits) return;
   // the rows whose logits are wanted, normalized, then one matmul over the vocabulary
   int64_t rows = 0;

@@ -134,6 +134,12 @@ Model::HugePagePromotion Model::huge_page_promotion() const {
   return {promoter_.total, promoter_.done.load(), promoter_.running.load()};
 }
 
+void Model::set_pipeline(Transfer receive, Transfer send) {
+  pool_.quiesce();
+  receive_ = std::move(receive);
+  send_ = std::move(send);
+}
+
 void Model::set_allreduce(Allreduce allreduce) {
   pool_.quiesce();
   allreduce_ = std::move(allreduce);

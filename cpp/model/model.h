@@ -96,6 +96,12 @@ class Model {
   using Allreduce = std::function<void(float* data, int64_t n)>;
   void set_allreduce(Allreduce allreduce);
   const Allreduce& allreduce() const { return allreduce_; }
+  // Pipeline parallelism: this model holds consecutive layers of a larger one. `receive` fills the hidden
+  // states [tokens][dim] from the stage before, in place of the embeddings; `send` hands them to the stage
+  // after, and the forward ends there (no logits). Called on the forward's calling thread. Empty: none.
+  using Transfer = std::function<void(float* data, int64_t n)>;
+  void set_pipeline(Transfer receive, Transfer send);
+  std::pair<Transfer, Transfer> pipeline() const { return {receive_, send_}; }
   const KVCache& kv_cache() const { return kv_; }
   // The experts the last forward routed its tokens to: [n_layers][its tokens][n_experts_used], each
   // token's in falling probability (empty without experts). For tests against the reference's routing.
@@ -219,6 +225,7 @@ class Model {
   std::vector<float> hb_;       // [n_threads][T][2 * ffn_dim] each thread's gate/up rows (interleaved)
   std::vector<float> act_;      // [T][ffn_dim]
   Allreduce allreduce_;          // tensor parallelism's partial sums, summed across ranks (set_allreduce)
+  Transfer receive_, send_;      // pipeline parallelism's hidden states from / to the next stage (set_pipeline)
   std::vector<float> proj_;     // [T][dim] attention or MLP output before its post-norm (post_norms)
   std::shared_ptr<void> qact_;  // [n_threads][qact_ld_] each thread's quantized matmul input (quantized weights)
   size_t qact_ld_ = 0;

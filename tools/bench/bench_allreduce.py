@@ -45,7 +45,7 @@ def measure(group, comm, MPI, dims, rows, iters):
 
 def rank_main(args, how):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-    from corelm.engine.distributed.tensor_parallel import RankGroup, mpi
+    from corelm.engine.distributed.parallel import RankGroup, mpi
     MPI = mpi()
     if how == "port-follower":
         comm = MPI.COMM_WORLD.Connect(args.port, root=0).Merge(high=True)

@@ -1,13 +1,13 @@
-"""Tensor-parallel ranks 1..N-1 that rank 0 launched (tensor_parallel.start):
+"""Tensor-parallel ranks 1..N-1 that rank 0 launched (parallel.start):
 `mpiexec -n N-1 python -m corelm.engine.distributed.follower PORT` joins them to rank 0 through its MPI port."""
 import sys
 
-from .tensor_parallel import RankFailure, RankGroup, mpi, run_follower
+from .parallel import RankFailure, RankGroup, mpi, run_follower
 
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print("corelm.engine.distributed.follower is started by corelm itself (tensor_parallel_size > 1)", file=sys.stderr)
+        print("corelm.engine.distributed.follower is started by corelm itself (tensor_parallel_size or pipeline_parallel_size > 1)", file=sys.stderr)
         return 2
     MPI = mpi()
     group = RankGroup(MPI.COMM_WORLD.Connect(sys.argv[1], root=0).Merge(high=True))

@@ -1,10 +1,12 @@
-"""How tensor parallelism cuts a model: rank r of N holds a slice of the kv heads (with their query
+"""How a model is cut across ranks. Tensor parallelism (Shard, plan): rank r of N holds a slice of the kv heads (with their query
 heads; where there are fewer kv heads than ranks, a copy of one and a slice of its queries), of the MLP's hidden rows (every expert's alike) and of the vocabulary's lm_head rows; everything
 else (embeddings, norms, the router) whole. q/k/v, gate/up and lm_head are cut by rows, o_proj and down by
 columns, so each attention and MLP output is a partial sum that one allreduce completes (Megatron's
 column-then-row split, as xFasterTransformer and Neural Speed do it). The C++ core runs a shard as a
 smaller model of the same family (`set_allreduce`, `lm_head_rows`); this module only decides the cuts and
-slices the weights, as floats or in their stored blocks.
+slices the weights, as floats or in their stored blocks. Pipeline parallelism (Stage, pipeline_plan): rank r
+holds consecutive layers, and every rank the embeddings, final norm and lm_head (a stage's hidden states come
+from the one before it; only the last computes logits), so its output is one process's, bit for bit.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class Shard:
     tied: bool                   # the model ties lm_head to the embeddings: lm_head is cut from those
     qk_norm_whole: bool          # q/k norms span all heads (OLMoE): cut with the heads
 
-    def config_changes(self) -> Dict[str, Any]:
+    def config_changes(self, config: Dict[str, Any]) -> Dict[str, Any]:
         """What core_config's dict becomes for this shard."""
         return dict(n_heads=self.heads[1] - self.heads[0], n_kv_heads=self.kv_heads[1] - self.kv_heads[0],
                     ffn_dim=self.ffn[1] - self.ffn[0], lm_head_rows=self.vocab[1] - self.vocab[0],
@@ -143,3 +145,50 @@ def plan(spec, size: int) -> List[Shard]:
                   tied=bool(spec.tie_word_embeddings), qk_norm_whole=spec_whole_qk_norm(spec))
             for r in range(size)]
 
+
+
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Pipeline stage `rank` of `size`: layers [start, end) of the model, numbered from 0 in its core."""
+    rank: int
+    size: int
+    layers: Tuple[int, int]
+    tied = False   # every stage holds the embeddings, so a tied lm_head stays tied
+
+    def config_changes(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        a, b = self.layers
+        sliding = config.get("sliding_layers") or []
+        return dict(n_layers=b - a, sliding_layers=list(sliding[a:b]) if sliding else [])
+
+    def weight_names(self, names) -> List[str]:
+        out = []
+        for name in names:
+            m = _LAYER_INDEX.match(name)
+            if m is None:
+                out.append(name)
+            elif self.layers[0] <= int(m.group(1)) < self.layers[1]:
+                out.append(f"layers.{int(m.group(1)) - self.layers[0]}.{m.group(2)}")
+        return out
+
+    def source(self, name: str) -> str:
+        m = _LAYER_INDEX.match(name)
+        return name if m is None else f"layers.{int(m.group(1)) + self.layers[0]}.{m.group(2)}"
+
+    def slice_floats(self, name: str, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def slice_raw(self, name: str, raw):
+        return raw
+
+
+def pipeline_plan(spec, size: int) -> List[Stage]:
+    """The stages of `spec` over `size` ranks, consecutive layers each, as even as can be."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {size!r}.")
+    layers = int(spec.num_layers)
+    if size > layers:
+        raise ValueError(f"pipeline_parallel_size={size} exceeds the model's {layers} layers.")
+    return [Stage(rank=r, size=size, layers=cut) for r, cut in enumerate(_split(layers, size))]

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ...errors import EngineDead
 from ...openai import APIError, Response, TokenText, encode_prompts, sampling_error
 from .protocol import BatchRequest, error_line, response_line
 
@@ -23,9 +24,10 @@ Result = Tuple[Dict[str, Any], int]   # (output line, completion tokens)
 
 
 def _fatal(e: BaseException) -> bool:
-    """Whether an exception must end the worker. Anything else (a TypeError from the tokenizer, a pyo3
+    """Whether an exception must end the worker (EngineDead: a rank of its model died; a new worker starts
+    anew). Anything else (a TypeError from the tokenizer, a pyo3
     PanicException, which derives from BaseException, from a catastrophic regex) fails one request."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError))
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError, EngineDead))
 
 
 def _why(e: BaseException) -> str:

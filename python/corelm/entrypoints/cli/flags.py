@@ -58,9 +58,19 @@ def add_engine_flags(p: argparse.ArgumentParser,
                         "pages are reserved, and memory is used only as the cache fills)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own, at most 4096)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="cut the model across N processes (MPI ranks, one per NUMA node or slice of the cores; "
-                        "needs pip install \"corelm[distributed]\"); --threads is then per rank (default 1: one process)")
+    g = p.add_argument_group("several processes (MPI ranks, one per NUMA node or slice of the cores, or per "
+                             "machine with --hosts; pip install \"corelm[distributed]\"); --threads is then per rank")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="cut every layer across N processes (default 1: one process)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="consecutive layers on each of N processes, for a model larger than one machine's memory "
+                        "(default 1)")
+    g.add_argument("--hosts", default=None, metavar="FILE",
+                   help="an MPI hostfile: ranks 1..N-1 run on those machines (the model at the same path on each); "
+                        "default: this machine")
+    g.add_argument("--mpi-iface", default=None, metavar="NAME",
+                   help="the network interface MPI's traffic keeps to: its ports accept anyone who reaches them, so "
+                        "use a private network (docs/distributed.md)")
     g = p.add_argument_group("speculative decoding (lossless: the output is what plain decoding gives)")
     g.add_argument("--draft-model", default=None, metavar="DRAFT",
                    help="a smaller model over the same vocabulary that proposes tokens (HF folder, .gguf, corelm "
@@ -117,10 +127,16 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     options = dict(threads=args.threads, dtype=args.dtype, max_seq_len=args.ctx_size or None, numa=args.numa)
-    if args.tensor_parallel_size != 1:
-        if args.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}.")
-        options["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.hosts is not None:
+        options["mpi_hosts"] = args.hosts
+    if args.mpi_iface is not None:
+        options["mpi_iface"] = args.mpi_iface
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = getattr(args, flag)
+        if size < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {size}.")
+        if size > 1:
+            options[flag] = size
     if args.schedule:
         options["schedule"] = args.schedule
     if args.activations != "auto":

@@ -1,7 +1,8 @@
-"""Tensor parallelism (python/corelm/engine/distributed/): the shard plan, each family's shards against the whole model
-in one process (a thread per rank, summing through a barrier), and real MPI ranks through every entry point:
-LLM(tensor_parallel_size=2) spawning its ranks over shared memory and over TCP loopback, an MPI launcher's
-ranks, `corelm serve --tensor-parallel-size 2` with the openai client, and a killed rank."""
+"""A model across processes (python/corelm/engine/distributed/). Tensor parallelism: the shard plan, each family's
+shards against the whole model in one process (a thread per rank, summing through a barrier), and real MPI ranks
+through every entry point: LLM(tensor_parallel_size=2) launching its ranks over shared memory and over TCP
+loopback, an MPI launcher's ranks, `corelm serve --tensor-parallel-size 2` with the openai client, and a killed
+rank. Pipeline parallelism: the stage plan, and stages over MPI giving one process's output bit for bit."""
 import ctypes
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 
 from conftest import DEFAULT_GGUF, MODELS, ROOT, child_env
 
-from corelm.engine.distributed.shard import plan
+from corelm.engine.distributed.shard import pipeline_plan, plan
 from corelm.engine.model_builder import build_core_model
 from corelm.loader import load_model
 
@@ -143,16 +144,16 @@ def run_script(code, *args, env=None, timeout=240, launcher=None):
 
 GREEDY = """
     import json, sys, corelm
-    path, dtype, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    llm = corelm.LLM(path, dtype=dtype, threads=1, tensor_parallel_size=tp)
+    path, dtype, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[6])
+    llm = corelm.LLM(path, dtype=dtype, threads=1, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     p = corelm.SamplingParams(temperature=0, max_tokens=int(sys.argv[4]), logprobs=2, ignore_eos=True)
     outs = llm.generate(json.loads(sys.argv[5]), p)
     print("RESULT", json.dumps([[o.outputs[0].token_ids, [sorted(v.logprob for v in lp.values())[-2:] for lp in o.outputs[0].logprobs]] for o in outs]))
 """
 
 
-def greedy(path, dtype, tp, tokens=24, env=None, launcher=None):
-    r = run_script(GREEDY, path, dtype, str(tp), str(tokens), json.dumps(PROMPTS), env=env, launcher=launcher)
+def greedy(path, dtype, tp, tokens=24, env=None, launcher=None, pp=1):
+    r = run_script(GREEDY, path, dtype, str(tp), str(tokens), json.dumps(PROMPTS), str(pp), env=env, launcher=launcher)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT"))[7:])
 
@@ -231,9 +232,9 @@ def test_a_killed_rank_is_an_error_within_seconds_not_a_hang():
 # ---------------------------------------------------------------------------------------------------
 # corelm serve --tensor-parallel-size 2
 
-def _serve(port, *extra):
+def _serve(port, flag):
     cmd = [sys.executable, "-m", "corelm.entrypoints.cli", "serve", STORIES, "--port", str(port), "--dtype", "fp32",
-           "-t", "1", "--tensor-parallel-size", "2", *extra]
+           "-t", "1", flag, "2"]
     return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -258,19 +259,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_serve_with_two_ranks_answers_the_openai_client_as_one_process():
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_serve_with_two_ranks_answers_the_openai_client_as_one_process(flag):
     import openai
-    want = [t for t, _ in greedy(STORIES, "fp32", 1, tokens=16)]
+    import corelm
+    want = [o.outputs[0].text for o in corelm.LLM(STORIES, dtype="fp32", threads=1).generate(
+        PROMPTS, corelm.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     port = _free_port()
-    proc = _serve(port)
+    proc = _serve(port, flag)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
-        for prompt, tokens in zip(PROMPTS, want):
+        for prompt, text in zip(PROMPTS, want):
             r = client.completions.create(model="x", prompt=prompt, max_tokens=16, temperature=0,
                                           extra_body={"ignore_eos": True})
-            assert r.usage.completion_tokens == 16
+            assert r.usage.completion_tokens == 16 and r.choices[0].text == text
             text = "".join(c.choices[0].text for c in client.completions.create(
                 model="x", prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}))
             assert text == r.choices[0].text
@@ -288,3 +292,35 @@ def test_serve_with_two_ranks_answers_the_openai_client_as_one_process():
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline parallelism
+
+def test_stages_hold_consecutive_layers():
+    spec = spec_of("stories260K")    # 5 layers
+    stages = pipeline_plan(spec, 2)
+    assert [s.layers for s in stages] == [(0, 3), (3, 5)]
+    names = stages[1].weight_names(["tok_embeddings", "layers.0.wq", "layers.3.wq", "layers.4.w_down", "norm"])
+    assert names == ["tok_embeddings", "layers.0.wq", "layers.1.w_down", "norm"]
+    assert stages[1].source("layers.1.w_down") == "layers.4.w_down"
+    with pytest.raises(ValueError, match="exceeds the model's 5 layers"):
+        pipeline_plan(spec, 6)
+
+
+@pytest.mark.parametrize("path,dtype,stages", [(STORIES, "fp32", 2), (os.path.join(MODELS, "tiny-gemma3"), "fp32", 2),
+                                               (DEFAULT_GGUF, "auto", 3)])
+def test_pipeline_stages_give_one_processs_output_bit_for_bit(path, dtype, stages):
+    """Each stage runs its layers on the hidden states the one before handed it: the same operations in the same
+    order as one process, so the same tokens and the same log-probabilities, quantized blocks included."""
+    assert greedy(path, dtype, 1, pp=stages) == greedy(path, dtype, 1)
+
+
+def test_pipeline_stages_over_tcp():
+    assert greedy(STORIES, "fp32", 1, pp=2, env=TCP_ENV) == greedy(STORIES, "fp32", 1)
+
+
+def test_tensor_and_pipeline_together_are_refused_with_a_clear_error():
+    r = run_script("import corelm, sys; corelm.LLM(sys.argv[1], tensor_parallel_size=2, pipeline_parallel_size=2)",
+                   STORIES)
+    assert r.returncode != 0 and "cannot both be above 1" in r.stderr

@@ -1,17 +1,19 @@
-"""Tensor parallelism over MPI (mpi4py; `pip install "corelm[distributed]"` brings it with MPICH).
+"""A model across several processes over MPI (mpi4py; `pip install "corelm[distributed]"` brings it with
+MPICH): tensor parallelism (each rank a slice of every layer) or pipeline parallelism (each rank some layers).
 
-Rank 0 is the engine: tokenizer, scheduler, sampling, the server. Every other rank holds its shard
+Rank 0 is the engine: tokenizer, scheduler, sampling, the server. Every other rank holds its part
 (shard.py) and follows: for each call rank 0 makes on its core (`forward_batch`, `park_threads`) it
-broadcasts the call, every rank runs it on its own shard, the cores sum their partial products twice a
-layer through `RankGroup.allreduce`, and the ranks' slices of the logits are gathered on rank 0. The
-engine above sees one core (`TensorParallelCore`), so batching, the prefix cache, speculative decoding
-and structured output work unchanged. Messages are flat integer arrays, never pickles: MPI's ports are
-unauthenticated.
+broadcasts the call and every rank runs it on its own part. Tensor-parallel cores sum their partial
+products twice a layer through `RankGroup.allreduce`, and the ranks' slices of the logits are gathered on
+rank 0; pipeline stages hand their hidden states on (`send_hidden`, `receive_hidden`), and the last stage's
+logits go to rank 0. The engine above sees one core (`ParallelCore`), so batching, the prefix cache,
+speculative decoding and structured output work unchanged. Messages are flat integer arrays, never
+pickles: MPI's ports are unauthenticated.
 
-Launch: `start(...)` from a plain Python process spawns the other ranks (MPI_Comm_spawn of
-`python -m corelm.engine.distributed.follower`), each pinned to its own NUMA node or slice of the cores; under
-an MPI launcher (`mpiexec -n N python app.py`) the ranks it started are used, and ranks other than 0
-follow inside `LLM(...)` and exit when rank 0 is done.
+Launch: `start(...)` from a plain Python process launches ranks 1..N-1 as an MPI job of their own
+(`mpiexec -n N-1 python -m corelm.engine.distributed.follower PORT`, joined through an MPI port), each pinned
+to its own NUMA node or slice of the cores; under an MPI launcher (`mpiexec -n N python app.py`) the ranks it
+started are used, and ranks other than 0 follow inside `LLM(...)` and exit when rank 0 is done.
 
 Faults: every wait polls, so a rank that dies is noticed within a second (its process is gone, on one
 machine) or after `stall_timeout` seconds without progress (any machine): rank 0's call raises
@@ -37,10 +39,11 @@ log = logging.getLogger("corelm")
 
 OP_FORWARD, OP_PARK, OP_STOP = 1, 2, 3
 HEADER = 4   # op, tokens, sequences, block-table entries
+HIDDEN_TAG = 7
 
 
 class RankFailure(EngineDead):
-    """A tensor-parallel rank died or stopped answering: the group cannot run another step."""
+    """A rank of the group died or stopped answering: the group cannot run another step."""
 
 
 def mpi():
@@ -64,7 +67,7 @@ def under_launcher() -> bool:
 
 
 class RankGroup:
-    """The ranks of one tensor-parallel model over an MPI communicator: the collectives the cores and
+    """The ranks of one model over an MPI communicator: the collectives the cores and
     the engine need, each polled so that a dead or stalled rank becomes an error, not a hang."""
 
     def __init__(self, comm, stall_timeout: float = 120.0):
@@ -95,7 +98,7 @@ class RankGroup:
             except psutil.NoSuchProcess:
                 alive = False
             if not alive:
-                self.fail(f"tensor-parallel rank {r} (pid {pid}) died")
+                self.fail(f"rank {r} of the model's {self.size} (pid {pid}) died")
 
     def fail(self, why: str) -> None:
         self.failed = self.failed or why
@@ -135,7 +138,7 @@ class RankGroup:
             self._check_peers()
             waited = time.monotonic() - start
             if limit and waited > limit:
-                self.fail(f"tensor-parallel ranks stopped answering for {waited:.0f} s")
+                self.fail(f"the model's ranks stopped answering for {waited:.0f} s")
             time.sleep(0.0002 if waited < 0.05 else 0.002)
 
     # -- collectives ---------------------------------------------------------------------------------
@@ -155,6 +158,16 @@ class RankGroup:
         np.add(every[0], every[1], out=part)
         for r in range(2, self.size):
             np.add(part, every[r], out=part)
+
+    def send_hidden(self, address: int, n: int) -> None:
+        """A pipeline stage's output (n float32 at address) to the next stage."""
+        part = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
+        self.wait(self.comm.Isend(part, dest=self.rank + 1, tag=HIDDEN_TAG))
+
+    def receive_hidden(self, address: int, n: int) -> None:
+        """The previous stage's output into n float32 at address."""
+        part = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
+        self.wait(self.comm.Irecv(part, source=self.rank - 1, tag=HIDDEN_TAG))
 
     def bcast_ints(self, values: Optional[np.ndarray], n: int, idle: bool = False) -> np.ndarray:
         buf = values if self.rank == 0 else np.empty(n, np.int64)
@@ -220,19 +233,20 @@ def _decode_forward(body: np.ndarray, T: int, n: int):
     return tokens, seqs
 
 
-class TensorParallelCore:
+class ParallelCore:
     """Rank 0's view of the group: the calls the engine makes on a core, made on every rank. Any other
-    attribute is rank 0's own core's (its shard's sizes, threads, KV cache)."""
+    attribute is rank 0's own core's (its part's sizes, threads, KV cache). logit_widths: the columns of the
+    logits each rank computes (a slice of the vocabulary each, or all on the last pipeline stage)."""
 
-    def __init__(self, core, group: RankGroup, vocab_widths: Sequence[int]):
-        self._core, self._group, self._widths = core, group, list(vocab_widths)
+    def __init__(self, core, group: RankGroup, logit_widths: Sequence[int], kind: str):
+        self._core, self._group, self._widths, self.kind = core, group, list(logit_widths), kind
         atexit.register(self.stop)   # the followers exit with rank 0
 
     def __getattr__(self, name):
         return getattr(self._core, name)
 
     @property
-    def tensor_parallel_size(self) -> int:
+    def ranks(self) -> int:
         return self._group.size
 
     def forward_batch(self, tokens, seqs):
@@ -242,7 +256,7 @@ class TensorParallelCore:
         self._group.bcast_ints(msg[:HEADER].copy(), HEADER)
         self._group.bcast_ints(msg[HEADER:].copy(), msg.size - HEADER)
         logits = self._core.forward_batch(tokens, seqs)
-        return self._group.gather_columns(logits, self._widths)
+        return self._group.gather_columns(logits[:, :self._widths[0]], self._widths)
 
     def park_threads(self):
         self._group.bcast_ints(np.array([OP_PARK, 0, 0, 0], np.int64), HEADER)
@@ -260,7 +274,7 @@ class TensorParallelCore:
             pass
 
 
-def follow(core, group: RankGroup) -> None:
+def follow(core, group: RankGroup, width: int) -> None:
     """A follower's loop: run each call rank 0 broadcasts on this rank's shard until told to stop. A call
     that fails here fails on rank 0 too (the same input), so the loop goes on; a dead rank 0 ends it."""
     while True:
@@ -279,26 +293,34 @@ def follow(core, group: RankGroup) -> None:
             if isinstance(e, RankFailure):
                 raise
             continue
-        group.gather_columns(logits, [])
+        group.gather_columns(logits[:, :width], [])
 
 
 # -- start-up ----------------------------------------------------------------------------------------
 
-def _build_shard(options: Dict[str, Any], group: RankGroup):
-    """Loads the model and builds this rank's shard; returns (core, plan)."""
+def _build_part(options: Dict[str, Any], kind: str, group: RankGroup):
+    """Loads the model and builds this rank's part of it; returns (core, every rank's logit columns, the
+    loaded model)."""
     from ..model_builder import build_core_model
     from ...loader import load_model
-    from .shard import plan
+    from .shard import pipeline_plan, plan
     loaded = load_model(options["model"])
-    shards = plan(loaded.spec, group.size)
+    shards = (plan if kind == "tensor" else pipeline_plan)(loaded.spec, group.size)
     core = build_core_model(loaded, dtype=options["dtype"], threads=options["threads"],
                             max_seq_len=options["max_seq_len"], kv_cache_dtype=options["kv_cache_dtype"],
                             kv_cache_gb=options["kv_cache_gb"], kv_sparsity=options["kv_sparsity"],
                             pin_threads=options["pin_threads"], numa=options["numa"],
                             schedule=options["schedule"], activations=options["activations"],
                             shard=shards[group.rank])
-    core.set_allreduce(group.allreduce)
-    return core, shards, loaded
+    vocab = int(loaded.spec.vocab_size)
+    if kind == "tensor":
+        core.set_allreduce(group.allreduce)
+        widths = [s.vocab[1] - s.vocab[0] for s in shards]
+    else:
+        core.set_pipeline(group.receive_hidden if group.rank > 0 else None,
+                          group.send_hidden if group.rank < group.size - 1 else None)
+        widths = [0] * (group.size - 1) + [vocab]
+    return core, widths, loaded
 
 
 def _pin(cpus: Optional[List[int]]) -> None:
@@ -312,17 +334,23 @@ def run_follower(group: RankGroup) -> None:
     group.stall_timeout = float(start["stall_timeout"])
     _pin(start["cpus"][group.rank] if start["cpus"] else None)
     try:
-        core, _, _ = _build_shard(start["options"], group)
+        core, widths, _ = _build_part(start["options"], start["kind"], group)
         status = {"ok": True}
     except Exception as e:                    # reported by rank 0, which raises it
         core, status = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
     group.gather_json(status)
-    if not group.bcast_json():                # rank 0's verdict: every rank built its shard
+    if not group.bcast_json():                # rank 0's verdict: every rank built its part
         return
-    follow(core, group)
+    follow(core, group, widths[group.rank])
 
 
-def _launch_followers(MPI, size: int, hosts: Optional[str]):
+def interface_env(iface: Optional[str]) -> Dict[str, str]:
+    """The environment that keeps MPICH's traffic (UCX or libfabric TCP) on network interface `iface`: MPI's
+    ports take any connection, so on a shared network they belong on a private interface."""
+    return {"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface} if iface else {}
+
+
+def _launch_followers(MPI, size: int, hosts: Optional[str], iface: Optional[str]):
     """Ranks 1..size-1 as a job of their own (the MPI wheel's mpiexec), joined to this process through
     an MPI port. Their own job, not MPI_Comm_spawn's: MPICH ends every process of a job when one dies,
     and rank 0 is the user's process, which must live to report it. Returns (communicator, launcher)."""
@@ -334,8 +362,9 @@ def _launch_followers(MPI, size: int, hosts: Optional[str]):
     if mpiexec is None:
         raise ImportError('tensor parallelism needs an MPI launcher (mpiexec): pip install "corelm[distributed]"')
     cmd = [mpiexec, "-disable-auto-cleanup", "-n", str(size - 1)] + (["-f", hosts] if hosts else []) + \
-          [sys.executable, "-m", "corelm.engine.distributed.follower", port]
-    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+          (["-iface", iface] if iface else []) + [sys.executable, "-m", "corelm.engine.distributed.follower", port]
+    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=dict(os.environ, **interface_env(iface)))
     joined: Dict[str, Any] = {}
 
     def accept() -> None:   # blocking, with no timeout of its own: a thread, watched below
@@ -350,23 +379,27 @@ def _launch_followers(MPI, size: int, hosts: Optional[str]):
         t.join(0.05)
         if launcher.poll() is not None or time.monotonic() > deadline:
             launcher.kill() if launcher.poll() is None else None
-            raise RankFailure(f"the tensor-parallel ranks did not start ({' '.join(cmd)} exited with "
+            raise RankFailure(f"the model's ranks did not start ({' '.join(cmd)} exited with "
                               f"{launcher.returncode})")
     if "error" in joined:
-        raise RankFailure(f"the tensor-parallel ranks could not join: {joined['error']}")
+        raise RankFailure(f"the model's ranks could not join: {joined['error']}")
     return joined["comm"], launcher
 
 
-def start(options: Dict[str, Any], size: int, stall_timeout: float = 120.0, hosts: Optional[str] = None):
-    """Rank 0's start: the group (spawned here, or the launcher's), every rank's shard built with
-    `options` (build_core_model's, plus "model"), and the core the engine drives. Returns
-    (TensorParallelCore, the loaded model: its tokenizer and spec). On a rank other than 0 under a
-    launcher, follows rank 0 and exits the process when rank 0 is done."""
+def start(options: Dict[str, Any], size: int, kind: str = "tensor", stall_timeout: float = 120.0,
+          hosts: Optional[str] = None, iface: Optional[str] = None):
+    """Rank 0's start: the group of `size` ranks (launched here, or the launcher's), every rank's part built
+    with `options` (build_core_model's, plus "model"), cut by `kind` ("tensor" or "pipeline"), and the core
+    the engine drives. Returns (ParallelCore, the loaded model: its tokenizer and spec). On a rank other
+    than 0 under a launcher, follows rank 0 and exits the process when rank 0 is done. hosts: an MPI
+    hostfile for ranks 1..N-1 (default: this machine); iface: the network interface MPI's traffic keeps to
+    (needs to be set before MPI starts in this process, so it is also exported here)."""
+    os.environ.update(interface_env(iface))
     MPI = mpi()
     if under_launcher():
         comm = MPI.COMM_WORLD
         if comm.Get_size() != size:
-            raise ValueError(f"tensor_parallel_size={size} but the MPI launcher started {comm.Get_size()} ranks.")
+            raise ValueError(f"{kind}_parallel_size={size} but the MPI launcher started {comm.Get_size()} ranks.")
         group = RankGroup(comm, stall_timeout)
         if group.rank != 0:
             run_follower(group)
@@ -375,19 +408,19 @@ def start(options: Dict[str, Any], size: int, stall_timeout: float = 120.0, host
     else:
         from ..placement import split_cpus
         cpus = split_cpus(size) if hosts is None else None
-        comm, launcher = _launch_followers(MPI, size, hosts)
+        comm, launcher = _launch_followers(MPI, size, hosts, iface)
         group = RankGroup(comm, stall_timeout)
         group.launcher = launcher
-    group.bcast_json({"options": options, "cpus": cpus, "stall_timeout": stall_timeout})
+    group.bcast_json({"options": options, "kind": kind, "cpus": cpus, "stall_timeout": stall_timeout})
     _pin(cpus[0] if cpus else None)
     try:
-        core, shards, loaded = _build_shard(options, group)
+        core, widths, loaded = _build_part(options, kind, group)
         status = {"ok": True}
     except Exception as e:
-        core, shards, loaded, status = None, None, None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        core, widths, loaded, status = None, None, None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
     statuses = group.gather_json(status)
     bad = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if not s["ok"]]
     group.bcast_json(not bad)
     if bad:
-        raise ValueError("tensor parallelism could not start: " + "; ".join(bad))
-    return TensorParallelCore(core, group, [s.vocab[1] - s.vocab[0] for s in shards]), loaded
+        raise ValueError(f"{kind} parallelism could not start: " + "; ".join(bad))
+    return ParallelCore(core, group, widths, kind), loaded
