@@ -19,6 +19,7 @@
 #include "kernels/ggml_formats.h"
 #include "kernels/quantize.h"
 #include "model/model.h"
+#include "runtime/collectives.h"
 
 namespace py = pybind11;
 using namespace corelm;
@@ -226,6 +227,27 @@ PYBIND11_MODULE(_core, m) {
         std::lock_guard<std::mutex> lock(self.mu);
         self.model.finalize();
       })
+      .def("set_allreduce_mpi", [](PyModel& self, uintptr_t iallreduce, uintptr_t iallgather, uintptr_t test, int comm,
+                                   int float_type, int sum_op, int rank, int size,
+                                   std::vector<std::pair<int, int>> local_peers, double stall_seconds) {
+        MpichCalls calls;
+        calls.iallreduce = reinterpret_cast<MpichCalls::Iallreduce>(iallreduce);
+        calls.iallgather = reinterpret_cast<MpichCalls::Iallgather>(iallgather);
+        calls.test = reinterpret_cast<MpichCalls::Test>(test);
+        calls.comm = comm, calls.float_type = float_type, calls.sum_op = sum_op;
+        auto reduce = std::make_shared<MpiAllreduce>(calls, rank, size, std::move(local_peers), stall_seconds);
+        Model::Allreduce old;
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> lock(self.mu);
+          old = self.model.allreduce();
+          self.model.set_allreduce([reduce](float* data, int64_t n) { (*reduce)(data, n); });
+        }
+      }, py::arg("iallreduce"), py::arg("iallgather"), py::arg("test"), py::arg("comm"), py::arg("float_type"),
+         py::arg("sum_op"), py::arg("rank"), py::arg("size"), py::arg("local_peers"), py::arg("stall_seconds"),
+           "Tensor parallelism with the collectives called from C++ (no GIL): the addresses of MPI_Iallreduce, "
+           "MPI_Iallgather and MPI_Test in the loaded MPI library and MPICH-ABI handles (runtime/collectives.h); "
+           "local_peers: (rank, pid) of the ranks on this machine, whose death ends a wait with RankFailure.")
       .def("set_pipeline", [](PyModel& self, py::object receive, py::object send) {
         auto wrap = [](py::object fn) {
           Model::Transfer f;
@@ -371,6 +393,7 @@ PYBIND11_MODULE(_core, m) {
                       s.model.set_act_type(act);
                     }, "How quantized matmuls take their input: int8 or int16 per block of 32 (settable between forwards).");
 
+  py::register_exception<RankFailure>(m, "RankFailure", PyExc_RuntimeError);
   register_amx(m);
   m.def("kernel_tables", &available_kernel_tables, "The kernel tables this CPU can run, the default first.");
 

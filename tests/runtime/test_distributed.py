@@ -164,6 +164,23 @@ def test_two_ranks_over_shared_memory_decode_as_one_process(name):
     assert [t for t, _ in greedy(path, "fp32", 2)] == [t for t, _ in greedy(path, "fp32", 1)]
 
 
+PYTHON_ALLREDUCE = """
+    import json, sys, corelm
+    from corelm.engine.distributed import parallel
+    parallel.mpich_calls = lambda MPI: None      # rank 0 sums through mpi4py (an MPI of another ABI), rank 1 from C++
+    llm = corelm.LLM(sys.argv[1], dtype="fp32", threads=1, tensor_parallel_size=2)
+    outs = llm.generate(json.loads(sys.argv[2]), corelm.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_the_mpi4py_allreduce_agrees_with_the_one_called_from_cpp():
+    r = run_script(PYTHON_ALLREDUCE, STORIES, json.dumps(PROMPTS))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT"))[7:])
+    assert got == [t for t, _ in greedy(STORIES, "fp32", 1)]
+
+
 def test_two_ranks_over_tcp_decode_as_one_process():
     assert [t for t, _ in greedy(STORIES, "fp32", 2, env=TCP_ENV)] == [t for t, _ in greedy(STORIES, "fp32", 1)]
 

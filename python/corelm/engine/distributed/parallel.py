@@ -58,6 +58,23 @@ def mpi():
     return MPI
 
 
+def mpich_calls(MPI):
+    """(MPI_Iallreduce, MPI_Iallgather, MPI_Test) addresses in the MPI library mpi4py loaded, where its ABI is
+    MPICH's (int handles: what runtime/collectives.h calls); None otherwise."""
+    if MPI._sizeof(MPI.Comm) != 4 or MPI._sizeof(MPI.Request) != 4:
+        return None
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libmpi" in line and line.rstrip().endswith(".so.12")}
+    for path in sorted(paths):
+        lib = ctypes.CDLL(path)
+        try:
+            return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                         for name in ("MPI_Iallreduce", "MPI_Iallgather", "MPI_Test"))
+        except AttributeError:
+            continue
+    return None
+
+
 def under_launcher() -> bool:
     """Whether an MPI launcher (mpiexec, srun) started this process as one of several ranks."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
@@ -99,6 +116,16 @@ class RankGroup:
                 alive = False
             if not alive:
                 self.fail(f"rank {r} of the model's {self.size} (pid {pid}) died")
+
+    def run(self, forward, *args):
+        """forward(*args) on this rank's core, whose collectives raise the core's RankFailure: the group's."""
+        from ... import _core
+        if self.failed:
+            raise RankFailure(self.failed)
+        try:
+            return forward(*args)
+        except _core.RankFailure as e:
+            self.fail(str(e))
 
     def fail(self, why: str) -> None:
         self.failed = self.failed or why
@@ -158,6 +185,20 @@ class RankGroup:
         np.add(every[0], every[1], out=part)
         for r in range(2, self.size):
             np.add(part, every[r], out=part)
+
+    def attach_allreduce(self, core) -> None:
+        """Gives `core` this group's allreduce: called from C++ straight into the MPI library where it speaks
+        MPICH's ABI (the mpich and impi-rt wheels), else through `allreduce` below (which takes the GIL)."""
+        calls = mpich_calls(self.MPI)
+        if calls is None:
+            core.set_allreduce(self.allreduce)
+            return
+        def handle(obj) -> int:   # an MPICH handle as the C int it is (mpi4py gives it unsigned)
+            h = self.MPI._handleof(obj) & 0xFFFFFFFF
+            return h - (1 << 32) if h >= 1 << 31 else h
+        core.set_allreduce_mpi(*calls, comm=handle(self.comm), float_type=handle(self.MPI.FLOAT),
+                               sum_op=handle(self.MPI.SUM), rank=self.rank, size=self.size,
+                               local_peers=self._local, stall_seconds=self.stall_timeout)
 
     def send_hidden(self, address: int, n: int) -> None:
         """A pipeline stage's output (n float32 at address) to the next stage."""
@@ -255,7 +296,7 @@ class ParallelCore:
         msg = _encode_forward(tokens, seqs)
         self._group.bcast_ints(msg[:HEADER].copy(), HEADER)
         self._group.bcast_ints(msg[HEADER:].copy(), msg.size - HEADER)
-        logits = self._core.forward_batch(tokens, seqs)
+        logits = self._group.run(self._core.forward_batch, tokens, seqs)
         return self._group.gather_columns(logits[:, :self._widths[0]], self._widths)
 
     def park_threads(self):
@@ -288,7 +329,7 @@ def follow(core, group: RankGroup, width: int) -> None:
         body = group.bcast_ints(None, T + 4 * n + blocks)
         tokens, seqs = _decode_forward(body, T, n)
         try:
-            logits = core.forward_batch(tokens, seqs)
+            logits = group.run(core.forward_batch, tokens, seqs)
         except (ValueError, RuntimeError) as e:
             if isinstance(e, RankFailure):
                 raise
@@ -314,7 +355,7 @@ def _build_part(options: Dict[str, Any], kind: str, group: RankGroup):
                             shard=shards[group.rank])
     vocab = int(loaded.spec.vocab_size)
     if kind == "tensor":
-        core.set_allreduce(group.allreduce)
+        group.attach_allreduce(core)
         widths = [s.vocab[1] - s.vocab[0] for s in shards]
     else:
         core.set_pipeline(group.receive_hidden if group.rank > 0 else None,
