@@ -38,8 +38,8 @@ from ...errors import EngineDead
 log = logging.getLogger("corelm")
 
 OP_FORWARD, OP_PARK, OP_STOP = 1, 2, 3
-HEADER = 4   # op, tokens, sequences, block-table entries
-HIDDEN_TAG = 7
+HEADER = 5   # op, tokens, sequences, block-table entries, micro-batches (pipeline: the sequences in groups)
+HIDDEN_TAG, LOGITS_TAG = 7, 8
 
 
 class RankFailure(EngineDead):
@@ -95,6 +95,7 @@ class RankGroup:
         self.failed: Optional[str] = None
         self.stopped = False
         self.launcher = None   # the followers' mpiexec, where rank 0 launched them
+        self._pending: List[Any] = []   # sends in flight: (request, the buffer it reads)
         self._gathered = np.empty(0, np.float32)
         # who runs where: a rank on this machine whose process is gone has died
         me = (socket.gethostname(), os.getpid())
@@ -201,9 +202,18 @@ class RankGroup:
                                local_peers=self._local, stall_seconds=self.stall_timeout)
 
     def send_hidden(self, address: int, n: int) -> None:
-        """A pipeline stage's output (n float32 at address) to the next stage."""
-        part = np.ctypeslib.as_array((ctypes.c_float * n).from_address(address))
-        self.wait(self.comm.Isend(part, dest=self.rank + 1, tag=HIDDEN_TAG))
+        """A pipeline stage's output (n float32 at address) to the next stage, without waiting: a copy goes,
+        and this stage goes on with its next micro-batch (finish_sends waits for them all)."""
+        self.send_async(np.ctypeslib.as_array((ctypes.c_float * n).from_address(address)).copy(), self.rank + 1,
+                        HIDDEN_TAG)
+
+    def send_async(self, data: np.ndarray, dest: int, tag: int) -> None:
+        self._pending.append((self.comm.Isend(data, dest=dest, tag=tag), data))
+
+    def finish_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for request, _ in pending:
+            self.wait(request)
 
     def receive_hidden(self, address: int, n: int) -> None:
         """The previous stage's output into n float32 at address."""
@@ -254,24 +264,56 @@ class RankGroup:
         return [json.loads(p.tobytes().decode()) for p in np.split(flat, np.cumsum(counts)[:-1])]
 
 
-def _encode_forward(tokens: np.ndarray, seqs) -> np.ndarray:
-    """One int64 array: the header, the tokens, (n_tokens, pos, n_blocks, all_logits) per sequence, then
-    the block tables."""
+def _encode_forward(tokens: np.ndarray, seqs, groups: Sequence[int] = ()) -> np.ndarray:
+    """One int64 array: the header, the tokens, (n_tokens, pos, n_blocks, all_logits) per sequence, the block
+    tables, then the sequences per micro-batch (pipeline parallelism)."""
     tables = [np.asarray(s[2], np.int64).reshape(-1) for s in seqs]
     meta = np.array([(int(s[0]), int(s[1]), t.size, int(bool(s[3]))) for s, t in zip(seqs, tables)],
                     np.int64).reshape(-1)
-    head = np.array([OP_FORWARD, tokens.size, len(seqs), sum(t.size for t in tables)], np.int64)
-    return np.concatenate([head, tokens.astype(np.int64), meta] + tables)
+    head = np.array([OP_FORWARD, tokens.size, len(seqs), sum(t.size for t in tables), len(groups)], np.int64)
+    return np.concatenate([head, tokens.astype(np.int64), meta] + tables + [np.asarray(groups, np.int64)])
 
 
-def _decode_forward(body: np.ndarray, T: int, n: int):
+def _decode_forward(body: np.ndarray, T: int, n: int, micro: int):
     tokens = body[:T].astype(np.int32)
     meta = body[T:T + 4 * n].reshape(n, 4)
     seqs, at = [], T + 4 * n
     for n_tokens, pos, n_blocks, all_logits in meta.tolist():
         seqs.append((n_tokens, pos, body[at:at + n_blocks].astype(np.int32), bool(all_logits)))
         at += n_blocks
-    return tokens, seqs
+    return tokens, seqs, body[at:at + micro].tolist()
+
+
+def micro_batches(seqs, parts: int) -> List[int]:
+    """The sequences cut into at most `parts` consecutive groups of about equal tokens (their counts), so
+    pipeline stages work on one group while the next stage works on the one before."""
+    parts = max(1, min(parts, len(seqs)))
+    sizes = [int(s[0]) for s in seqs]
+    total, counts, start = sum(sizes), [], 0
+    for p in range(parts):
+        want, end, acc = total * (p + 1) / parts, start, sum(sizes[:start])
+        while end < len(seqs) - (parts - p - 1) and (end == start or acc + sizes[end] <= want + 1e-9):
+            acc += sizes[end]
+            end += 1
+        if p == parts - 1:
+            end = len(seqs)
+        counts.append(end - start)
+        start = end
+    return [c for c in counts if c]
+
+
+def _groups(tokens: np.ndarray, seqs, counts: Sequence[int]):
+    """(tokens, seqs) of each micro-batch."""
+    at_seq = at_tok = 0
+    for c in counts:
+        part = seqs[at_seq:at_seq + c]
+        t = sum(int(s[0]) for s in part)
+        yield tokens[at_tok:at_tok + t], part
+        at_seq, at_tok = at_seq + c, at_tok + t
+
+
+def _logit_rows(seqs) -> int:
+    return sum(int(s[0]) if s[3] else 1 for s in seqs)
 
 
 class ParallelCore:
@@ -293,14 +335,31 @@ class ParallelCore:
     def forward_batch(self, tokens, seqs):
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         seqs = list(seqs)
-        msg = _encode_forward(tokens, seqs)
+        groups = micro_batches(seqs, self._group.size) if self.kind == "pipeline" else []
+        msg = _encode_forward(tokens, seqs, groups)
         self._group.bcast_ints(msg[:HEADER].copy(), HEADER)
         self._group.bcast_ints(msg[HEADER:].copy(), msg.size - HEADER)
-        logits = self._group.run(self._core.forward_batch, tokens, seqs)
-        return self._group.gather_columns(logits[:, :self._widths[0]], self._widths)
+        if self.kind != "pipeline":
+            logits = self._group.run(self._core.forward_batch, tokens, seqs)
+            return self._group.gather_columns(logits[:, :self._widths[0]], self._widths)
+        # the last stage's logits of each micro-batch, received as they come while this stage goes on
+        g = self._group
+        parts = [np.empty((_logit_rows(part), self._widths[-1]), np.float32) for _, part in _groups(tokens, seqs, groups)]
+        receives = [g.comm.Irecv(buf, source=g.size - 1, tag=LOGITS_TAG) for buf in parts]
+        try:
+            for t, part in _groups(tokens, seqs, groups):
+                g.run(self._core.forward_batch, t, part)
+            g.finish_sends()
+        except ValueError:   # refused input: every stage refused it at the same micro-batch; no logits come
+            for request in receives:
+                request.Cancel()
+            raise
+        for request in receives:
+            g.wait(request)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def park_threads(self):
-        self._group.bcast_ints(np.array([OP_PARK, 0, 0, 0], np.int64), HEADER)
+        self._group.bcast_ints(np.array([OP_PARK, 0, 0, 0, 0], np.int64), HEADER)
         self._core.park_threads()
 
     def stop(self) -> None:
@@ -309,7 +368,7 @@ class ParallelCore:
             return
         self._group.stopped = True
         try:
-            self._group.bcast_ints(np.array([OP_STOP, 0, 0, 0], np.int64), HEADER)
+            self._group.bcast_ints(np.array([OP_STOP, 0, 0, 0, 0], np.int64), HEADER)
             self._group.end_launcher()
         except RankFailure:
             pass
@@ -318,23 +377,31 @@ class ParallelCore:
 def follow(core, group: RankGroup, width: int) -> None:
     """A follower's loop: run each call rank 0 broadcasts on this rank's shard until told to stop. A call
     that fails here fails on rank 0 too (the same input), so the loop goes on; a dead rank 0 ends it."""
+    last = group.rank == group.size - 1
     while True:
         head = group.bcast_ints(None, HEADER, idle=True)
-        op, T, n, blocks = (int(v) for v in head)
+        op, T, n, blocks, micro = (int(v) for v in head)
         if op == OP_STOP:
             return
         if op == OP_PARK:
             core.park_threads()
             continue
-        body = group.bcast_ints(None, T + 4 * n + blocks)
-        tokens, seqs = _decode_forward(body, T, n)
+        body = group.bcast_ints(None, T + 4 * n + blocks + micro)
+        tokens, seqs, groups = _decode_forward(body, T, n, micro)
         try:
-            logits = group.run(core.forward_batch, tokens, seqs)
+            if not groups:
+                logits = group.run(core.forward_batch, tokens, seqs)
+                group.gather_columns(logits[:, :width], [])
+                continue
+            for t, part in _groups(tokens, seqs, groups):   # a pipeline stage: micro-batch after micro-batch
+                logits = group.run(core.forward_batch, t, part)
+                if last:
+                    group.send_async(np.ascontiguousarray(logits), 0, LOGITS_TAG)
+            group.finish_sends()
         except (ValueError, RuntimeError) as e:
             if isinstance(e, RankFailure):
                 raise
             continue
-        group.gather_columns(logits[:, :width], [])
 
 
 # -- start-up ----------------------------------------------------------------------------------------
