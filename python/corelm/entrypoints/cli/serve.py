@@ -1,7 +1,9 @@
-"""`corelm serve`: the OpenAI-compatible HTTP server (corelm.entrypoints.server) over one LLMEngine."""
+"""`corelm serve`: the OpenAI-compatible HTTP server (corelm.entrypoints.server) over one LLMEngine, or over N
+replica processes with --data-parallel-size N (server/replicas.py)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -46,6 +48,15 @@ def add_parser(commands) -> None:
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated origins (https://app.example.com) whose web pages may call the API "
                         "(CORS); '*' for any (default: none; the server's own web chat needs none)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="run N engine replicas, each its own process pinned to one NUMA node (or, with one node, "
+                        "a slice of the cores) with its own copy of the weights, behind this one server; requests "
+                        "go to the replica holding their prompt's prefix, else the least loaded; --threads is per "
+                        "replica (default 1: one engine in the server's process)")
+    p.add_argument("--replica-restarts", type=int, default=3, metavar="N",
+                   help="with --data-parallel-size: a replica that dies fails its requests in flight (503) and is "
+                        "restarted, at most N times in 10 minutes; one more death stops the server with "
+                        "exit status 1 (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -63,20 +74,38 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-connections-per-client must be at least 1, got {args.max_connections_per_client}.")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}.")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}.")
+    if args.replica_restarts < 0:
+        raise ValueError(f"--replica-restarts must be 0 or more, got {args.replica_restarts}.")
     api_key = api_key_of(args)
-    engine_options(args)   # bad engine flags fail now, not in the thread that loads the model
+    options = engine_options(args)   # bad engine flags fail now, not in the thread that loads the model
+    if args.data_parallel_size > 1 and (options.get("tensor_parallel_size", 1) > 1
+                                        or options.get("pipeline_parallel_size", 1) > 1):
+        raise ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
+                         "--pipeline-parallel-size.")
     try:
         from .. import server
     except ImportError as e:
         print(f"error: corelm serve needs FastAPI and uvicorn: pip install 'corelm[serve]' ({e})", file=sys.stderr)
         return 1
+    from ..server.replicas import ReplicaFailure, load_replicas
+    if args.data_parallel_size > 1:
+        load = functools.partial(load_replicas, args.model, args.data_parallel_size, options, threads=args.threads,
+                                 max_restarts=args.replica_restarts)
+    else:
+        load = functools.partial(llm_from_args, args)
     # The model loads in the server's background thread, so /health answers while it does.
-    return server.run(lambda: llm_from_args(args), args.served_model_name or served_model_name(args.model),
-                      host=args.host, port=args.port, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                      log_level=args.log_level, body_timeout=args.body_timeout,
-                      max_connections=args.max_connections, header_timeout=args.header_timeout,
-                      max_connections_per_client=args.max_connections_per_client,
-                      allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins))
+    try:
+        return server.run(load, args.served_model_name or served_model_name(args.model),
+                          host=args.host, port=args.port, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                          log_level=args.log_level, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections, header_timeout=args.header_timeout,
+                          max_connections_per_client=args.max_connections_per_client,
+                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins))
+    except ReplicaFailure as e:          # a replica could not load, or kept dying
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _names(text: str):

@@ -17,7 +17,8 @@ localhost name or an allowed host gets a 400, a POST that is not application/jso
 headers go only to allowed origins. On shutdown (Ctrl-C) every open stream ends with an error event and
 `data: [DONE]`. One engine thread steps
 the request-level engine (runner.make_engine) for every client; a client that disconnects has its
-requests aborted. Errors use OpenAI's envelope {"error": {"message", "type", "param", "code"}} with
+requests aborted; with `corelm serve --data-parallel-size N`, replicas.py runs N engine processes
+instead, behind the same endpoints. Errors use OpenAI's envelope {"error": {"message", "type", "param", "code"}} with
 fixed messages that never echo user text. Request bodies and response shapes are corelm.openai's,
 shared with `corelm batch`.
 

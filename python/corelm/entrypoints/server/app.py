@@ -80,7 +80,9 @@ class ServerState:
         try:
             llm = self.load_llm()
             engine = make_engine(llm)
-            runner = EngineRunner(engine, self.metrics, on_dead=self._engine_died)
+            make_runner = getattr(llm, "make_runner", None)   # replicas.ReplicatedLLM: its replicas' runner
+            runner = (make_runner(self.metrics, on_dead=self._engine_died) if make_runner is not None
+                      else EngineRunner(engine, self.metrics, on_dead=self._engine_died))
             self.max_prompt_bytes = prompt_byte_limit(engine)
             runner.start()
             self.llm, self.engine, self.tokens, self.runner = llm, engine, TokenText(engine.tokenizer), runner
@@ -247,8 +249,13 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     @app.get("/health")
     async def health():
         if state.status == "ready":
+            report = getattr(state.runner, "health", None)   # replicas: {"status", "replicas": [...]}
+            body = report() if report is not None else {"status": "ok"}
+            if body["status"] == "unavailable":
+                raise APIError(503, "No replica is ready to serve (they are restarting).", "unavailable_error",
+                               code="no_replica_ready")
             metrics.count_request("/health", 200)
-            return {"status": "ok"}
+            return body
         require_ready()
 
     @app.get("/metrics")
@@ -257,6 +264,8 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         runner = state.runner
         text = metrics.render(runner.num_waiting if runner else 0, runner.num_running if runner else 0,
                               state.status == "ready", runner.spec_counts() if runner else None)
+        if runner is not None and hasattr(runner, "render_metrics"):   # replicas: routing and health
+            text += runner.render_metrics()
         metrics.count_request("/metrics", 200)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -302,6 +311,9 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         except ValueError as e:
             abort_all()
             raise sampling_error(e) from None
+        except BaseException:              # no replica ready: the prompts already added are dropped too
+            abort_all()
+            raise
         loop = asyncio.get_running_loop()
         state.open_queues[queue] = loop
 
@@ -311,6 +323,8 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
 
         async def next_chunk():
             item = await queue.get()
+            if isinstance(item, APIError):      # replicas: one died with the request on it (503)
+                raise item
             if isinstance(item, EngineFailed):
                 raise APIError(500, str(item) or "The engine failed while generating.", "server_error")
             if item is _SHUTDOWN:
