@@ -252,41 +252,21 @@ def test_a_killed_rank_is_an_error_within_seconds_not_a_hang():
 def _serve(port, flag):
     cmd = [sys.executable, "-m", "corelm.entrypoints.cli", "serve", STORIES, "--port", str(port), "--dtype", "fp32",
            "-t", "1", flag, "2"]
-    return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_healthy(url, proc, timeout=60):
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy")
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_serve_with_two_ranks_answers_the_openai_client_as_one_process(flag):
     import openai
     import corelm
+    from test_server import _free_port, wait_healthy
     want = [o.outputs[0].text for o in corelm.LLM(STORIES, dtype="fp32", threads=1).generate(
         PROMPTS, corelm.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     port = _free_port()
     proc = _serve(port, flag)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
+        wait_healthy(proc, url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
         for prompt, text in zip(PROMPTS, want):
             r = client.completions.create(model="x", prompt=prompt, max_tokens=16, temperature=0,
@@ -304,7 +284,7 @@ def test_serve_with_two_ranks_answers_the_openai_client_as_one_process(flag):
         with pytest.raises(openai.APIError):
             client.completions.create(model="x", prompt="Once", max_tokens=8, temperature=0)
         assert proc.wait(20) != 0
-        assert "rank 1" in proc.stderr.read()
+        assert "rank 1" in proc.stderr.read().decode()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
