@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
-from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, GenerationRequest, parse_request
+from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, GenerationRequest
+from ...openai.anthropic import MESSAGES_URL, parse_body
 
 MAX_CUSTOM_ID = 512
 
@@ -94,13 +95,13 @@ def parse_line(line: Union[str, bytes]) -> BatchRequest:
         if obj.get("method", "POST") != "POST":
             raise BatchLineError("invalid_method", "method must be POST.")
         url = obj.get("url")
-        if url not in (CHAT_URL, COMPLETIONS_URL):
-            raise BatchLineError("invalid_url", f"url must be {CHAT_URL} or {COMPLETIONS_URL}.")
+        if url not in (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL):
+            raise BatchLineError("invalid_url", f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {MESSAGES_URL}.")
         body = obj.get("body")
         if not isinstance(body, dict):
             raise BatchLineError("invalid_request", "body must be a JSON object.")
         try:
-            request = parse_request(url, body)
+            request = parse_body(url, body)     # /v1/messages: Anthropic's body, answered in its shape
         except APIError as e:
             raise BatchLineError(e.code or "invalid_request", e.message) from None
         except (ValueError, RecursionError) as e:   # a check below the API layer (a forced tool call's schema size)
@@ -125,6 +126,7 @@ def error_line(custom_id: Optional[str], code: str, message: str, line_no: Optio
 
 
 def response_line(custom_id: str, body: Dict[str, Any]) -> Dict[str, Any]:
-    """The output line for a finished request; `body` is its OpenAI response (corelm.openai.Response)."""
+    """The output line for a finished request; `body` is its OpenAI response (corelm.openai.Response), or
+    Anthropic's message for /v1/messages."""
     return {"id": _rid("batch_req_"), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": _rid("req_"), "body": body}, "error": None}

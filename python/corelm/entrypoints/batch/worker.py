@@ -16,7 +16,8 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import EngineDead
-from ...openai import APIError, Response, TokenText, encode_prompts, sampling_error
+from ...openai import APIError, Response, TokenText, sampling_error
+from ...openai.anthropic import encode, make_response
 from .protocol import BatchRequest, error_line, response_line
 
 
@@ -99,8 +100,9 @@ class BatchWorker:
     def _add(self, r: BatchRequest) -> Dict[str, Tuple[BatchRequest, Response, int]]:
         """Queues the request's prompts; APIError (nothing left queued) when the engine refuses one."""
         req = r.request
-        prompts = encode_prompts(self.engine, req)
-        response = Response(req, sum(len(ids) for ids in prompts), req.model or self.engine.model_name, self.tokens)
+        prompts = encode(self.engine, req)       # encode_prompts, or with a /v1/messages prefill
+        response = make_response(req, sum(len(ids) for ids in prompts), req.model or self.engine.model_name,
+                                 self.tokens)        # OpenAI's, or Anthropic's for /v1/messages
         added = {}
         try:
             for p, ids in enumerate(prompts):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize, /health, /metrics, and the web chat page at /. See corelm.entrypoints.server
-for the overview."""
+/tokenize, /detokenize, /health, /metrics, and the web chat page at /; Anthropic's /v1/messages and
+/v1/messages/count_tokens (corelm.openai.anthropic). See corelm.entrypoints.server for the overview."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +19,8 @@ from fastapi.responses import Response as HTTPResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ...openai import (CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, encode_prompts,
-                       parse_request, sampling_error)
+from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, sampling_error
+from ...openai import anthropic
 from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
 from .guard import HostGuard
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
@@ -122,6 +122,28 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class _OpenAIStream:
+    """A streamed OpenAI response's SSE text: data-only events, ended by [DONE] (after an error too);
+    anthropic.MessageStream is the same for /v1/messages."""
+
+    def __init__(self, response: Response):
+        self.response = response
+
+    def start(self):
+        return [_sse(event) for event in self.response.stream_start()]
+
+    def add(self, item):
+        entry = self.response.add(*item)
+        return [] if entry is None else [_sse(self.response.stream_chunk([entry]))]
+
+    def end(self):
+        return [_sse(event) for event in self.response.stream_end()] + ["data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(e: APIError):
+        return [_sse(e.body()), "data: [DONE]\n\n"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Request plumbing
 
@@ -199,29 +221,31 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     metrics = state.metrics
     key = api_key.encode("utf-8") if api_key else None
 
-    def error_response(e: APIError) -> JSONResponse:
+    def error_response(e: APIError, path: str = "") -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         if e.status == 408:            # the rest of the body may never come
             headers = {"Connection": "close"}
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        # Anthropic's routes answer in Anthropic's error shape
+        body = anthropic.error_body(e) if anthropic.owns(path) else e.body()
+        return JSONResponse(body, status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         metrics.count_request(request.url.path if request.url.path in _ROUTES else "other", e.status)
-        return error_response(e)
+        return error_response(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         message = {404: "Not found.", 405: "Method not allowed."}.get(e.status_code, "Invalid request.")
         metrics.count_request("other", e.status_code)
-        return error_response(APIError(e.status_code, message, kind))
+        return error_response(APIError(e.status_code, message, kind), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("internal error")
         metrics.count_request(request.url.path if request.url.path in _ROUTES else "other", 500)
-        return error_response(APIError(500, "Internal server error.", "server_error"))
+        return error_response(APIError(500, "Internal server error.", "server_error"), request.url.path)
 
     def authorize(request: Request) -> None:
         if key is None:
@@ -229,7 +253,9 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         given = token.strip().encode("utf-8", errors="replace") if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(given, key):   # constant time
+        # Anthropic's clients send the key as x-api-key
+        other = request.headers.get("x-api-key", "").strip().encode("utf-8", errors="replace")
+        if not (hmac.compare_digest(given, key) | hmac.compare_digest(other, key)):   # constant time, both
             raise APIError(401, "Invalid or missing API key.", "invalid_request_error", code="invalid_api_key")
 
     def require_json(request: Request) -> None:
@@ -288,15 +314,15 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             metrics.count_request(endpoint, 499)
             return HTTPResponse(status_code=499)
         engine, runner = state.engine, state.runner
-        req = parse_request(endpoint, body)
+        req = anthropic.parse_body(endpoint, body)      # parse_request, or Anthropic's for /v1/messages
         # a prompt too long for the context by its size alone is refused before anything is rendered
         check_prompt_bytes(req, state.max_prompt_bytes, engine.max_seq_len)
         # off the event loop: a long prompt or conversation takes a while to render and tokenize
-        prompts = await asyncio.to_thread(encode_prompts, engine, req)
+        prompts = await asyncio.to_thread(anthropic.encode, engine, req)   # encode_prompts, or with a prefill
         if runner.num_choices + req.num_choices > state.config.max_pending:
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
-        response = Response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
+        response = anthropic.make_response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
         queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
 
@@ -341,25 +367,26 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             # the response starts, the generator never runs, but the watcher still aborts.
             watcher = asyncio.create_task(watch())
 
+            sse = (anthropic.MessageStream(response) if isinstance(response, anthropic.MessageResponse)
+                   else _OpenAIStream(response))
+
             async def events():
                 try:
-                    for event in response.stream_start():
-                        yield _sse(event)
+                    for text in sse.start():
+                        yield text
                     while not response.finished:
                         try:
                             item = await next_chunk()
                         except APIError as e:      # the stream still ends as streams do
-                            yield _sse(e.body())
-                            yield "data: [DONE]\n\n"
+                            for text in sse.error(e):
+                                yield text
                             return
                         if item is _DISCONNECTED:
                             return
-                        entry = response.add(*item)
-                        if entry is not None:
-                            yield _sse(response.stream_chunk([entry]))
-                    for event in response.stream_end():
-                        yield _sse(event)
-                    yield "data: [DONE]\n\n"
+                        for text in sse.add(item):
+                            yield text
+                    for text in sse.end():
+                        yield text
                 finally:
                     watcher.cancel()
                     close()
@@ -431,8 +458,18 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     async def chat_completions(request: Request):
         return await generate(request, CHAT_URL)
 
+    @app.post(anthropic.MESSAGES_URL)
+    async def messages(request: Request):
+        return await generate(request, anthropic.MESSAGES_URL)
+
+    @app.post(anthropic.COUNT_TOKENS_URL)
+    async def count_tokens(request: Request):
+        return await token_endpoint(request, anthropic.COUNT_TOKENS_URL,
+                                    lambda engine, body: anthropic.count_tokens(engine, body, state.max_prompt_bytes))
+
     return app
 
 
 TOKENIZE_URL, DETOKENIZE_URL = "/tokenize", "/detokenize"
-_ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, "/v1/models", "/health", "/metrics", "/"}
+_ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, "/v1/models", "/health", "/metrics", "/",
+           *anthropic.URLS}
