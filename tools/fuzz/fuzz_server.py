@@ -34,6 +34,10 @@ SLACK = 3.0                     # seconds past the server's own timeouts before 
 ACTIONS = ("idle", "slow_headers", "partial_headers", "partial_body", "garbage", "mutated", "valid", "early_close")
 _BODIES = [("POST", "/v1/completions", {"prompt": "Once", "max_tokens": 2}),
            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+           ("POST", "/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                     "stream": True}),
+           ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                            "text": "Hi"}]}]}),
            ("POST", "/tokenize", {"prompt": "Once upon a time"}),
            ("GET", "/health", None), ("GET", "/v1/models", None), ("GET", "/", None), ("GET", "/metrics", None)]
 
