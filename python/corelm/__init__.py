@@ -26,6 +26,6 @@ def __getattr__(name):
         from .engine.sampling import StructuredOutputsParams
         return StructuredOutputsParams
     if name == "ModelLoadError":
-        from .loader.spec import ModelLoadError
+        from .errors import ModelLoadError
         return ModelLoadError
     raise AttributeError(f"module 'corelm' has no attribute {name!r}")

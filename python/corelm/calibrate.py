@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
+from .loader.rope import rope_attention_factor, rope_inv_freq
 from .loader.spec import LoadedModel
 
 # Mixed English prose, dialogue, code, SQL/JSON, a recipe and a few other languages (written for corelm,
@@ -43,7 +44,6 @@ def hidden_states(loaded: LoadedModel, chunks: Sequence[Sequence[int]], record: 
     q/k/v and once for gate/up, which share an input: under the names "wq" and "w_gate"; an expert's with
     the tokens routed to it, never for an expert no token chose). Returns the final hidden states (before
     the last norm) of each chunk."""
-    from .engine.model_builder import rope_attention_factor, rope_inv_freq
     spec = loaded.spec
     get = loaded.get_weight
     nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.rms_norm_eps)

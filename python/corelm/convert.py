@@ -47,12 +47,17 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import __version__ as corelm_version
+from . import calibrate
 from .loader import load_model
+from .loader.checks import read_json
 from .loader.corelm_format import (CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, WeightsWriter, bitmap_nbytes,
                                    is_corelm_folder, pack_sbf16, pack_sparse_blocks, spec_to_dict,
                                    stored_sparsity)
-from .loader.spec import LoadedModel
+from .loader.hub import download_from_hub, looks_like_repo_id
+from .loader.spec import LoadedModel, kept_float, stored_raw_type, weight_shapes
 from .options import GGUF_BLOCK_FORMATS, K_QUANT_TARGETS, SPARSE_OF, WEIGHT_FORMATS, choose, format_of_gguf
+from .threads import default_threads
 
 __all__ = ["convert", "cached_conversion", "folder_dtype", "quantize_q8_0", "quantize_q4_0", "quantize_q4_1",
            "quantize_q4_1_search", "quantize_ggml_search", "k_quant_type", "to_bf16", "prune_rows", "cache_dir"]
@@ -151,7 +156,6 @@ def quantize_q4_1(w: np.ndarray) -> np.ndarray:
 def _search_rows(w: np.ndarray, importance: Optional[np.ndarray], block: int,
                  fn: Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray]) -> np.ndarray:
     """fn (a C++ search, which releases the GIL) over w's rows, split over threads."""
-    from .engine.model_builder import default_threads
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % block:
         raise ValueError(f"block quantization needs a matrix with a multiple of {block} columns, got {w.shape}")
@@ -300,8 +304,6 @@ def _plan(loaded: LoadedModel, weights: str, sparse: Optional[Sparsity] = None,
     """internal name -> (storage type, shape, copied raw from the source). draft: a speculative draft's
     plan, the fewest bytes a token: every matrix, the embedding and lm_head included, in the target's type
     (K-quants: its base type), a GGUF's own blocks kept only where they are no larger."""
-    from .engine.model_builder import stored_raw_type
-    from .loader.spec import kept_float, weight_shapes
     plan = {}
     for name, shape in weight_shapes(loaded.spec).items():
         quantized = weights in RAW_KEEP or weights in K_BASE
@@ -383,8 +385,7 @@ def convert(src: str, out: str, weights: str = "q8_0", progress: bool = False, o
     importance = {}
     if any((t in ("q4_1",) + GGML_SEARCHED and not from_raw) or (WEIGHT_FORMATS[t].sparse and sparse.method == "wanda")
            for t, _, from_raw in plan.values()):
-        from .calibrate import activation_importance, calibration_ids
-        importance = activation_importance(loaded, calibration_ids(loaded), progress=progress)
+        importance = calibrate.activation_importance(loaded, calibrate.calibration_ids(loaded), progress=progress)
         if loaded.spec.tie_word_embeddings and "lm_head" in importance:    # the embedding is the lm_head
             importance["tok_embeddings"] = importance.pop("lm_head")
     parent = os.path.dirname(out) or "."
@@ -572,7 +573,6 @@ def _restore_aside(parent: str, aside: str) -> None:
 
 def _check_patterns(patterns: Sequence[str], loaded: LoadedModel) -> None:
     """A keep_dense pattern that matches no weight is a typo: say so rather than prune what it meant."""
-    from .loader.spec import weight_shapes
     names = list(weight_shapes(loaded.spec))
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
@@ -581,7 +581,6 @@ def _check_patterns(patterns: Sequence[str], loaded: LoadedModel) -> None:
 
 
 def _write_side_files(loaded: LoadedModel, folder: str, weights: str, plan, extra: Dict) -> None:
-    from . import __version__ as corelm_version
     counts: Dict[str, int] = {}
     for t, _, _ in plan.values():
         counts[WEIGHT_FORMATS[t].file_type] = counts.get(WEIGHT_FORMATS[t].file_type, 0) + 1
@@ -647,7 +646,6 @@ def cached_conversion(src: str, weights: str, progress: bool = True, draft: bool
     if is_corelm_folder(os.path.expanduser(src)):
         return src
     if not os.path.exists(os.path.expanduser(src)):      # a hub reference: its downloaded GGUF file or folder
-        from .loader.hub import download_from_hub, looks_like_repo_id
         if looks_like_repo_id(src):
             src = download_from_hub(src)
     base = os.path.basename(os.path.normpath(src))
@@ -665,7 +663,6 @@ def cached_conversion(src: str, weights: str, progress: bool = True, draft: bool
 def folder_dtype(folder: str) -> str:
     """The engine dtype a corelm folder is meant for ("auto" for bf16: bf16 where the CPU has it; q8_0 for
     the K-quant kinds: it keeps every block type they store and quantizes an f32 matrix at 8 bits)."""
-    from .loader.hf import read_json
     weights = read_json(os.path.join(folder, CONFIG_FILE), CONFIG_FILE).get("weights")
     try:
         weights = choose("weights", weights)

@@ -1,4 +1,8 @@
-"""Errors that cross layers."""
+"""Errors that cross layers (the bottom layer: every other module may raise or catch them)."""
+
+
+class ModelLoadError(ValueError):
+    """A model file or folder is missing, corrupt, hostile or unsupported. The message says which."""
 
 
 class EngineDead(RuntimeError):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..loader import load_model
 from ..options import choose
+from . import speculative
 from .model_builder import build_core_model, wait_for_huge_pages
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -111,7 +112,7 @@ class LLMEngine:
             if dtype not in ("auto", weights):   # the converted folder would be repacked into dtype: say so
                 raise ValueError(f"weights={weights!r} and dtype={dtype!r} disagree; give one of them "
                                  f"(weights= converts and keeps that format, dtype= repacks at load).")
-            from ..convert import cached_conversion
+            from ..convert import cached_conversion   # conversion loads when asked for: the CLI starts light
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
         tp = check_tensor_parallel_size(tensor_parallel_size)
         if tp > 1:
@@ -164,7 +165,6 @@ class LLMEngine:
     def _speculator(self, model: Optional[str], k: Optional[int], weights: Optional[str], n_max: int, n_min: int,
                     **build):
         """The proposer the options ask for (None: plain decoding)."""
-        from . import speculative
         if model is None or model == "[none]":
             if k is not None or weights is not None:
                 raise ValueError("num_speculative_tokens and speculative_weights need speculative_model "

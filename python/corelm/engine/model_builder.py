@@ -11,44 +11,14 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..loader.spec import LoadedModel, ModelLoadError, ModelSpec, kept_float, weight_shapes
-from ..options import KEEP_AS_STORED, WEIGHT_FORMATS, choose, choose_optional, format_of_core, format_of_raw
+from ..loader.rope import rope_attention_factor, rope_inv_freq
+from ..loader.spec import LoadedModel, ModelSpec, kept_float, stored_raw_type, weight_shapes
+from ..options import KEEP_AS_STORED, WEIGHT_FORMATS, choose, format_of_core, format_of_raw
+from ..threads import check_numa, default_threads  # noqa: F401  (model_builder's names before they moved down)
 
 log = logging.getLogger("corelm")
 
 KV_BLOCK_SIZE = 16
-
-
-def check_numa(numa: Optional[str]) -> Optional[str]:
-    """None (the default plan, memory where first touch puts it), "distribute" (threads on every node,
-    each matrix's rows and the KV blocks split by node) or "isolate" (threads and memory on the node the
-    process started on), as llama.cpp's --numa."""
-    return choose_optional("numa", numa)
-
-
-def default_threads(numa: Optional[str] = None) -> int:
-    """The physical cores of the first NUMA node this process may use (P- and E-cores on hybrid CPUs),
-    as the C++ thread plan counts them: SMT siblings share execution units and only add contention to
-    bandwidth-bound decode, and another node's cores would read the weights across the interconnect.
-    numa="distribute": the physical cores of every node; "isolate": of the node this process runs on."""
-    check_numa(numa)
-    try:
-        from .. import _core
-        return max(1, len(_core.plan_threads(numa=numa)))
-    except Exception:   # the core is not built (or predates the plan): count cores with psutil
-        pass
-    try:
-        allowed = len(os.sched_getaffinity(0))
-    except AttributeError:
-        allowed = os.cpu_count() or 1
-    try:
-        import psutil
-        physical = psutil.cpu_count(logical=False) or allowed
-        logical = psutil.cpu_count(logical=True) or allowed
-        per_core = max(1, logical // physical)
-        return max(1, min(physical, allowed // per_core))
-    except Exception:
-        return max(1, allowed)
 
 
 def default_pin_threads() -> bool:
@@ -78,54 +48,6 @@ def resolve_dtype(dtype: str) -> str:
     if dtype == "auto":
         return "bf16" if _core.cpu_info().get("bf16_native") else "fp32"
     return WEIGHT_FORMATS[dtype].core
-
-
-def rope_inv_freq(spec: ModelSpec, max_seq_len: Optional[int] = None, local: bool = False) -> np.ndarray:
-    """Inverse RoPE frequencies [rotated dims / 2] in float32, computed as transformers does, with its
-    "linear", "llama3" and "longrope" scalings applied. local: the sliding layers' own (Gemma 3: their
-    own base, no scaling). LongRoPE takes its long factors when the context the engine holds
-    (max_seq_len) exceeds the pre-training one, as llama.cpp does."""
-    dim = spec.rope_dim or spec.head_dim
-    theta = spec.rope_local_theta if local else spec.rope_theta
-    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    base = np.power(np.float32(theta), exponents).astype(np.float32)
-    inv_freq = (np.float32(1.0) / base).astype(np.float32)
-    scaling = spec.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if local or kind in (None, "default"):
-        return inv_freq
-    if kind == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    if kind == "longrope":
-        long = max_seq_len is not None and max_seq_len > scaling["original_max_position_embeddings"]
-        ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
-        return (np.float32(1.0) / (ext * base)).astype(np.float32)
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = np.float32(2 * math.pi) / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
-        smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ModelLoadError(f"RoPE scaling type {kind!r} is not supported yet (supported: default, linear, llama3, "
-                         f"longrope)")
-
-
-def rope_attention_factor(spec: ModelSpec) -> float:
-    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or transformers' default
-    from the context extension), 1 otherwise."""
-    s = spec.rope_scaling or {}
-    if s.get("rope_type") != "longrope":
-        return 1.0
-    if s.get("attention_factor") is not None:
-        return float(s["attention_factor"])
-    orig = s["original_max_position_embeddings"]
-    factor = s.get("factor") or spec.max_position_embeddings / orig
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
@@ -220,15 +142,6 @@ def _kept_blocks(loaded: LoadedModel, name: str, keep_raw):
     raw = get_raw(name) if get_raw is not None and keep_raw else None
     raw_format = format_of_raw(raw[0]) if raw is not None else None
     return (raw, raw_format) if raw_format is not None and raw_format.name in keep_raw else None
-
-
-def stored_raw_type(loaded: LoadedModel, name: str) -> Optional[str]:
-    """The type name loaded.get_raw_weight(name) gives (None: no raw form), from the file's header where the
-    loader can say (raw_weight_type), so deciding how to store a matrix reads none of it."""
-    raw_type, get_raw = getattr(loaded, "raw_weight_type", None), getattr(loaded, "get_raw_weight", None)
-    if raw_type is not None:
-        return raw_type(name)
-    return (get_raw(name) or (None,))[0] if get_raw is not None else None   # a loader without it: its getter's
 
 
 def _kept_format(loaded: LoadedModel, name: str, keep_raw):

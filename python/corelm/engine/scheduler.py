@@ -14,85 +14,17 @@ import collections
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
+from .kv_blocks import BlockManager
 from .sequence import Sequence, StreamChunk
 from .speculative import SpecGuard, StepCosts, plan_lengths
 
 DECLINED_STEPS = 16   # steps in a row without drafting after which a draft stops reading new prompts at that load
 
 log = logging.getLogger("corelm")
-
-
-class BlockManager:
-    """KV blocks of a fixed number of tokens: a free list, reference counts, and a prefix cache that
-    maps a full block's contents (hashed together with everything before it) to the block holding
-    its keys and values, so requests that share a prompt prefix share its blocks."""
-
-    def __init__(self, n_blocks: int, block_size: int):
-        self.block_size = block_size
-        # A stack: the most recently freed block is reused first, so steady traffic keeps touching the
-        # same few blocks and the pool's resident memory follows the working set, not the whole pool
-        # (its pages are reserved, not touched, until a block is first written).
-        self.free: List[int] = list(range(n_blocks - 1, -1, -1))
-        self.refs = [0] * n_blocks
-        self.cached: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # hash -> block (LRU order)
-        self.hash_of: Dict[int, int] = {}                                             # block -> hash
-
-    @property
-    def num_free(self) -> int:
-        """Blocks available now: truly free plus cached ones nobody uses (evictable)."""
-        return len(self.free) + sum(1 for b in self.cached.values() if self.refs[b] == 0)
-
-    def allocate(self) -> Optional[int]:
-        if self.free:
-            b = self.free.pop()
-        else:
-            victim = next((h for h, b in self.cached.items() if self.refs[b] == 0), None)
-            if victim is None:
-                return None
-            b = self.cached.pop(victim)
-            del self.hash_of[b]
-        self.refs[b] = 1
-        return b
-
-    def release(self, blocks: List[int]) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0 and b not in self.hash_of:
-                self.free.append(b)
-
-    @staticmethod
-    def chain_hash(prev: int, tokens: Tuple[int, ...]) -> int:
-        return hash((prev, tokens))
-
-    def match_prefix(self, token_ids: List[int]) -> List[int]:
-        """The cached blocks holding the longest run of full blocks of token_ids (references taken)."""
-        blocks, h = [], 0
-        for i in range(len(token_ids) // self.block_size):
-            h = self.chain_hash(h, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            b = self.cached.get(h)
-            if b is None:
-                break
-            self.cached.move_to_end(h)
-            self.refs[b] += 1
-            blocks.append(b)
-        return blocks
-
-    def register(self, block: int, h: int) -> None:
-        """Offers a full, computed block to the prefix cache (the first copy of a prefix wins)."""
-        if block not in self.hash_of and h not in self.cached:
-            self.cached[h] = block
-            self.hash_of[block] = h
-
-    def clear_cache(self) -> None:
-        for b in list(self.hash_of):
-            del self.hash_of[b]
-            if self.refs[b] == 0:
-                self.free.append(b)
-        self.cached.clear()
 
 
 class _Running:

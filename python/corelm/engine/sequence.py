@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
+from .guided import GuidedMatcher
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger("corelm")
@@ -86,7 +87,6 @@ class Sequence:
         # structured output: the grammar's mask restricts every step; ValueError if it does not compile
         self.guide = None
         if params.structured_outputs is not None:
-            from .guided import GuidedMatcher
             self.guide = GuidedMatcher(params.structured_outputs, tokenizer, vocab_size, eos_token_ids)
 
     @property

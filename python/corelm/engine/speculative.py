@@ -29,6 +29,8 @@ from typing import Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
+from .kv_blocks import BlockManager
+
 
 class SpecStats:
     """Counters for /metrics and /stats: tokens proposed (drafted) and tokens accepted."""
@@ -332,7 +334,6 @@ class DraftModel(Proposer):
     def __init__(self, core, target_core, k_max: int = 4, vocab_limit: Optional[int] = None,
                  lookup: Optional[PromptLookup] = None):
         super().__init__(k_max)
-        from .scheduler import BlockManager
         self.core = core
         self.target_core = target_core
         self.blocks = BlockManager(core.kv_blocks, core.kv_block_size)

@@ -18,7 +18,8 @@ import platform
 from typing import Any, Dict, List, Optional
 
 from .. import __version__, loader
-from .model_builder import AUTO_ACTIVATIONS, default_max_seq_len, kv_bytes_per_token, planned_storage
+from .model_builder import (AUTO_ACTIVATIONS, default_max_seq_len, default_pin_threads, kv_bytes_per_token,
+                            planned_storage)
 
 # /proc/cpuinfo flags worth showing when the C++ core (which reports its own view) is not built.
 _INTERESTING_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
@@ -106,7 +107,6 @@ def system_info(threads: Optional[int] = None, numa: Optional[str] = None,
         "memory": memory,
     }
     if topo:
-        from .model_builder import default_pin_threads
         info["thread_plan"] = topo.pop("thread_plan")
         info.update(topology=topo, pin_threads=default_pin_threads())
     if "error" in core:
@@ -152,7 +152,7 @@ def storage_info(loaded) -> Optional[Dict[str, Any]]:
     the bytes a decoded token reads (every tensor but the embedding table, of which it reads one row; MoE
     experts at the share a token uses), and each sparse matrix's shape, format, bytes (and its dense format's)
     and fraction of zeros."""
-    from ..loader.corelm_format import TYPES, bitmap_nbytes, stored_sparsity, tensor_nbytes
+    from ..loader.corelm_format import TYPES, bitmap_nbytes, stored_sparsity, tensor_nbytes  # corelm folders only
     if loaded.stored_tensors is None:
         return None
     spec = loaded.spec

@@ -24,6 +24,7 @@ def load_model(model: str, revision: Optional[str] = None, tokenizer_in_backgrou
     'owner/name:Q4_K_M', 'hf.co/owner/name:Q4_K_M'; see hub.py). `revision` (branch, tag or commit) applies
     to hub downloads only. tokenizer_in_background: a GGUF's tokenizer is built on a thread while the
     caller loads the weights (`LoadedModel.tokenizer` waits for it and raises what building it raised)."""
+    # The parsers are imported when a model is loaded: `import corelm.loader` (every CLI command) stays light.
     from .gguf import GGUF_MAGIC, load_gguf_model
     from .hf import PICKLE_SUFFIXES, load_hf_folder
     from .hub import download_from_hub, looks_like_repo_id

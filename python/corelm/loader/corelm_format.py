@@ -36,7 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import CHOICES, WEIGHT_FORMATS, WeightFormat
+from .checks import folder_chat_template, load_tokenizer, optional_json, read_json, validate_spec
 from .families import SUPPORTED_ARCHS
+from .gguf import _DECODERS
 from .spec import (LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, check_finite, check_finite_blocks,
                    release_mapped_range, weight_shapes)
 
@@ -267,7 +269,6 @@ class CorelmWeights:
         return np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def get_f32(self, name: str) -> np.ndarray:
-        from .gguf import _DECODERS
         t = self.tensors[name]
         raw = self.raw(name)
         if t.type == "f32":
@@ -411,7 +412,6 @@ def spec_to_dict(spec: ModelSpec) -> Dict[str, Any]:
 
 
 def spec_from_dict(d: Any, source: str) -> ModelSpec:
-    from .hf import validate_spec
     names = {f.name for f in fields(ModelSpec)}
     if not isinstance(d, dict):
         raise ModelLoadError(f"{source}: config.json 'spec' is not an object")
@@ -434,7 +434,6 @@ def is_corelm_folder(path: str) -> bool:
 
 
 def load_corelm_folder(folder: str) -> LoadedModel:
-    from .hf import _hf_chat_template, _optional_json, load_tokenizer, read_json
     folder = os.path.abspath(folder)
     config_path = os.path.join(folder, CONFIG_FILE)
     if not os.path.isfile(config_path):
@@ -490,8 +489,8 @@ def load_corelm_folder(folder: str) -> LoadedModel:
     return LoadedModel(
         spec=spec, get_weight=get_weight, get_raw_weight=get_raw_weight, raw_weight_type=raw_weight_type,
         release_weight=w.release,
-        tokenizer=load_tokenizer("from_hf_folder", folder, folder), chat_template=_hf_chat_template(folder),
-        generation_config=_optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json"),
+        tokenizer=load_tokenizer("from_hf_folder", folder, folder), chat_template=folder_chat_template(folder),
+        generation_config=optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json"),
         source=folder, source_format="corelm",
         description=f"corelm v{FORMAT_VERSION} {config.get('weights', '?')} ({'/'.join(order)}){pruned}",
         stored_tensors={n: (t.type, t.shape, t.nbytes) for n, t in w.tensors.items()})

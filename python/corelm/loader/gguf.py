@@ -15,6 +15,8 @@ A string is u64 byte length + UTF-8 bytes; an array is u32 element type + u64 co
 """
 from __future__ import annotations
 
+import concurrent.futures
+import gc
 import math
 import mmap
 import os
@@ -25,9 +27,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..options import WEIGHT_FORMATS
+from .checks import (SIZE_KEYS, add_source, check_experts, check_weight_shapes, load_tokenizer, source_shape, split_tensor,
+                     validate_spec)
 from .families import GGUF_ARCHS, GGUF_MOE_ARCHS, family
-from .spec import (ModelLoadError, bf16_to_f32, check_finite, check_finite_blocks, kept_float, release_mapped_range,
-                   row_range)
+from .spec import (LoadedModel, ModelLoadError, ModelSpec, bf16_to_f32, check_finite, check_finite_blocks, kept_float,
+                   release_mapped_range, row_range)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -478,7 +482,6 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenize
 
 
 def _build_tokenizer(g: GGUFFile):
-    from .hf import load_tokenizer
     try:
         return load_tokenizer("from_gguf_metadata", g.metadata, g.path)
     finally:
@@ -490,7 +493,6 @@ def _build_tokenizer(g: GGUFFile):
 def _return_freed_memory() -> None:
     """Hands the building's freed Python and C heap back to the OS before the weights arrive: 25-30 MB
     off the peak RSS with a 150k vocabulary."""
-    import gc
     from .. import _core
     gc.collect()
     _core.release_freed_heap()
@@ -501,9 +503,6 @@ def load_gguf_model(path: str, tokenizer_in_background: bool = False):
     tokenizer_in_background: the tokenizer is built on a thread while the caller loads the weights (its
     Python runs while the weights' C++ holds no GIL); LoadedModel.tokenizer waits for it, and raises
     what building it raised."""
-    from .hf import SIZE_KEYS, check_experts, check_weight_shapes, source_shape
-    from .spec import LoadedModel
-
     g = read_gguf(path)
     spec = spec_from_gguf(g)
     names = _map_gguf_names(spec, g)
@@ -531,7 +530,6 @@ def load_gguf_model(path: str, tokenizer_in_background: bool = False):
 
 
 def _tokenizer_thread(g: GGUFFile) -> "concurrent.futures.Future":
-    import concurrent.futures
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="corelm-tokenizer")
     future = pool.submit(_build_tokenizer, g)
     pool.shutdown(wait=False)   # the thread ends with its one task
@@ -562,9 +560,6 @@ def _short(v: Any) -> str:
 
 
 def spec_from_gguf(g: GGUFFile):
-    from .hf import validate_spec
-    from .spec import ModelSpec
-
     gguf_arch = g.metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {_short(gguf_arch)}; corelm supports "
@@ -700,7 +695,6 @@ def _gguf_eos(g: GGUFFile, vocab: int) -> List[int]:
 def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
     """internal name -> (GGUF tensor, first row, end row; -1: all rows: fused and stacked expert tensors give
     each part its rows); any tensor the engine would not use is an error."""
-    from .hf import add_source, split_tensor
     fam = family(spec.arch)
     names, unknown = {}, []
     for t in g.tensors:

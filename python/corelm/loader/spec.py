@@ -8,11 +8,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import ModelLoadError  # noqa: F401  (re-exported: the loaders' error, also the tokenizer's)
 from .families import SUPPORTED_ARCHS  # noqa: F401  (re-exported)
-
-
-class ModelLoadError(ValueError):
-    """A model file or folder is missing, corrupt, hostile or unsupported. The message says which."""
 
 
 @dataclass
@@ -141,6 +138,15 @@ class LoadedModel:
 
     def weight_names(self) -> Iterable[str]:
         return weight_shapes(self.spec).keys()
+
+
+def stored_raw_type(loaded: LoadedModel, name: str) -> Optional[str]:
+    """The type name loaded.get_raw_weight(name) gives (None: no raw form), from the file's header where the
+    loader can say (raw_weight_type), so deciding how to store a matrix reads none of it."""
+    raw_type, get_raw = getattr(loaded, "raw_weight_type", None), getattr(loaded, "get_raw_weight", None)
+    if raw_type is not None:
+        return raw_type(name)
+    return (get_raw(name) or (None,))[0] if get_raw is not None else None   # a loader without it: its getter's
 
 
 def row_range(shape: Tuple[int, ...], nbytes: int, r0: int = 0, r1: int = -1) -> Tuple[int, int, Tuple[int, ...]]:

@@ -13,9 +13,10 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .. import SamplingParams
-from ..engine.guided import StructuredOutputsParams
+from ..engine import SamplingParams
+from ..engine.guided import GuidedMatcher, StructuredOutputsParams, UnsatisfiableConstraint
 from ..engine.sampling import MAX_LOGIT_BIAS
+from .errors import APIError, bad_request
 from .tools import ToolConfig, check_tools, template_messages_tool_calls
 
 CHAT_URL = "/v1/chat/completions"
@@ -30,24 +31,6 @@ MAX_STOP_CHARS = 256
 
 # ---------------------------------------------------------------------------------------------------
 # Errors
-
-class APIError(Exception):
-    """A request the API refuses. The server answers {"error": {message, type, param, code}} with
-    `status`; a batch file gets an error line {"code", "message"}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
-
-
-def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
 
 def unsupported(param: str, message: Optional[str] = None) -> APIError:
     """A field corelm cannot honour: refused, never silently ignored."""
@@ -477,7 +460,6 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
 def _compile_for(engine, so: StructuredOutputsParams) -> None:
     """Compiles the grammar for the engine's tokenizer here (off the event loop; the engine's sequences
     then copy the cached matcher); a 400 when it does not compile for this vocabulary."""
-    from ..engine.guided import GuidedMatcher, UnsatisfiableConstraint
     try:
         GuidedMatcher(so, engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     except UnsatisfiableConstraint:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..engine.guided import StructuredOutputsParams
 from . import tool_parsers
+from .errors import bad_request
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8   # calls one forced answer may hold
@@ -77,7 +78,6 @@ def _parameters(function: Dict[str, Any]) -> Dict[str, Any]:
 def check_tools(tools: Optional[List[Any]], tool_choice: Union[str, Dict[str, Any], None],
                 parallel: Optional[bool]) -> Optional[ToolConfig]:
     """The request's tool fields -> ToolConfig (None without tools); a 400 naming the field at fault."""
-    from .protocol import bad_request   # (protocol imports this module)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..loader.spec import ModelLoadError
+from ..errors import ModelLoadError
 from .chat_template import (CHATML_TEMPLATE, ChatTemplateError, ChatTemplateSecurityError,
                             render_chat_template)
 from .detokenizer import IncrementalDetokenizer

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..loader.spec import ModelLoadError
+from ..errors import ModelLoadError
 
 log = logging.getLogger("corelm.tokenizer")
 

@@ -9,5 +9,5 @@ Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions
 output. See runner.py for the process model and protocol.py for the line format.
 """
 from .protocol import BatchLineError, parse_line  # noqa: F401
-from ...engine.placement import split_cpus  # noqa: F401
+from ...engine import split_cpus  # noqa: F401
 from .runner import run_batch  # noqa: F401

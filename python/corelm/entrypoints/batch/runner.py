@@ -29,7 +29,8 @@ import time
 from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 from .protocol import BatchLineError, BatchRequest, error_line, parse_line
-from ...engine.placement import split_cpus
+from ...engine import check_kv_sparsity, split_cpus
+from ...options import choose, choose_optional
 from .worker import worker_main
 
 MAX_ATTEMPTS = 3
@@ -274,14 +275,12 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         raise ValueError(f"--threads must be at least 1, got {threads}.")
     if task_size < 1:
         raise ValueError(f"--task-size must be at least 1, got {task_size}.")
-    from ...options import choose, choose_optional
     # the engine checks these too; here a typo fails before any worker starts
     choose("dtype", dtype)
     choose_optional("numa", numa)
     choose_optional("schedule", schedule)
     choose("activations", activations)
     choose("kv_cache_dtype", kv_cache_dtype)
-    from ...engine.model_builder import check_kv_sparsity
     check_kv_sparsity(kv_sparsity)
     options = {"dtype": dtype, "max_seq_len": max_seq_len, "numa": numa, "schedule": schedule,
                "activations": activations, "kv_cache_dtype": kv_cache_dtype, "kv_cache_gb": kv_cache_gb,

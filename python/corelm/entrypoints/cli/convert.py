@@ -1,4 +1,5 @@
-"""`corelm convert`: write a corelm model folder from an HF folder or a GGUF file (corelm.convert)."""
+"""`corelm convert`: write a corelm model folder from an HF folder or a GGUF file (corelm.convert, through
+corelm.engine.convert_model)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,8 @@ import json
 import os
 import time
 
-from ...options import WEIGHT_FORMATS
+from ...engine import convert_model, sparsity_summary
+from ...options import SPARSE_OF, WEIGHT_FORMATS
 from .flags import add_choice_flag
 
 
@@ -36,11 +38,9 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...convert import convert, sparsity_summary
-    from ...options import SPARSE_OF
     t0 = time.perf_counter()
-    out = convert(args.src, args.output, weights=args.weights, progress=args.progress, overwrite=args.force,
-                  sparsity=args.sparsity, prune=args.prune, keep_dense=args.keep_dense)
+    out = convert_model(args.src, args.output, weights=args.weights, progress=args.progress, overwrite=args.force,
+                        sparsity=args.sparsity, prune=args.prune, keep_dense=args.keep_dense)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     print(f"wrote {out} ({args.weights}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
     if args.sparsity is not None:

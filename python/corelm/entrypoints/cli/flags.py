@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional
 
-from ...engine import SamplingParams
+from ...engine import SamplingParams, check_kv_sparsity
 from ...options import CHOICES, argparse_choices
 
 
@@ -146,7 +146,6 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
     if args.kv_sparsity is not None:
-        from ...engine.model_builder import check_kv_sparsity
         try:
             options["kv_sparsity"] = check_kv_sparsity(args.kv_sparsity)
         except ValueError:

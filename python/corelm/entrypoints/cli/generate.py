@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Iterable, List
 
+from ...engine import StructuredOutputsParams
 from .flags import add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, llm_from_args, sampling_params
 from .terminal import close_stream, print_stats
 
@@ -72,7 +73,6 @@ def read_schema(path: str):
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.json_schema is not None:
-        from ...engine.guided import StructuredOutputsParams
         try:
             so = StructuredOutputsParams(json=read_schema(args.json_schema))
         except ValueError as e:

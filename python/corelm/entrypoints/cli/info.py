@@ -7,7 +7,8 @@ import argparse
 import json
 from typing import Any, Dict, Iterable, List, Optional
 
-from ...engine.system import model_info, numa_split, system_info
+from ...engine import model_info, numa_split, sparsity_summary, system_info
+from ...options import SPARSE_OF
 from .flags import add_model_arg, add_numa_flag, add_threads_flag
 
 
@@ -122,8 +123,6 @@ def format_numa(numa: Dict[str, Any], n_nodes: int) -> List[str]:
 
 def format_storage(storage: Dict[str, Any], verbose: bool = False) -> List[str]:
     """A corelm folder's bytes read per token and its sparse matrices (each one with verbose)."""
-    from ...convert import sparsity_summary
-    from ...options import SPARSE_OF
     lines = [f"Storage:   {_bytes(storage['bytes_per_token'], 3)} read per token (every tensor as stored but the "
              f"embedding table, of which a token reads one row)"]
     sparse = storage["sparse"]

@@ -1,9 +1,9 @@
-"""`corelm list`: the models in huggingface_hub's cache, as the reference that loads each (corelm.loader.hub)."""
+"""`corelm list`: the models in huggingface_hub's cache, as the reference that loads each (corelm.engine.models)."""
 from __future__ import annotations
 
 import argparse
 
-from ...loader.hub import cache_dir, cached_models
+from ...engine import cached_models, hub_cache_dir
 
 
 def add_parser(commands) -> None:
@@ -25,7 +25,7 @@ def _size(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     models = cached_models()
     if not models:
-        print(f"no models in the Hugging Face cache ({cache_dir()}); `corelm pull ID[:QUANT]` downloads one")
+        print(f"no models in the Hugging Face cache ({hub_cache_dir()}); `corelm pull ID[:QUANT]` downloads one")
         return 0
     rows = [("MODEL", "SIZE", "PATH")] + [(m.model, _size(m.size), m.path) for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(2)]

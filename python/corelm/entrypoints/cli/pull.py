@@ -1,10 +1,10 @@
 """`corelm pull`: download a model from the Hugging Face hub into huggingface_hub's cache and print its
-local path (corelm.loader.hub: `owner/name[@REVISION][:QUANT]` picks one GGUF file of a repository)."""
+local path (corelm.engine.models; `owner/name[@REVISION][:QUANT]` picks one GGUF file of a repository)."""
 from __future__ import annotations
 
 import argparse
 
-from ...loader.hub import download_from_hub
+from ...engine import download_model
 
 
 def add_parser(commands) -> None:
@@ -23,5 +23,5 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(download_from_hub(args.model))
+    print(download_model(args.model))
     return 0

@@ -42,8 +42,8 @@ import time
 import traceback
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ...engine.sampling import SamplingParams
-from ...engine.sequence import StreamChunk
+from ...engine import (LLMEngine, SamplingParams, StreamChunk, allowed_cpus, block_hashes, local_model_path,
+                       model_tokenizer, served_model_name, split_cpus)
 from ...openai import APIError
 from .runner import EngineRunner, Metrics, _Target
 
@@ -183,21 +183,14 @@ class FrontEngine:
     """What the server process needs of the model to parse, render, tokenize and check requests: the
     tokenizer (no weights), and the limits the replicas report once loaded. The prompt methods are
     LLMEngine's own, so prompts become the same token ids as with one engine."""
-    from ...engine.llm_engine import LLMEngine as _E
-    encode_prompt = _E.encode_prompt
-    apply_chat_template = _E.apply_chat_template
-    encode_chat = _E.encode_chat
-    del _E
+    encode_prompt = LLMEngine.encode_prompt
+    apply_chat_template = LLMEngine.apply_chat_template
+    encode_chat = LLMEngine.encode_chat
 
     def __init__(self, model_path: str):
-        from ...engine import served_model_name
-        from ...loader import load_model
-        loaded = load_model(model_path)
-        self.tokenizer = loaded.tokenizer
-        loaded.release_all()
+        self.tokenizer, self.vocab_size = model_tokenizer(model_path)
         self.model_path = model_path
         self.model_name = served_model_name(model_path)
-        self.vocab_size = loaded.spec.vocab_size
         self.max_seq_len = 0              # set_limits, from the first replica ready
         self.kv_blocks, self.kv_block_size = 0, 16
         self.eos_token_ids: List[int] = []
@@ -218,16 +211,6 @@ class FrontEngine:
         if -(-(len(prompt_ids) + 1) // self.kv_block_size) > self.kv_blocks:
             raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({self.kv_blocks}); "
                              f"raise kv_cache_gb.")
-
-
-def block_hashes(ids: Sequence[int], block_size: int) -> List[int]:
-    """The chain hash of each full block of `ids`, as the scheduler's prefix cache keys them."""
-    from ...engine.scheduler import BlockManager
-    hashes, h = [], 0
-    for i in range(len(ids) // block_size):
-        h = BlockManager.chain_hash(h, tuple(ids[i * block_size:(i + 1) * block_size]))
-        hashes.append(h)
-    return hashes
 
 
 class PrefixRouter:
@@ -606,13 +589,7 @@ class ReplicatedLLM:
 def resolve_model(model: Optional[str]) -> str:
     """A local path for `model`: the embedded default, a file or folder, or a hub reference downloaded
     once here (not by every replica at once)."""
-    from ...engine.llm_engine import default_model_path
-    from ...loader.hub import download_from_hub, looks_like_repo_id
-    if model is None:
-        return default_model_path()
-    if not os.path.exists(os.path.expanduser(model)) and looks_like_repo_id(model):
-        return download_from_hub(model)
-    return model
+    return local_model_path(model)
 
 
 def load_replicas(model: Optional[str], size: int, options: Dict[str, Any], threads: Optional[int] = None,
@@ -621,7 +598,6 @@ def load_replicas(model: Optional[str], size: int, options: Dict[str, Any], thre
     """Starts `size` replicas of `model` (options: LLMEngine's keyword arguments, threads aside; `threads`
     per replica, default the replica's CPUs), one per CPU set (default engine.placement.split_cpus),
     and the server's tokenizer; returns once all are ready. ReplicaFailure when one cannot load."""
-    from ...engine.placement import allowed_cpus, split_cpus
     if size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {size}.")
     if max_restarts < 0:
