@@ -66,9 +66,9 @@ def served_model_name(model: Optional[str]) -> str:
     return name[:-5] if name.lower().endswith(".gguf") else name
 
 
-def check_tensor_parallel_size(size) -> int:
+def check_parallel_size(name: str, size) -> int:
     if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}.")
+        raise ValueError(f"{name} must be a positive integer, got {size!r}.")
     return int(size)
 
 
@@ -92,7 +92,9 @@ class LLMEngine:
     match's copy is proposed instead of drafting where it gives more tokens per second), and
     speculative_adaptive (True: each step proposes what the measured acceptance and costs say pays off;
     False: num_speculative_tokens every step, as vLLM and llama.cpp do). tensor_parallel_size: ranks the model is
-    cut across (engine/distributed/tensor_parallel.py; MPI, started here unless an MPI launcher started this process)."""
+    cut across, a slice of every layer each; pipeline_parallel_size: ranks holding consecutive layers each
+    (engine/distributed/; MPI, started here unless an MPI launcher started this process); mpi_hosts: an MPI
+    hostfile for ranks 1..N-1 on other machines; mpi_iface: the network interface MPI's traffic keeps to."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -102,7 +104,8 @@ class LLMEngine:
                  activations: str = "auto",
                  speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
-                 speculative_adaptive: bool = True, tensor_parallel_size: int = 1):
+                 speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None):
         t0 = time.perf_counter()
         self.model_path = model if model is not None else default_model_path()
         self.model_name = served_model_name(model)
@@ -114,9 +117,12 @@ class LLMEngine:
                                  f"(weights= converts and keeps that format, dtype= repacks at load).")
             from ..convert import cached_conversion   # conversion loads when asked for: the CLI starts light
             self.model_path = cached_conversion(self.model_path, weights, progress=True)
-        tp = check_tensor_parallel_size(tensor_parallel_size)
-        if tp > 1:
-            from .distributed.tensor_parallel import start
+        tp = check_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        pp = check_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
+        if tp > 1 and pp > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 yet; pick one.")
+        if tp > 1 or pp > 1:
+            from .distributed.parallel import start
             from ..loader.hub import download_from_hub, looks_like_repo_id
             path = os.path.expanduser(self.model_path)
             if not os.path.exists(path) and looks_like_repo_id(self.model_path):   # every rank loads one local copy
@@ -124,7 +130,8 @@ class LLMEngine:
             options = dict(model=self.model_path, dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                            kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb, kv_sparsity=kv_sparsity,
                            pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations)
-            self.core, self.loaded = start(options, tp)
+            self.core, self.loaded = start(options, max(tp, pp), "tensor" if tp > 1 else "pipeline",
+                                           hosts=mpi_hosts, iface=mpi_iface)
             self.spec = self.loaded.spec
         else:
             # a GGUF's tokenizer is built on a thread while the weights load (their C++ releases the GIL)
@@ -137,7 +144,7 @@ class LLMEngine:
                                          progress=progress, kv_cache_dtype=kv_cache_dtype, kv_cache_gb=kv_cache_gb,
                                          kv_sparsity=kv_sparsity, pin_threads=pin_threads, numa=numa,
                                          schedule=schedule, activations=activations)
-        self.tensor_parallel_size = tp
+        self.tensor_parallel_size, self.pipeline_parallel_size = tp, pp
         self.tokenizer = self.loaded.tokenizer
         self.loaded.release_all()
         self.threads = self.core.n_threads

@@ -221,7 +221,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     config.update(kv_type=kv_cache_dtype, kv_sparsity=kv_sparsity, kv_block_size=KV_BLOCK_SIZE,
                   kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb, kv_sparsity))
     if shard is not None:
-        config.update(shard.config_changes())
+        config.update(shard.config_changes(config))
     model = _core.Model(config)
     names = list(loaded.weight_names()) if shard is None else shard.weight_names(loaded.weight_names())
     matrices = _matrices(spec)
