@@ -64,7 +64,7 @@ def pytest_sessionstart(session):
     from corelm import _core
     if not hasattr(_core, "testing"):
         pytest.exit("corelm was built without its test module corelm._core.testing: install it with README's test "
-                    "command, pip install \".[test]\" -C cmake.define.CORELM_TESTING=ON", returncode=4)
+                    "command (pip install --no-build-isolation \".[test]\" -C cmake.define.CORELM_TESTING=ON)", returncode=4)
 
 
 # Crash injection for `corelm batch` workers (tests/data/batch_crash_hook/sitecustomize.py): the env vars
