@@ -66,8 +66,9 @@ except ModelLoadError as e:
     out = "ModelLoadError: " + str(e)
 except BaseException as e:
     out = type(e).__name__ + ": " + str(e)
-print(json.dumps({"out": out, "seconds": time.monotonic() - t0,
-                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# this process's own peak (VmHWM starts afresh at exec; ru_maxrss keeps the forking parent's)
+peak_kb = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"out": out, "seconds": time.monotonic() - t0, "maxrss_mb": peak_kb / 1024}))
 """
 
 
