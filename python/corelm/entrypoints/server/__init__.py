@@ -55,10 +55,26 @@ def uvicorn_config(app, max_connections: int = DEFAULT_MAX_CONNECTIONS, *,
 
 def make_server(config):
     """A uvicorn.Server for `config` (uvicorn_config's) that, when it starts shutting down, first ends
-    the app's requests in flight (ServerState.begin_shutdown), so streams close cleanly and at once."""
+    the app's requests in flight (ServerState.begin_shutdown), so streams close cleanly and at once. A
+    Ctrl-C (or SIGTERM) it shut down for sets `interrupted` instead of being raised again inside the event
+    loop, where uvicorn would re-raise it: that cancels the app's lifespan mid-shutdown and prints its
+    traceback."""
+    import contextlib
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        interrupted = False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self.interrupted = bool(self._captured_signals)
+                    self._captured_signals.clear()
+
         async def shutdown(self, sockets=None):
             state = getattr(getattr(config.app, "state", None), "corelm", None)
             if state is not None:
@@ -95,4 +111,4 @@ def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", p
     server.run()
     if failed:
         raise failed[0]
-    return 0
+    return 130 if server.interrupted else 0
