@@ -321,3 +321,20 @@ def test_tensor_and_pipeline_together_are_refused_with_a_clear_error():
     r = run_script("import corelm, sys; corelm.LLM(sys.argv[1], tensor_parallel_size=2, pipeline_parallel_size=2)",
                    STORIES)
     assert r.returncode != 0 and "cannot both be above 1" in r.stderr
+
+
+def test_batch_with_two_ranks_per_worker_answers_as_one_process(tmp_path):
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": p, "max_tokens": 12, "temperature": 0}}) for i, p in enumerate(PROMPTS)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+
+    def answers(*flags):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "corelm.entrypoints.cli", "batch", STORIES, str(src), "-o", str(out),
+                            "--no-progress", "-w", "1", "-t", "1", "--dtype", "fp32", *flags],
+                           env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        recs = [json.loads(line) for line in out.read_text().splitlines()]
+        return {rec["custom_id"]: rec["response"]["body"]["choices"][0]["text"] for rec in recs}
+    assert answers("--tensor-parallel-size", "2") == answers()

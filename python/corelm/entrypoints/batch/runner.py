@@ -264,10 +264,13 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
               kv_cache_gb: Optional[float] = None, kv_sparsity: float = 0.0,
               speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
-              speculative_weights: Optional[str] = None) -> Dict[str, Any]:
+              speculative_weights: Optional[str] = None, tensor_parallel_size: int = 1,
+              pipeline_parallel_size: int = 1, mpi_hosts: Optional[str] = None,
+              mpi_iface: Optional[str] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
-    dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity and the speculative_*
-    options are corelm.LLM's, for every worker.
+    dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity, the speculative_*
+    options and the parallel ones are corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
+    is N processes on its own cores).
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}.")
@@ -287,6 +290,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                "kv_sparsity": kv_sparsity}
     options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                    speculative_weights=speculative_weights)
+    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+        options.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                       mpi_hosts=mpi_hosts, mpi_iface=mpi_iface)
     if not os.path.exists(input_path):
         raise FileNotFoundError(f"input file {input_path} does not exist.")
     if os.path.isdir(input_path):
