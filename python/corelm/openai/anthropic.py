@@ -315,6 +315,9 @@ class MessageResponse:
 
     def __init__(self, req: MessagesRequest, prompt_tokens: int, model: str, tokens):
         self.chat = Response(req, prompt_tokens, model, tokens)
+        self.chat.reasoning = None      # thinking blocks are not mapped: the text keeps its <think> tags
+        for c in self.chat.choices:
+            c.thought = None
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model
         self.prompt_tokens = prompt_tokens

@@ -17,6 +17,7 @@ from ..engine import SamplingParams
 from ..engine.guided import GuidedMatcher, StructuredOutputsParams, UnsatisfiableConstraint
 from ..engine.sampling import MAX_LOGIT_BIAS
 from .errors import APIError, bad_request
+from .reasoning import PROMPT_TAIL_TOKENS, prompt_opens_thought, template_thinks
 from .tools import ToolConfig, check_tools, template_messages_tool_calls
 
 CHAT_URL = "/v1/chat/completions"
@@ -209,6 +210,7 @@ class GenerationRequest:
     template_kwargs: Optional[Dict[str, Any]] = None   # chat: extra chat template variables
     prompt_ids: Optional[List[List[int]]] = None       # set by encode_prompts
     tools: Optional[ToolConfig] = None                 # chat: the tools, and how calls are parsed
+    reasoning: Optional[bool] = None   # chat, set by encode_prompts: None no thought parsing, True the prompt opened one
 
     @property
     def prompt_param(self) -> str:
@@ -429,6 +431,7 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
     vocabulary and the context; APIError otherwise. Slow for long inputs: run it off an event loop."""
     if req.chat:
         prompts = [encode_chat(engine, req.messages, req.template_kwargs)]
+        req.reasoning = _reasoning_state(engine, prompts[0])
     elif req.suffix is not None:
         fim = fim_tokens(engine.tokenizer, engine.vocab_size)
         if fim is None:
@@ -455,6 +458,14 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
         _compile_for(engine, req.params.structured_outputs)
     req.prompt_ids = prompts
     return prompts
+
+
+def _reasoning_state(engine, ids: List[int]) -> Optional[bool]:
+    """None when the model's chat template writes no thoughts; else whether the prompt left one open."""
+    tok = engine.tokenizer
+    if not template_thinks(getattr(tok, "chat_template", None)):
+        return None
+    return prompt_opens_thought(tok.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
 
 
 def _compile_for(engine, so: StructuredOutputsParams) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .protocol import GenerationRequest
+from .reasoning import ReasoningParser, split_reasoning
 
 # ---------------------------------------------------------------------------------------------------
 # Token text for logprobs
@@ -99,6 +100,11 @@ class Choice:
     logprobs: List[Tuple[int, float, list, int]] = field(default_factory=list)  # (id, lp, top, text offset)
     offset: int = 0
     sent: int = 0       # with tools: characters already streamed as content
+    thought: Optional[ReasoningParser] = None   # a reasoning model's: splits the streamed text
+    content: List[str] = field(default_factory=list)    # with thought: the text that is not reasoning
+
+    def content_text(self) -> str:
+        return "".join(self.content if self.thought is not None else self.text)
 
     def add(self, chunk) -> None:
         if chunk.token_id is not None:
@@ -126,6 +132,11 @@ class Response:
         self.created = int(time.time())
         self.model = model
         self.choices = [Choice(i) for i in range(req.num_choices)]
+        # a reasoning model's chat: <think>...</think> goes to reasoning_content (see reasoning.py)
+        self.reasoning = req.reasoning if req.chat else None
+        if self.reasoning is not None:
+            for c in self.choices:
+                c.thought = ReasoningParser(self.reasoning)
         # chat with tools: the output is parsed for tool calls (tool_choice "none" leaves it text)
         self.tools = req.tools if req.chat and req.tools is not None and req.tools.choice != "none" else None
         # echo: each completion choice starts with its prompt's text; the prompt tokens' logprobs are
@@ -157,8 +168,17 @@ class Response:
             return None
         entry: Dict[str, Any] = {"index": c.index}
         finish_reason = chunk.finish_reason
+        thought = ""
+        if c.thought is not None:
+            thought, content = c.thought.feed(chunk.text, final=chunk.finish_reason is not None)
+            c.content.append(content)
         if self.tools is not None:
             entry["delta"], finish_reason = self._tool_delta(c)
+        elif c.thought is not None:
+            entry["delta"] = {"content": content} if content else {}
+        if thought:     # before the content the same chunk may hold
+            entry["delta"] = {"reasoning_content": thought, **entry["delta"]}
+        if "delta" in entry:
             if not (entry["delta"] or finish_reason or (self.want_logprobs and new_lp)):
                 return None         # all of it held back
         elif self.chat:
@@ -172,7 +192,7 @@ class Response:
     def _tool_delta(self, c: Choice) -> Tuple[Dict[str, Any], Optional[str]]:
         """A streamed choice with tools: text that may be a tool call is held back until the choice
         finishes, then its calls are sent whole (delta.tool_calls) with finish_reason "tool_calls"."""
-        text = "".join(c.text)
+        text = c.content_text()
         if c.finish_reason is None:
             start = self.tools.parser.START
             bare = self.tools.parser.may_be_bare_call(text)  # the whole answer may be one call object
@@ -225,6 +245,9 @@ class Response:
             text = "".join(c.text)
             item: Dict[str, Any] = {"index": c.index}
             finish_reason = c.finish_reason
+            thought = None
+            if self.reasoning is not None:
+                thought, text = split_reasoning(text, self.reasoning)
             if self.tools is not None:
                 content, calls = self.tools.parse(text)
                 item["message"] = {"role": "assistant", "content": content if calls else text}
@@ -235,6 +258,10 @@ class Response:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
+            if self.reasoning is not None:
+                if thought and not item["message"]["content"]:
+                    item["message"]["content"] = None      # all thought (max_tokens reached inside it)
+                item["message"]["reasoning_content"] = thought or None
             item["logprobs"] = self._logprobs(c.logprobs)
             if self.echo and item["logprobs"] is not None:
                 prompt_part = self.echo[c.index // self.n][1]
