@@ -19,14 +19,75 @@ chat re-reads only the new turn and prompts that share a prefix share its blocks
 from __future__ import annotations
 
 import collections
+import dataclasses
+import inspect
 import itertools
+import os
+import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from .engine.llm_engine import DEFAULT_MODEL_FILE, LLMEngine, PromptType, default_model_path, is_single_prompt  # noqa: F401
 from .engine.sampling import SamplingParams
 from .engine.sequence import GenerationError, StreamChunk
+
+# vLLM's LLM(...) keywords, all in one place. Renamed to corelm's option of the same meaning:
+VLLM_RENAMES = {"max_model_len": "max_seq_len", "max_num_batched_tokens": "max_batch_tokens"}
+# vLLM's dtype names; float16 has no CPU kernels here and becomes bfloat16, as on vLLM's CPU backend.
+VLLM_DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "bf16", "half": "bf16"}
+# Accepted with a warning that they change nothing on a CPU (or in corelm).
+VLLM_NO_OPS = {
+    "gpu_memory_utilization": "GPU memory is not used (size the KV cache with kv_cache_gb)",
+    "enforce_eager": "there are no CUDA graphs on a CPU",
+    "swap_space": "the KV cache lives in main memory already",
+    "cpu_offload_gb": "the weights live in main memory already",
+    "trust_remote_code": "corelm runs no model code from the hub, only its own",
+    "disable_custom_all_reduce": "there is no GPU all-reduce",
+    "max_seq_len_to_capture": "there are no CUDA graphs on a CPU",
+    "disable_log_stats": "corelm logs no periodic statistics",
+    "block_size": "the KV block size is the C++ core's",
+}
+
+
+def _vllm_options(model: Optional[str], options: Dict[str, Any]) -> Dict[str, Any]:
+    """vLLM's constructor keywords -> LLMEngine's: renamed, dropped with a warning, or refused (ValueError
+    for a value corelm cannot honour, TypeError naming LLM for a keyword it does not know)."""
+    out: Dict[str, Any] = {}
+    for key, value in options.items():
+        if key in VLLM_RENAMES:
+            name = VLLM_RENAMES[key]
+            if name in options and options[name] != value:
+                raise ValueError(f"{key}={value!r} and {name}={options[name]!r} disagree; give one of them.")
+            out[name] = value
+        elif key in VLLM_NO_OPS:
+            warnings.warn(f"LLM({key}=...) does nothing in corelm: {VLLM_NO_OPS[key]}.", stacklevel=3)
+        elif key == "device":
+            if value not in ("cpu", "auto", None):
+                raise ValueError(f"device={value!r}: corelm runs on the CPU only (device='cpu').")
+        elif key == "tokenizer":
+            if value is not None and (model is None or os.path.normpath(str(value)) != os.path.normpath(model)):
+                raise ValueError(f"tokenizer={value!r}: corelm reads the tokenizer from the model's own files; "
+                                 "a separate tokenizer is not supported.")
+        elif key == "tokenizer_mode":
+            if value not in ("auto", "hf", "slow"):
+                raise ValueError(f"tokenizer_mode={value!r}: corelm has one tokenizer (give 'auto').")
+        elif key == "seed":
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"seed must be an integer, got {value!r}.")
+        else:
+            out.setdefault(key, value)
+    dtype = out.get("dtype")
+    if isinstance(dtype, str) and dtype.strip().lower() in VLLM_DTYPES:
+        if dtype.strip().lower() in ("float16", "half"):
+            warnings.warn(f"LLM(dtype={dtype!r}): float16 runs as bfloat16 on a CPU.", stacklevel=3)
+        out["dtype"] = VLLM_DTYPES[dtype.strip().lower()]
+    known = inspect.signature(LLMEngine.__init__).parameters
+    for key in out:
+        if key not in known or key in ("self", "model"):
+            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+    return out
 
 
 @dataclass
@@ -72,10 +133,15 @@ class LLM:
     """Loads a model (an HF folder, a .gguf file, a corelm folder or a hub id; None = the embedded
     SmolLM2-135M-Instruct) into one LLMEngine. Options are LLMEngine's (threads, dtype, max_seq_len,
     kv_cache_dtype, kv_cache_gb, kv_sparsity, max_num_seqs, max_batch_tokens, weights, pin_threads, numa,
-    schedule, activations, revision, progress)."""
+    schedule, activations, revision, progress, enable_prefix_caching, ...) and vLLM's names for them
+    (max_model_len, max_num_batched_tokens, dtype="float32"/"bfloat16"/"float16"); `seed` seeds every
+    request that has none (a run is reproducible); GPU-only options (gpu_memory_utilization,
+    enforce_eager, swap_space, ...) are accepted with a warning (VLLM_NO_OPS)."""
 
     def __init__(self, model: Optional[str] = None, **options: Any):
-        self.engine = LLMEngine(model, **options)
+        engine_options = _vllm_options(model, options)
+        self._seeds = random.Random(options["seed"]) if options.get("seed") is not None else None
+        self.engine = LLMEngine(model, **engine_options)
         e = self.engine
         self.model_path, self.loaded, self.spec, self.tokenizer = e.model_path, e.loaded, e.spec, e.tokenizer
         self.threads, self.schedule, self.activations, self.numa = e.threads, e.schedule, e.activations, e.numa
@@ -103,6 +169,12 @@ class LLM:
     def encode_prompt(self, prompt: PromptType) -> List[int]:
         return self.engine.encode_prompt(prompt)
 
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """With LLM(seed=...), a request without a seed gets the next one of the LLM's sequence."""
+        if self._seeds is None or params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=self._seeds.getrandbits(31))
+
     # -- streaming ----------------------------------------------------------------------------------
     def _pump(self) -> None:
         """Runs one engine step and files each chunk under its request (several callers may be
@@ -120,7 +192,7 @@ class LLM:
         """Generates one completion, yielding text as soon as it is complete UTF-8 and cannot be the
         start of a stop string. Closing the iterator early stops generation (finish_reason "abort").
         GenerationError when the model's logits are not finite."""
-        params = sampling_params or SamplingParams()
+        params = self._seeded(sampling_params or SamplingParams())
         self.engine.check_params(params)
         if params.n != 1:
             raise ValueError("stream() makes one completion: use n=1 (or generate() for several).")
@@ -188,6 +260,7 @@ class LLM:
         for ids, params in zip(encoded, params_list):
             self.engine.check_prompt(ids)
             self.engine.check_params(params)
+        params_list = [self._seeded(p) for p in params_list]
         base = next(self._request_ids)
         rids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         added: List[str] = []
@@ -248,13 +321,34 @@ class LLM:
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = False, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> List[RequestOutput]:
+             add_generation_prompt: bool = True, tools: Optional[List[Dict[str, Any]]] = None,
+             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
         """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them; each
-        is rendered with the model's chat template (or `chat_template`) and generated as in generate()."""
+        is rendered with the model's chat template (or `chat_template`) and generated as in generate().
+        `tools` (OpenAI's function tools) and `chat_template_kwargs` reach the template as the server's
+        do (checked the same way; ValueError when invalid)."""
+        from .openai.errors import APIError     # the server's checks; loaded when a chat first needs them
+        from .openai.protocol import check_template_kwargs
+        from .openai.tools import check_tools
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.engine.encode_chat(c, chat_template, add_generation_prompt)}
+        try:
+            kwargs = check_template_kwargs(chat_template_kwargs) or {}
+            config = check_tools(tools, None, None)
+        except APIError as e:
+            raise ValueError(e.message) from None
+        if config is not None:
+            kwargs["tools"] = config.tools
+        prompts = [{"prompt_token_ids": self._encode_chat(c, chat_template, add_generation_prompt, kwargs)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _encode_chat(self, messages: List[Dict[str, Any]], chat_template: Optional[str],
+                     add_generation_prompt: bool, kwargs: Dict[str, Any]) -> List[int]:
+        if not kwargs:
+            return self.engine.encode_chat(messages, chat_template, add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _completion(self, index: int, chunks: List[StreamChunk], params: SamplingParams) -> CompletionOutput:
         text, ids, finish, reason = [], [], None, None

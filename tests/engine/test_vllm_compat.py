@@ -124,3 +124,73 @@ def test_engine_is_public_and_shared(llm):
     with pytest.raises(ValueError, match="context"):
         engine.add_request("y", [1] * engine.max_seq_len, SamplingParams())
     assert not engine.has_unfinished_requests()
+
+
+def test_vllm_constructor_names_map_to_corelms():
+    llm = LLM(STORIES, dtype="float32", threads=2, max_model_len=128, max_num_batched_tokens=64,
+              tokenizer=STORIES, tokenizer_mode="auto", device="cpu")
+    assert llm.max_seq_len == 128 and llm.engine.scheduler.max_batch_tokens == 64
+    assert llm.engine.core.weight_type == LLM(STORIES, dtype="fp32", threads=2, max_seq_len=128).engine.core.weight_type
+
+
+def test_gpu_only_options_warn_and_unknown_ones_name_llm():
+    for key, value in [("gpu_memory_utilization", 0.9), ("enforce_eager", True), ("swap_space", 4),
+                       ("trust_remote_code", True)]:
+        with pytest.warns(UserWarning, match=key):
+            LLM(STORIES, dtype="fp32", threads=2, **{key: value})
+    with pytest.raises(TypeError, match=r"^LLM\(\) got an unexpected keyword argument 'no_such_option'"):
+        LLM(STORIES, no_such_option=1)
+    with pytest.raises(ValueError, match="device"):
+        LLM(STORIES, device="cuda")
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(STORIES, tokenizer="some/other-tokenizer")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(STORIES, max_model_len=128, max_seq_len=64)
+
+
+def test_seed_makes_a_run_reproducible():
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+
+    def run():
+        llm = LLM(STORIES, dtype="fp32", threads=2, seed=5)
+        return [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"] * 3, params)]
+
+    first = run()
+    assert run() == first
+    assert len({tuple(t) for t in first}) > 1        # each request draws its own seed
+    with pytest.raises(ValueError, match="seed"):
+        LLM(STORIES, seed="x")
+
+
+def test_enable_prefix_caching_false_reads_every_prompt_whole():
+    prompt = "Once upon a time there was a little girl who lived in a big house with her mom. " * 3
+    params = SamplingParams(max_tokens=3, temperature=0)
+    cached = []
+    for enable in (True, False):
+        llm = LLM(STORIES, dtype="fp32", threads=2, enable_prefix_caching=enable)
+        outs = [llm.generate(prompt, params)[0] for _ in range(2)]
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+        cached.append(outs[1].num_cached_tokens)
+    assert cached[0] > 0 and cached[1] == 0
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(STORIES, enable_prefix_caching="no")
+
+
+def test_best_of_must_equal_n():
+    assert SamplingParams(n=2, best_of=2).best_of == 2 and SamplingParams(best_of=None).n == 1
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=1, best_of=3)
+
+
+def test_chat_takes_tools_and_template_kwargs(llm):
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if tools %} TOOLS {{ tools[0].function.name }}{% endif %} {{ flavour }}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    out = llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=template, tools=tools,
+                   chat_template_kwargs={"flavour": "mint"})[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("Hi TOOLS get_weather mint", add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=template, chat_template_kwargs={"tools": 1})
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=template, tools=[{"type": "nope"}])

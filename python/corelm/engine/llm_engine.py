@@ -94,7 +94,8 @@ class LLMEngine:
     False: num_speculative_tokens every step, as vLLM and llama.cpp do). tensor_parallel_size: ranks the model is
     cut across, a slice of every layer each; pipeline_parallel_size: ranks holding consecutive layers each
     (engine/distributed/; MPI, started here unless an MPI launcher started this process); mpi_hosts: an MPI
-    hostfile for ranks 1..N-1 on other machines; mpi_iface: the network interface MPI's traffic keeps to."""
+    hostfile for ranks 1..N-1 on other machines; mpi_iface: the network interface MPI's traffic keeps to.
+    enable_prefix_caching=False reads every prompt whole (no KV block is shared between requests)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -105,8 +106,11 @@ class LLMEngine:
                  speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None):
+                 mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
+                 enable_prefix_caching: bool = True):
         t0 = time.perf_counter()
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}.")
         self.model_path = model if model is not None else default_model_path()
         self.model_name = served_model_name(model)
         dtype = choose("dtype", dtype)
@@ -166,7 +170,7 @@ class LLMEngine:
                 raise ValueError(f"speculative_adaptive must be True or False, got {speculative_adaptive!r}.")
             self.speculator.adaptive = speculative_adaptive
         self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
-                                   speculator=self.speculator)
+                                   speculator=self.speculator, enable_prefix_caching=enable_prefix_caching)
         self.load_time_s = time.perf_counter() - t0
 
     def _speculator(self, model: Optional[str], k: Optional[int], weights: Optional[str], n_max: int, n_min: int,

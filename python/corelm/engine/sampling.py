@@ -134,6 +134,7 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = None   # vLLM's older name for structured_outputs
+    best_of: Optional[int] = None   # vLLM's: only n (or None) is supported, every choice is returned
 
     def __post_init__(self):
         self._check_types()
@@ -175,6 +176,9 @@ class SamplingParams:
     def _check_ranges(self):
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None and (_as_int("best_of", self.best_of) != self.n):
+            raise ValueError(f"best_of must equal n ({self.n}) or be None: corelm returns every choice it makes, "
+                             f"got {self.best_of}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

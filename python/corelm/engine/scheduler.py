@@ -47,8 +47,10 @@ class Scheduler:
     sequence is preempted (its blocks freed) and recomputed later."""
 
     def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256, speculator=None,
-                 spec_rows: int = 24):
+                 spec_rows: int = 24, enable_prefix_caching: bool = True):
         self.core = core
+        # False: every prompt is read whole (no block is offered to or taken from the prefix cache)
+        self.prefix_caching = enable_prefix_caching
         # speculation (engine/speculative.py): proposed tokens ride along in a step of at most spec_rows
         # tokens, as many as the measured costs say pay off; a batch already that wide runs plain.
         self.speculator = speculator
@@ -158,7 +160,7 @@ class Scheduler:
 
     def _admit(self, r: _Running) -> None:
         # reuse cached full blocks of the prompt, except that the last prompt token is always run
-        r.blocks = self.blocks.match_prefix(r.tokens[:-1])
+        r.blocks = self.blocks.match_prefix(r.tokens[:-1]) if self.prefix_caching else []
         h = 0
         for i in range(len(r.blocks)):
             h = BlockManager.chain_hash(h, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
@@ -262,6 +264,8 @@ class Scheduler:
                 chunk = r.seq.step(logits[first + j])
                 if chunk.token_id is not None:      # None: no token (finish_reason "error")
                     r.tokens.append(chunk.token_id)
+                if chunk.finish_reason is not None:  # the server's usage.prompt_tokens_details
+                    chunk.cached_tokens = self._cached_prompt.get(r.rid, 0)
                 out.append((r.rid, chunk))
                 emitted += 1
                 if r.seq.finished or j == len(d) or chunk.token_id != d[j]:
@@ -357,4 +361,5 @@ class Scheduler:
             prev = r.hashes[-1] if r.hashes else 0
             h = BlockManager.chain_hash(prev, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
-            self.blocks.register(r.blocks[i], h)
+            if self.prefix_caching:
+                self.blocks.register(r.blocks[i], h)

@@ -32,6 +32,7 @@ class StreamChunk:
     index: int = 0                        # which of the request's n choices
     logprob_rank: Optional[int] = None    # the token's rank among the whole vocabulary (1 = most likely)
     error: Optional[str] = None           # with finish_reason "error": what went wrong
+    cached_tokens: Optional[int] = None   # on a choice's last chunk: its prompt tokens found in the prefix cache
 
 
 class StopStringFilter:

@@ -42,7 +42,7 @@ def unsupported(param: str, message: Optional[str] = None) -> APIError:
 # value, so they are not passed on).
 _RANGES = {
     "n": "an integer from 1 to {max_n} (and 1 when temperature is 0)",
-    "temperature": "a finite number >= 0",
+    "temperature": "a number from 0 to 2",
     "top_p": "a number in (0, 1]",
     "top_k": "an integer: 0 or -1 (disabled), or at least 1",
     "min_p": "a number in [0, 1]",
@@ -337,6 +337,8 @@ def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Option
                               "with another structured output constraint.", "tool_choice")
         structured = guide
     logit_bias = _logit_bias(req.logit_bias)
+    if req.temperature is not None and not 0 <= req.temperature <= 2:   # OpenAI's range (NaN fails too)
+        raise bad_request(f"Invalid value for 'temperature': it must be {_RANGES['temperature']}.", "temperature")
     # a null field takes SamplingParams' default
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                     repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,

@@ -125,6 +125,7 @@ class Response:
         self.chat = req.chat
         self.n = req.params.n
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: Dict[int, int] = {}   # prompt index -> its tokens found in the prefix cache
         self.tokens = tokens
         self.want_logprobs = req.params.logprobs is not None
         self.include_usage = req.include_usage
@@ -161,6 +162,9 @@ class Response:
         """Files a chunk under its choice; returns the choice's streaming entry for what it added
         (None when it added nothing a client sees)."""
         c = self.choices[prompt_index * self.n + chunk.index]
+        cached = getattr(chunk, "cached_tokens", None)   # on a choice's last chunk
+        if cached:
+            self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), cached)
         start = len(c.logprobs)
         c.add(chunk)
         new_lp = c.logprobs[start:]
@@ -233,10 +237,11 @@ class Response:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
-    def usage(self) -> Dict[str, int]:
+    def usage(self) -> Dict[str, Any]:
         done = self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+                "total_tokens": self.prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
     def body(self) -> Dict[str, Any]:
         """The whole (non-streaming) response."""
