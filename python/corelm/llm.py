@@ -307,7 +307,7 @@ class LLM:
         results = []
         for rid, prompt, ids, params in zip(rids, prompts, encoded, params_list):
             outs = [self._completion(k, [c for c in chunks[rid] if c.index == k], params) for k in range(params.n)]
-            cached = self.engine.cached_prompt_tokens(rid)
+            cached = max((c.cached_tokens or 0 for c in chunks[rid] if c.finish_reason is not None), default=0)
             metrics = {"prompt_tokens": len(ids), "cached_prompt_tokens": cached,
                        "generated_tokens": sum(len(o.token_ids) for o in outs), "batch_time_s": elapsed}
             text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)

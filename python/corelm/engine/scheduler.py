@@ -113,8 +113,9 @@ class Scheduler:
         self.blocks.clear_cache()
 
     def cached_prompt_tokens(self, request_id: str) -> int:
-        """How many of the request's prompt tokens came from the prefix cache (asked once)."""
-        return self._cached_prompt.pop(request_id, 0)
+        """How many of a running request's prompt tokens came from the prefix cache (its last chunk says it
+        too: the count is forgotten when the request ends)."""
+        return self._cached_prompt.get(request_id, 0)
 
     def is_active(self, request_id: str) -> bool:
         with self._lock:
@@ -135,6 +136,7 @@ class Scheduler:
             self._ids[r.rid] = left
         else:
             self._ids.pop(r.rid, None)
+            self._cached_prompt.pop(r.rid, None)
 
     def _preempt(self, r: _Running) -> None:
         """Frees a running request's blocks; it goes back to the front of the queue and is recomputed."""
