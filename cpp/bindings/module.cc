@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -92,6 +94,30 @@ struct PyModel {
   Model model;
   std::mutex mu;
 };
+
+// fn(address, n) as a hook the forward calls on n float32 at address: the forward runs without the GIL,
+// so the call takes it back while fn runs. None: no hook.
+std::function<void(float*, int64_t)> python_hook(py::object fn) {
+  if (fn.is_none()) return {};
+  auto held = std::make_shared<py::object>(std::move(fn));
+  return [held](float* data, int64_t n) {
+    py::gil_scoped_acquire gil;
+    (*held)(reinterpret_cast<uintptr_t>(data), n);
+  };
+}
+
+// Runs change(model) under the model's lock, without the GIL (a forward may hold the lock and wait on a
+// hook that needs the GIL); change returns the hooks it replaced, which are let go of here with the GIL
+// held, since they may hold the last reference to a Python callable.
+template <class Change>
+void replace_hooks(PyModel& self, Change change) {
+  decltype(change(self.model)) old;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(self.mu);
+    old = change(self.model);
+  }
+}
 
 }  // namespace
 
@@ -236,59 +262,34 @@ PYBIND11_MODULE(_core, m) {
         calls.test = reinterpret_cast<MpichCalls::Test>(test);
         calls.comm = comm, calls.float_type = float_type, calls.sum_op = sum_op;
         auto reduce = std::make_shared<MpiAllreduce>(calls, rank, size, std::move(local_peers), stall_seconds);
-        Model::Allreduce old;
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard<std::mutex> lock(self.mu);
-          old = self.model.allreduce();
-          self.model.set_allreduce([reduce](float* data, int64_t n) { (*reduce)(data, n); });
-        }
+        replace_hooks(self, [&](Model& m) {
+          Model::Allreduce old = m.allreduce();
+          m.set_allreduce([reduce](float* data, int64_t n) { (*reduce)(data, n); });
+          return old;
+        });
       }, py::arg("iallreduce"), py::arg("iallgather"), py::arg("test"), py::arg("comm"), py::arg("float_type"),
          py::arg("sum_op"), py::arg("rank"), py::arg("size"), py::arg("local_peers"), py::arg("stall_seconds"),
            "Tensor parallelism with the collectives called from C++ (no GIL): the addresses of MPI_Iallreduce, "
            "MPI_Iallgather and MPI_Test in the loaded MPI library and MPICH-ABI handles (runtime/collectives.h); "
            "local_peers: (rank, pid) of the ranks on this machine, whose death ends a wait with RankFailure.")
       .def("set_pipeline", [](PyModel& self, py::object receive, py::object send) {
-        auto wrap = [](py::object fn) {
-          Model::Transfer f;
-          if (!fn.is_none()) {
-            auto held = std::make_shared<py::object>(std::move(fn));
-            f = [held](float* data, int64_t n) {
-              py::gil_scoped_acquire gil;
-              (*held)(reinterpret_cast<uintptr_t>(data), n);
-            };
-          }
-          return f;
-        };
-        Model::Transfer in = wrap(std::move(receive)), out = wrap(std::move(send));
-        std::pair<Model::Transfer, Model::Transfer> old;  // let go of with the GIL held (Python callables)
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard<std::mutex> lock(self.mu);
-          old = self.model.pipeline();
-          self.model.set_pipeline(std::move(in), std::move(out));
-        }
+        Model::Transfer in = python_hook(std::move(receive)), out = python_hook(std::move(send));
+        replace_hooks(self, [&](Model& m) {
+          auto old = m.pipeline();
+          m.set_pipeline(std::move(in), std::move(out));
+          return old;
+        });
       }, py::arg("receive"), py::arg("send"),
            "Pipeline parallelism: receive(address, n) fills the n float32 hidden states at address from the stage "
            "before (instead of the embeddings), send(address, n) hands them to the stage after (and the forward "
            "computes no logits). None: this stage has none before / after.")
       .def("set_allreduce", [](PyModel& self, py::object fn) {
-        Model::Allreduce f;
-        if (!fn.is_none()) {
-          // the forward runs without the GIL; the call takes it back for as long as fn(address, n) runs
-          auto held = std::make_shared<py::object>(std::move(fn));
-          f = [held](float* data, int64_t n) {
-            py::gil_scoped_acquire gil;
-            (*held)(reinterpret_cast<uintptr_t>(data), n);
-          };
-        }
-        Model::Allreduce old;  // let go of with the GIL held: it may hold the last reference to a Python callable
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard<std::mutex> lock(self.mu);
-          old = self.model.allreduce();
-          self.model.set_allreduce(std::move(f));
-        }
+        Model::Allreduce f = python_hook(std::move(fn));
+        replace_hooks(self, [&](Model& m) {
+          Model::Allreduce old = m.allreduce();
+          m.set_allreduce(std::move(f));
+          return old;
+        });
       }, py::arg("fn"),
            "Tensor parallelism: fn(address, n) sums the n float32 at address in place across the ranks (this "
            "model holds one rank's shard); called twice a layer during a forward. None: one process.")

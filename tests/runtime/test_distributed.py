@@ -338,3 +338,17 @@ def test_batch_with_two_ranks_per_worker_answers_as_one_process(tmp_path):
         recs = [json.loads(line) for line in out.read_text().splitlines()]
         return {rec["custom_id"]: rec["response"]["body"]["choices"][0]["text"] for rec in recs}
     assert answers("--tensor-parallel-size", "2") == answers()
+
+
+def test_a_corrupt_model_file_is_a_model_load_error_and_no_rank_is_left(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 60)
+    code = """
+    import sys, corelm
+    try:
+        corelm.LLM(sys.argv[1], tensor_parallel_size=2, threads=1)
+    except corelm.ModelLoadError as e:
+        print("REFUSED", e)
+    """
+    r = run_script(code, str(bad), timeout=60)
+    assert r.returncode == 0 and "REFUSED" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -82,3 +82,16 @@ def block_hashes(ids: Sequence[int], block_size: int) -> List[int]:
         h = BlockManager.chain_hash(h, tuple(ids[i * block_size:(i + 1) * block_size]))
         hashes.append(h)
     return hashes
+
+
+def check_prompt_fits(prompt_ids, max_seq_len: int, kv_blocks: int, block_size: int) -> None:
+    """ValueError unless a prompt leaves room for one generated token in the context and fits the KV pool
+    alone (LLMEngine's check, and the server's for its replicas)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty (no tokens to start from).")
+    if len(prompt_ids) >= max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context holds {max_seq_len} "
+                         f"(including at least one generated token); shorten the prompt or raise max_seq_len.")
+    if -(-(len(prompt_ids) + 1) // block_size) > kv_blocks:
+        raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({kv_blocks}); "
+                         f"raise kv_cache_gb.")

@@ -26,6 +26,7 @@ import numpy as np
 from ..loader import load_model
 from ..options import choose
 from . import speculative
+from .kv_blocks import check_prompt_fits
 from .model_builder import build_core_model, wait_for_huge_pages
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -251,12 +252,7 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, prompt_ids: List[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty (no tokens to start from).")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context holds {self.max_seq_len} "
-                             f"(including at least one generated token); shorten the prompt or raise max_seq_len.")
-        self.scheduler.check_fits(len(prompt_ids))
+        check_prompt_fits(prompt_ids, self.max_seq_len, self.core.kv_blocks, self.core.kv_block_size)
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -523,12 +523,15 @@ def start(options: Dict[str, Any], size: int, kind: str = "tensor", stall_timeou
     _pin(cpus[0] if cpus else None)
     try:
         core, widths, loaded = _build_part(options, kind, group)
-        status = {"ok": True}
+        status, failure = {"ok": True}, None
     except Exception as e:
         core, widths, loaded, status = None, None, None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        failure = e
     statuses = group.gather_json(status)
     bad = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if not s["ok"]]
     group.bcast_json(not bad)
+    if isinstance(failure, ValueError):   # a bad model file or option: rank 0's own error (ModelLoadError...)
+        raise failure
     if bad:
         raise ValueError(f"{kind} parallelism could not start: " + "; ".join(bad))
     return ParallelCore(core, group, widths, kind), loaded

@@ -42,8 +42,8 @@ import time
 import traceback
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ...engine import (LLMEngine, SamplingParams, StreamChunk, allowed_cpus, block_hashes, local_model_path,
-                       model_tokenizer, served_model_name, split_cpus)
+from ...engine import (LLMEngine, SamplingParams, StreamChunk, allowed_cpus, block_hashes, check_prompt_fits,
+                       local_model_path, model_tokenizer, served_model_name, split_cpus)
 from ...openai import APIError
 from .runner import EngineRunner, Metrics, _Target
 
@@ -203,14 +203,7 @@ class FrontEngine:
 
     def check_prompt(self, prompt_ids: List[int]) -> None:
         """LLMEngine.check_prompt, against the replicas' context and KV pool."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty (no tokens to start from).")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context holds {self.max_seq_len} "
-                             f"(including at least one generated token); shorten the prompt or raise max_seq_len.")
-        if -(-(len(prompt_ids) + 1) // self.kv_block_size) > self.kv_blocks:
-            raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({self.kv_blocks}); "
-                             f"raise kv_cache_gb.")
+        check_prompt_fits(prompt_ids, self.max_seq_len, self.kv_blocks, self.kv_block_size)
 
 
 class PrefixRouter:
