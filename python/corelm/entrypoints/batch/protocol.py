@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, GenerationRequest
-from ...openai.anthropic import MESSAGES_URL, parse_body
+from ...openai.anthropic import MESSAGES_URL
+from ...openai.responses_api import RESPONSES_URL
+from ...openai.routes import parse_body
 
 MAX_CUSTOM_ID = 512
 
@@ -95,13 +97,14 @@ def parse_line(line: Union[str, bytes]) -> BatchRequest:
         if obj.get("method", "POST") != "POST":
             raise BatchLineError("invalid_method", "method must be POST.")
         url = obj.get("url")
-        if url not in (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL):
-            raise BatchLineError("invalid_url", f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {MESSAGES_URL}.")
+        if url not in (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL, RESPONSES_URL):
+            raise BatchLineError("invalid_url", f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {MESSAGES_URL} or "
+                                                f"{RESPONSES_URL}.")
         body = obj.get("body")
         if not isinstance(body, dict):
             raise BatchLineError("invalid_request", "body must be a JSON object.")
         try:
-            request = parse_body(url, body)     # /v1/messages: Anthropic's body, answered in its shape
+            request = parse_body(url, body)     # /v1/messages, /v1/responses: answered in their own shapes
         except APIError as e:
             raise BatchLineError(e.code or "invalid_request", e.message) from None
         except (ValueError, RecursionError) as e:   # a check below the API layer (a forced tool call's schema size)

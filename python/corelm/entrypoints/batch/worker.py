@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import EngineDead
 from ...openai import APIError, Response, TokenText, sampling_error
-from ...openai.anthropic import encode, make_response
+from ...openai.routes import encode, make_response
 from .protocol import BatchRequest, error_line, response_line
 
 

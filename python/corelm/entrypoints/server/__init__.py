@@ -5,6 +5,8 @@
     GET  /v1/models
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]
     POST /v1/chat/completions   messages through the model's chat template (chat_template_kwargs)
+    POST /v1/messages           Anthropic's Messages API (and /v1/messages/count_tokens)
+    POST /v1/responses          OpenAI's Responses API, stateless (no previous_response_id)
     POST /tokenize, /detokenize as vLLM's server: a prompt or messages -> token ids, and back
     GET  /                      the web chat page (static/, no build step, nothing fetched from elsewhere)
 

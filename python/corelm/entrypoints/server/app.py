@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions,
 /tokenize, /detokenize, /health, /metrics, and the web chat page at /; Anthropic's /v1/messages and
-/v1/messages/count_tokens (corelm.openai.anthropic). See corelm.entrypoints.server for the overview."""
+/v1/messages/count_tokens (corelm.openai.anthropic); OpenAI's /v1/responses (corelm.openai.responses_api). See corelm.entrypoints.server for the overview."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, sampling_error
-from ...openai import anthropic
+from ...openai import anthropic, responses_api, routes
 from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
 from .guard import HostGuard
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
@@ -314,15 +314,15 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             metrics.count_request(endpoint, 499)
             return HTTPResponse(status_code=499)
         engine, runner = state.engine, state.runner
-        req = anthropic.parse_body(endpoint, body)      # parse_request, or Anthropic's for /v1/messages
+        req = routes.parse_body(endpoint, body)         # parse_request, Anthropic's or the Responses API's
         # a prompt too long for the context by its size alone is refused before anything is rendered
         check_prompt_bytes(req, state.max_prompt_bytes, engine.max_seq_len)
         # off the event loop: a long prompt or conversation takes a while to render and tokenize
-        prompts = await asyncio.to_thread(anthropic.encode, engine, req)   # encode_prompts, or with a prefill
+        prompts = await asyncio.to_thread(routes.encode, engine, req)   # encode_prompts, or with a prefill
         if runner.num_choices + req.num_choices > state.config.max_pending:
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
-        response = anthropic.make_response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
+        response = routes.make_response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
         queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
 
@@ -368,6 +368,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             watcher = asyncio.create_task(watch())
 
             sse = (anthropic.MessageStream(response) if isinstance(response, anthropic.MessageResponse)
+                   else responses_api.ResponseStream(response) if isinstance(response, responses_api.ResponseObject)
                    else _OpenAIStream(response))
 
             async def events():
@@ -462,6 +463,10 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     async def messages(request: Request):
         return await generate(request, anthropic.MESSAGES_URL)
 
+    @app.post(responses_api.RESPONSES_URL)
+    async def responses(request: Request):
+        return await generate(request, responses_api.RESPONSES_URL)
+
     @app.post(anthropic.COUNT_TOKENS_URL)
     async def count_tokens(request: Request):
         return await token_endpoint(request, anthropic.COUNT_TOKENS_URL,
@@ -472,4 +477,4 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
 
 TOKENIZE_URL, DETOKENIZE_URL = "/tokenize", "/detokenize"
 _ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, "/v1/models", "/health", "/metrics", "/",
-           *anthropic.URLS}
+           *anthropic.URLS, *routes.URLS}
