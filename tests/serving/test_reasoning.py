@@ -148,3 +148,95 @@ def test_server_round_trip_with_a_thinking_template():
                     deltas += [c["delta"] for c in json.loads(line[6:])["choices"]]
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == "ab"
         assert "".join(d.get("content") or "" for d in deltas) == "ok"
+
+
+# --- the thinking budget (max_thinking_tokens, --reasoning-budget) -------------------------------------------
+
+# Qwen3's template, but opening the thought in the prompt (as QwQ's and Qwen3-2507's do): stories260K then
+# "thinks" until a budget ends the thought
+OPENS_THOUGHT = open(QWEN3).read().replace("{{- '<|im_start|>assistant\\n' }}",
+                                           "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _thinking_llm(**options):
+    import corelm
+    llm = corelm.LLM(os.path.join(MODELS, "stories260K"), dtype="fp32", threads=1, max_seq_len=256, **options)
+    llm.engine.tokenizer.chat_template = OPENS_THOUGHT
+    return llm
+
+
+def _steps(budget, in_thought, pieces):
+    """ThinkingBudget over (text per token): the step at which it first forces a token, or None."""
+    from corelm.engine.thinking import ThinkingBudget
+    b = ThinkingBudget(budget, [7, 8], in_thought)
+    for i, text in enumerate(pieces):
+        if b.forced() is not None:
+            return i
+        b.advance(i, text)
+    return None if b.forced() is None else len(pieces)
+
+
+def test_budget_counts_the_tokens_inside_the_thought():
+    assert _steps(3, True, ["a", "b", "c", "d"]) == 3
+    assert _steps(0, True, ["a"]) == 0
+    assert _steps(2, False, [" <th", "ink>", "a", "b", "c"]) == 4      # the model opened it: counted after
+    assert _steps(0, False, ["<think>", "a"]) == 1
+    assert _steps(3, True, ["a", "</th", "ink>", "b", "c"]) is None    # closed in time: nothing forced
+    assert _steps(2, False, ["Hello", "a", "b", "c"]) is None          # no thought at all
+
+
+def test_the_thought_ends_at_the_budget_and_the_answer_follows():
+    from corelm import SamplingParams
+    from corelm.engine.thinking import END_OF_THOUGHT
+    llm = _thinking_llm()
+    tok = llm.engine.tokenizer
+    free = llm.chat(HI, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert "</think>" not in free.text      # left alone, it never ends the thought
+    for budget in (0, 5):
+        out = llm.chat(HI, SamplingParams(temperature=0, max_tokens=40, max_thinking_tokens=budget))[0].outputs[0]
+        end = tok.encode(END_OF_THOUGHT, add_special_tokens=False)
+        assert out.token_ids[:budget] == free.token_ids[:budget]        # the thought as the model thinks it
+        assert out.token_ids[budget:budget + len(end)] == end           # then ended
+        assert len(out.token_ids) == 40 and split_reasoning(out.text, True)[1]    # and an answer follows
+    # an engine default for requests without one; -1 in a request lifts it
+    llm = _thinking_llm(reasoning_budget=3)
+    out = llm.chat(HI, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert out.token_ids[:3] == free.token_ids[:3] and out.token_ids[3:3 + len(end)] == end
+    out = llm.chat(HI, SamplingParams(temperature=0, max_tokens=40, max_thinking_tokens=-1))[0].outputs[0]
+    assert out.token_ids == free.token_ids
+
+
+def test_max_thinking_tokens_through_the_server():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_server import running_server
+    served = _thinking_llm()
+    with running_server(lambda: served) as s:
+        assert s.state.wait_ready(30)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        free = client.chat.completions.create(model="m", messages=HI, max_tokens=40, temperature=0)
+        assert free.choices[0].message.content is None      # all thought
+        r = client.chat.completions.create(model="m", messages=HI, max_tokens=40, temperature=0,
+                                           extra_body={"max_thinking_tokens": 4})
+        msg = r.choices[0].message
+        thought = msg.model_extra["reasoning_content"]
+        assert free.choices[0].message.model_extra["reasoning_content"].startswith(thought) and msg.content
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=HI, extra_body={"max_thinking_tokens": -2})
+        assert e.value.body["param"] == "max_thinking_tokens"
+        # the Responses API takes it too
+        r = client.responses.create(model="m", input="hi", max_output_tokens=40, temperature=0,
+                                    extra_body={"max_thinking_tokens": 4})
+        assert [i.type for i in r.output] == ["reasoning", "message"] and r.output[0].content[0].text == thought
+
+
+def test_reasoning_budget_flag():
+    import argparse
+    from corelm.entrypoints.cli.flags import add_engine_flags, engine_options
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert "reasoning_budget" not in engine_options(p.parse_args([]))
+    assert engine_options(p.parse_args(["--reasoning-budget", "0"]))["reasoning_budget"] == 0
+    with pytest.raises(ValueError):
+        _thinking_llm(reasoning_budget=-2)

@@ -108,8 +108,13 @@ class LLMEngine:
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, reasoning_budget: int = -1):
         t0 = time.perf_counter()
+        if not isinstance(reasoning_budget, int) or isinstance(reasoning_budget, bool) or reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be -1 (no limit), 0 (no thinking) or a number of tokens, "
+                             f"got {reasoning_budget!r}.")
+        # the thinking budget of requests that set no max_thinking_tokens (llama.cpp's --reasoning-budget)
+        self.reasoning_budget = reasoning_budget
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}.")
         self.model_path = model if model is not None else default_model_path()
@@ -266,6 +271,8 @@ class LLMEngine:
         ids = self.encode_prompt(prompt)
         self.check_prompt(ids)
         self.check_params(params)
+        if params.max_thinking_tokens is None and self.reasoning_budget >= 0:
+            params = dataclasses.replace(params, max_thinking_tokens=self.reasoning_budget)
         seqs = [Sequence(ids, choice_params(params, k), self.tokenizer, self.vocab_size, self.eos_token_ids,
                          self.max_seq_len - len(ids), seq_index=k) for k in range(params.n)]
         self.scheduler.add(request_id, seqs)

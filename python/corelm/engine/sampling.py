@@ -135,6 +135,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = None   # vLLM's older name for structured_outputs
     best_of: Optional[int] = None   # vLLM's: only n (or None) is supported, every choice is returned
+    # reasoning models: a thought longer than this many tokens is ended (engine/thinking.py); -1 no limit,
+    # None the engine's default (LLMEngine(reasoning_budget=...), llama.cpp's --reasoning-budget)
+    max_thinking_tokens: Optional[int] = None
 
     def __post_init__(self):
         self._check_types()
@@ -161,6 +164,8 @@ class SamplingParams:
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs)
+        if self.max_thinking_tokens is not None:
+            self.max_thinking_tokens = _as_int("max_thinking_tokens", self.max_thinking_tokens)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool("include_stop_str_in_output",
                                                    self.include_stop_str_in_output)
@@ -200,6 +205,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < -1:
+            raise ValueError(f"max_thinking_tokens must be -1 (no limit) or at least 0, got {self.max_thinking_tokens}.")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from .guided import GuidedMatcher
 from .sampling import Sampler, SamplingParams
+from .thinking import ThinkingBudget
 
 log = logging.getLogger("corelm")
 
@@ -89,6 +90,10 @@ class Sequence:
         self.guide = None
         if params.structured_outputs is not None:
             self.guide = GuidedMatcher(params.structured_outputs, tokenizer, vocab_size, eos_token_ids)
+        # a thinking budget: a thought that runs past it is ended by forced tokens
+        self.thinking = None
+        if params.max_thinking_tokens is not None and params.max_thinking_tokens >= 0:
+            self.thinking = ThinkingBudget.for_prompt(params.max_thinking_tokens, tokenizer, self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +108,10 @@ class Sequence:
         if not (np.isfinite(row.max()) and np.isfinite(row.min())):
             return self._fail(row)
         token = self.sampler.sample(logits, grammar=guide)
+        forced = self.thinking.forced() if self.thinking is not None else None
+        if forced is not None and forced != token:
+            self.sampler.accept(forced)         # replaces the sampled token (Sampler's docstring)
+            token = forced
         self.output_ids.append(token)
         n = len(self.output_ids)
         lp = self.sampler.logprobs(logits, token) if params.logprobs is not None else None
@@ -121,7 +130,10 @@ class Sequence:
             if not guide.consume(token):
                 log.warning("structured output: the grammar refused a token (%s); the sequence ends", guide.error)
             grammar_done = guide.stopped       # nothing but EOS may follow: end now, without another step
-        text, matched = self.stops.feed(self.detok.add(token))
+        piece = self.detok.add(token)
+        if self.thinking is not None:
+            self.thinking.advance(token, piece)
+        text, matched = self.stops.feed(piece)
         if grammar_done and matched is None:
             self.finish_reason = "stop"
             text += self.stops.feed(self.detok.flush())[0] + self.stops.flush()

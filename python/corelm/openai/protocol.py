@@ -54,6 +54,7 @@ _RANGES = {
     "stop_token_ids": "a list of token ids inside the vocabulary",
     "ignore_eos": "a boolean",
     "max_tokens": "an integer >= 1",
+    "max_thinking_tokens": "an integer: -1 (no limit), 0 (no thinking) or a number of tokens",
     "min_tokens": "an integer >= 0 and <= max_tokens",
     "logprobs": "an integer from 0 to {max_logprobs}",
     "skip_special_tokens": "a boolean",
@@ -129,6 +130,7 @@ class _Sampling(_Body):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    max_thinking_tokens: Optional[int] = None    # reasoning models: the thinking budget (engine/thinking.py)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: Optional[Dict[str, Any]] = None
     structured_outputs: Optional[Dict[str, Any]] = None
@@ -349,7 +351,7 @@ def _sampling_params(req: _Sampling, max_tokens: Optional[int], logprobs: Option
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=logit_bias, structured_outputs=structured,
+            max_thinking_tokens=req.max_thinking_tokens, logit_bias=logit_bias, structured_outputs=structured,
             **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:
         raise sampling_error(e, rename) from None

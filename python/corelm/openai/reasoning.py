@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-OPEN, CLOSE = "<think>", "</think>"
-PROMPT_TAIL_TOKENS = 16     # prompt tokens decoded to see whether the prompt opened a thought
+from ..engine.thinking import CLOSE, OPEN, PROMPT_TAIL_TOKENS, prompt_opens_thought  # noqa: F401 (the tags, once)
 
 _START, _THINK, _AFTER, _CONTENT = range(4)
 
@@ -21,12 +20,6 @@ _START, _THINK, _AFTER, _CONTENT = range(4)
 def template_thinks(template: Optional[str]) -> bool:
     """Whether a chat template writes thoughts (then the model's output is parsed for them)."""
     return bool(template) and OPEN in template
-
-
-def prompt_opens_thought(prompt_tail: str) -> bool:
-    """Whether a rendered prompt (its end) leaves a thought open, so the output starts inside it."""
-    i = prompt_tail.rfind(OPEN)
-    return i >= 0 and prompt_tail.rfind(CLOSE) < i
 
 
 def _partial_tail(text: str, tag: str) -> int:

@@ -58,6 +58,9 @@ def add_engine_flags(p: argparse.ArgumentParser,
                         "pages are reserved, and memory is used only as the cache fills)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own, at most 4096)")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="reasoning models: end a thought (<think>...) after N tokens and go on to the answer, for "
+                        "requests that set no max_thinking_tokens; 0: no thinking (default: -1, no limit)")
     g = p.add_argument_group("several processes (MPI ranks, one per NUMA node or slice of the cores, or per "
                              "machine with --hosts; pip install \"corelm[distributed]\"); --threads is then per rank")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -127,6 +130,8 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be 0 (the model's) or positive, got {args.ctx_size}.")
     options = dict(threads=args.threads, dtype=args.dtype, max_seq_len=args.ctx_size or None, numa=args.numa)
+    if args.reasoning_budget != -1:
+        options["reasoning_budget"] = args.reasoning_budget
     if args.hosts is not None:
         options["mpi_hosts"] = args.hosts
     if args.mpi_iface is not None:
