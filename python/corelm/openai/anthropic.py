@@ -332,6 +332,10 @@ class MessageResponse:
     def completion_tokens(self) -> int:
         return self.chat.completion_tokens
 
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.chat.num_cached_tokens
+
     def add(self, prompt_index: int, chunk) -> Optional[Dict[str, Any]]:
         """Files an engine chunk; returns the chat completions streaming entry (delta, finish_reason) or None."""
         if chunk.finish_reason == "stop" and isinstance(chunk.stop_reason, str) \

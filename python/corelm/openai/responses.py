@@ -237,11 +237,16 @@ class Response:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """The prompt tokens the prefix cache supplied (vLLM's RequestOutput.num_cached_tokens)."""
+        return sum(self.cached_tokens.values())
+
     def usage(self) -> Dict[str, Any]:
         done = self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def body(self) -> Dict[str, Any]:
         """The whole (non-streaming) response."""

@@ -265,6 +265,10 @@ class ResponseObject:
     def completion_tokens(self) -> int:
         return self.chat.completion_tokens
 
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.chat.num_cached_tokens
+
     def add(self, prompt_index: int, chunk) -> Optional[Dict[str, Any]]:
         """Files an engine chunk; returns the chat completions streaming entry (delta, finish_reason) or None."""
         return self.chat.add(prompt_index, chunk)
@@ -274,7 +278,7 @@ class ResponseObject:
         # the thought's tokens, counted again from its text (the engine counts the output as a whole)
         reasoning = len(self.tokenizer.encode(thought, add_special_tokens=False)) if thought and self.tokenizer else 0
         return {"input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": sum(self.chat.cached_tokens.values())},
+                "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
                 "output_tokens": done, "output_tokens_details": {"reasoning_tokens": min(reasoning, done)},
                 "total_tokens": self.prompt_tokens + done}
 

@@ -36,6 +36,7 @@ from typing import Sequence
 
 from .app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app  # noqa: F401
 from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, guarded_protocol  # noqa: F401
+from .request_log import listening
 from .runner import make_engine  # noqa: F401
 
 DEFAULT_MAX_CONNECTIONS = 256     # open connections (and requests in flight); more are answered 503
@@ -110,6 +111,7 @@ def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", p
                                         max_connections_per_client=min(max_connections_per_client, max_connections),
                                         host=host, port=port, log_level=log_level))
     server_box.append(server)
+    listening(f"http://{f'[{host}]' if ':' in host else host}:{port}/")
     server.run()
     if failed:
         raise failed[0]

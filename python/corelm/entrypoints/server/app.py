@@ -23,6 +23,7 @@ from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, 
 from ...openai import anthropic, responses_api, routes
 from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
 from .guard import HostGuard
+from .request_log import RequestLog, model_block
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
 from .tokens import detokenize, tokenize
 
@@ -87,7 +88,7 @@ class ServerState:
             runner.start()
             self.llm, self.engine, self.tokens, self.runner = llm, engine, TokenText(engine.tokenizer), runner
             self.status = "ready"
-            log.info("model loaded: %s", self.config.model_name)
+            log.info(model_block(self.config.model_name, llm))
         except BaseException as e:  # noqa: BLE001  (reported through /health and on_load_error)
             self.status = "failed"
             log.error("the model failed to load: %s", e)
@@ -229,8 +230,13 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         body = anthropic.error_body(e) if anthropic.owns(path) else e.body()
         return JSONResponse(body, status_code=e.status, headers=headers)
 
+    def request_log(request: Request) -> RequestLog:
+        """The request's log line (request_log.py), begun by a generation route or made now."""
+        return getattr(request.state, "corelm_log", None) or RequestLog(request.method, request.url.path)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
+        request_log(request).refused(e.status, e.message)
         metrics.count_request(request.url.path if request.url.path in _ROUTES else "other", e.status)
         return error_response(e, request.url.path)
 
@@ -239,6 +245,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         message = {404: "Not found.", 405: "Method not allowed."}.get(e.status_code, "Invalid request.")
         metrics.count_request("other", e.status_code)
+        request_log(request).refused(e.status_code, message)
         return error_response(APIError(e.status_code, message, kind), request.url.path)
 
     @app.exception_handler(Exception)
@@ -305,6 +312,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         return {"object": "list", "data": [card]}
 
     async def generate(request: Request, endpoint: str):
+        request.state.corelm_log = rlog = RequestLog(request.method, endpoint)
         authorize(request)
         require_json(request)
         require_ready()
@@ -323,6 +331,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
         response = routes.make_response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
+        rlog.response = response
         queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
 
@@ -355,6 +364,8 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
                 raise APIError(500, str(item) or "The engine failed while generating.", "server_error")
             if item is _SHUTDOWN:
                 raise APIError(503, "The server is shutting down.", "unavailable_error", code="server_shutdown")
+            if isinstance(item, tuple) and item[1].token_id is not None:
+                rlog.token()
             return item
 
         if req.stream:
@@ -379,10 +390,12 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
                         try:
                             item = await next_chunk()
                         except APIError as e:      # the stream still ends as streams do
+                            rlog.refused(e.status, e.message)
                             for text in sse.error(e):
                                 yield text
                             return
                         if item is _DISCONNECTED:
+                            rlog.done(499)
                             return
                         for text in sse.add(item):
                             yield text
@@ -391,6 +404,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
                 finally:
                     watcher.cancel()
                     close()
+                    rlog.done(200)
 
             metrics.count_request(endpoint, 200)
             return StreamingResponse(events(), media_type="text/event-stream",
@@ -407,6 +421,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             if not collector.done():       # the client left: nobody will read the answer
                 abort_all()
                 metrics.count_request(endpoint, 499)
+                rlog.done(499)
                 return HTTPResponse(status_code=499)
             collector.result()              # raises APIError when the engine failed
         finally:
@@ -414,6 +429,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
             watcher.cancel()
             close()
         metrics.count_request(endpoint, 200)
+        rlog.done(200)
         return JSONResponse(response.body())
 
     async def token_endpoint(request: Request, endpoint: str, handler):
