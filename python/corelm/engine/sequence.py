@@ -124,7 +124,9 @@ class Sequence:
             special = self.tokenizer.is_special(token) and params.skip_special_tokens
             text = "" if special else self.detok.add(token)
             tail = self.stops.feed(text + self.detok.flush())[0] + self.stops.flush()
-            return StreamChunk(tail, token, "stop", token, **extra)
+            # vLLM's stop_reason: the stop token's id, None for the end of sequence
+            reason = None if token in self.eos and token not in (params.stop_token_ids or ()) else token
+            return StreamChunk(tail, token, "stop", reason, **extra)
         grammar_done = False
         if guide is not None:
             if not guide.consume(token):

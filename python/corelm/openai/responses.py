@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .protocol import GenerationRequest
 from .reasoning import ReasoningParser, split_reasoning
@@ -97,6 +97,7 @@ class Choice:
     text: List[str] = field(default_factory=list)
     tokens: int = 0
     finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None   # vLLM's: the stop string or token id that ended the choice
     logprobs: List[Tuple[int, float, list, int]] = field(default_factory=list)  # (id, lp, top, text offset)
     offset: int = 0
     sent: int = 0       # with tools: characters already streamed as content
@@ -115,6 +116,7 @@ class Choice:
         self.offset += len(chunk.text)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason
 
 
 class Response:
@@ -191,6 +193,7 @@ class Response:
             entry["text"] = chunk.text
         entry["logprobs"] = self._logprobs(new_lp)
         entry["finish_reason"] = finish_reason
+        entry["stop_reason"] = c.stop_reason
         return entry
 
     def _tool_delta(self, c: Choice) -> Tuple[Dict[str, Any], Optional[str]]:
@@ -277,6 +280,7 @@ class Response:
                 prompt_part = self.echo[c.index // self.n][1]
                 item["logprobs"] = {k: prompt_part[k] + v for k, v in item["logprobs"].items()}
             item["finish_reason"] = finish_reason
+            item["stop_reason"] = c.stop_reason
             out.append(item)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": self.usage()}

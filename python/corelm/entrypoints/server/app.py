@@ -34,7 +34,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0     # a request body not fully received by then is
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The web chat page's files (a fixed list: no path from the URL reaches the file system) and their types.
 STATIC_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
-                "chat.css": "text/css; charset=utf-8"}
+                "chat.css": "text/css; charset=utf-8", "favicon.svg": "image/svg+xml"}
 # Only the page's own files and API; no inline script or handler runs, whatever ends up in the page.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
                                            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
@@ -460,6 +460,10 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     @app.get("/")
     async def index():
         return static_file("index.html")
+
+    @app.get("/favicon.ico")
+    async def favicon():          # browsers ask for it: an SVG icon rather than a 404 in the console
+        return static_file("favicon.svg")
 
     @app.get("/static/{name}")
     async def static(name: str):

@@ -1,7 +1,7 @@
 """/tokenize and /detokenize, as vLLM's server has them:
 
     POST /tokenize    {"prompt": "text", "add_special_tokens": true}
-                      {"messages": [...], "add_generation_prompt": true, "chat_template_kwargs": {...}}
+                      {"messages": [...], "tools": [...], "add_generation_prompt": true, "chat_template_kwargs": {...}}
                       -> {"tokens": [...], "count": N, "max_model_len": M}
     POST /detokenize  {"tokens": [...]} -> {"prompt": "text"}
 """
@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import ValidationError
 
-from ...openai.protocol import (ChatMessage, _Body, _chat_text, bad_request, check_template_kwargs, encode_chat,
+from ...openai.protocol import (ChatMessage, _Body, _chat_messages, bad_request, check_template_kwargs, encode_chat,
                                 validation_error)
+from ...openai.tools import check_tools
 
 
 class TokenizeRequest(_Body):
@@ -22,6 +23,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: Optional[bool] = None      # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Any]] = None       # rendered by the chat template, as chat completions does
 
 
 class DetokenizeRequest(_Body):
@@ -46,8 +48,10 @@ def tokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
         if not req.messages:
             raise bad_request("The 'messages' is empty.", "messages")
         kwargs = check_template_kwargs(req.chat_template_kwargs)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _chat_text(m.content)}
-                    for m in req.messages]
+        tools = check_tools(req.tools, None, None)
+        if tools is not None:           # the same template variables and messages as a chat completion's
+            kwargs = {**(kwargs or {}), "tools": tools.tools}
+        messages = _chat_messages(req)
         ids = encode_chat(engine, messages, kwargs, req.add_generation_prompt,
                           add_special_tokens=bool(req.add_special_tokens))
     else:
