@@ -47,7 +47,7 @@ class RayBackend:
                 ray.init(address=address, runtime_env=env, log_to_driver=False)
             self._owns_ray = True
         self.threads = threads or 1
-        self.model = os.path.abspath(model) if model and os.path.exists(model) else model
+        self.model = os.path.abspath(model) if isinstance(model, str) and os.path.exists(model) else model
         self.args = (self.model, self.threads, options)
         self.actor_cls = ray.remote(num_cpus=self.threads, max_restarts=0)(_ActorBody)
         self.actors: Dict[int, Any] = {}

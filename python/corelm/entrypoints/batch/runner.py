@@ -26,7 +26,7 @@ import os
 import stat
 import sys
 import time
-from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from .protocol import BatchLineError, BatchRequest, error_line, parse_line
 from ...engine import check_kv_sparsity, split_cpus
@@ -258,7 +258,7 @@ def _progress(total: int, enabled: Optional[bool]):
 
 
 def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Optional[int] = None,
-              model: Optional[str] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
+              model: Union[str, Dict[str, str], None] = None, dtype: str = "auto", max_seq_len: Optional[int] = None,
               task_size: int = 8, progress: Optional[bool] = None, ray_address: Optional[str] = None,
               max_restarts: Optional[int] = None, on_start=None, numa: Optional[str] = None,
               schedule: Optional[str] = None, activations: str = "auto", kv_cache_dtype: str = "auto",
@@ -266,11 +266,12 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
               speculative_weights: Optional[str] = None, tensor_parallel_size: int = 1,
               pipeline_parallel_size: int = 1, mpi_hosts: Optional[str] = None,
-              mpi_iface: Optional[str] = None) -> Dict[str, Any]:
+              mpi_iface: Optional[str] = None, max_loaded_models: Optional[int] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity, the speculative_*
     options and the parallel ones are corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
-    is N processes on its own cores).
+    is N processes on its own cores). `model`: a path, or {name: path} for several models, each line's
+    `model` picking one (worker.py), at most `max_loaded_models` loaded in a worker at once.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}.")
@@ -290,6 +291,10 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                "kv_sparsity": kv_sparsity}
     options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                    speculative_weights=speculative_weights)
+    if isinstance(model, dict):
+        model = {name: os.path.abspath(path) for name, path in model.items()}
+        if max_loaded_models is not None:
+            options["max_loaded_models"] = max_loaded_models
     if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
         options.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                        mpi_hosts=mpi_hosts, mpi_iface=mpi_iface)

@@ -4,9 +4,16 @@ A task is a short list of BatchRequests. All of them go to the worker's LLMEngin
 them continuously and fans each out into its n choices), as the server hands its clients' requests to
 its engine; a request the engine refuses (a prompt longer than the context, a token id outside the
 vocabulary) gets an error line with the server's code and message, and the others run.
+
+With several models ({name: path}, `corelm batch --models-dir DIR`), each line's `model` picks one: a worker
+loads a model when a line first names it and runs a task's requests one model at a time (one engine holds
+the cores at a time), keeping at most `max_loaded` models loaded (the least recently used one goes first).
+A name the run does not serve, or a model that failed to load, is that line's error.
 """
 from __future__ import annotations
 
+import collections
+import gc
 import os
 import signal
 import sys
@@ -18,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...errors import EngineDead
 from ...openai import APIError, Response, TokenText, sampling_error
 from ...openai.routes import encode, make_response
+from ..catalog import model_load_failed, model_not_found
 from .protocol import BatchRequest, error_line, response_line
 
 
@@ -38,20 +46,70 @@ def _why(e: BaseException) -> str:
 
 class BatchWorker:
     """One worker's engine. options: LLMEngine keyword arguments (dtype, max_seq_len, numa, schedule,
-    activations), the same for every worker."""
-    def __init__(self, model: Optional[str], threads: Optional[int], options: Optional[Dict[str, Any]] = None):
+    activations), the same for every worker. `model`: a path, or {name: path} for several models picked by
+    each line's `model` field (loaded when first named; at most options["max_loaded_models"] at once)."""
+    def __init__(self, model, threads: Optional[int], options: Optional[Dict[str, Any]] = None):
+        self.threads, self.options = threads, dict(options or {})
+        self.max_loaded = self.options.pop("max_loaded_models", None)   # the engines' options, less the router's
+        self.models: Optional[Dict[str, str]] = dict(model) if isinstance(model, dict) else None
+        self.loaded: "collections.OrderedDict[str, Tuple[Any, TokenText]]" = collections.OrderedDict()  # LRU first
+        self.failed: Dict[str, str] = {}       # name -> why its load failed
+        if self.models is None:
+            self.engine, self.tokens = self._build(model)
+
+    def _build(self, path: Optional[str]):
         from ...engine import LLMEngine
-        self.engine = LLMEngine(model, threads=threads, **(options or {}))
-        self.tokens = TokenText(self.engine.tokenizer)
+        engine = LLMEngine(path, threads=self.threads, **self.options)
+        return engine, TokenText(engine.tokenizer)
 
     def info(self) -> Dict[str, Any]:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        if self.models is not None:
+            return {"pid": os.getpid(), "cpus": cpus, "models": sorted(self.models)}
         e = self.engine
-        return {"pid": os.getpid(), "threads": e.threads,
-                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        return {"pid": os.getpid(), "threads": e.threads, "cpus": cpus,
                 "dtype": e.dtype, "schedule": e.schedule, "activations": e.activations}
+
+    def _use(self, name: Optional[str]) -> None:
+        """Makes the model a line names the worker's engine, loading it (and unloading the least recently
+        used beyond max_loaded) when it is not loaded; APIError for an unknown name or a failed load."""
+        if name is None and len(self.models) == 1:
+            name = next(iter(self.models))
+        if name not in self.models:
+            raise model_not_found(name, self.models)
+        if name in self.failed:
+            raise model_load_failed(self.failed[name])
+        if name not in self.loaded:
+            while self.max_loaded is not None and len(self.loaded) >= self.max_loaded:
+                self.loaded.popitem(last=False)
+                self.engine = self.tokens = None
+                gc.collect()               # the engine's memory goes before the next one loads
+            try:
+                self.loaded[name] = self._build(self.models[name])
+            except Exception as e:         # this model's lines fail; the others run
+                self.failed[name] = _why(e)
+                raise model_load_failed(self.failed[name]) from None
+        self.loaded.move_to_end(name)
+        self.engine, self.tokens = self.loaded[name]
 
     def run_task(self, requests: Sequence[BatchRequest]) -> List[Result]:
         """[(output line, completion tokens)] for every request of the task, in any order."""
+        if self.models is None:
+            return self._run_requests(requests)
+        by_model: Dict[Optional[str], List[BatchRequest]] = collections.defaultdict(list)
+        for r in requests:
+            by_model[r.request.model].append(r)
+        results: List[Result] = []
+        for name, group in by_model.items():     # one model's engine at a time holds the cores
+            try:
+                self._use(name)
+            except APIError as e:
+                results += [(error_line(r.custom_id, e.code, e.message), 0) for r in group]
+                continue
+            results += self._run_requests(group)
+        return results
+
+    def _run_requests(self, requests: Sequence[BatchRequest]) -> List[Result]:
         results: List[Result] = []
         running: Dict[str, Tuple[BatchRequest, Response, int]] = {}   # engine request id -> (request, response, prompt index)
         for r in requests:
@@ -130,7 +188,7 @@ def _exit_with_parent(poll_s: float = 0.2) -> None:
     threading.Thread(target=watch, name="corelm-batch-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model: Optional[str],
+def worker_main(conn, index: int, incarnation: int, cpus: Optional[List[int]], model,
                 threads: Optional[int], options: Dict[str, Any]) -> None:
     """A worker process: pin, load, say ready, then answer tasks until told to stop (None) or the
     pipe closes. Messages out: ("ready", info) | ("fatal", text) | ("result", task_id, results).

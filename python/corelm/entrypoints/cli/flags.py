@@ -164,4 +164,9 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
 
 def llm_from_args(args: argparse.Namespace):
     """The corelm.LLM (over its LLMEngine) that MODEL and the engine flags describe."""
-    return _make_llm(model=args.model, **engine_options(args))
+    return llm_for(args.model, engine_options(args))
+
+
+def llm_for(model: Optional[str], options: Dict[str, Any]):
+    """The corelm.LLM of `model` with engine_options' keyword arguments (each model of `corelm serve`'s router)."""
+    return _make_llm(model=model, **options)

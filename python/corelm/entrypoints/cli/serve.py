@@ -1,5 +1,6 @@
-"""`corelm serve`: the OpenAI-compatible HTTP server (corelm.entrypoints.server) over one LLMEngine, or over N
-replica processes with --data-parallel-size N (server/replicas.py)."""
+"""`corelm serve`: the OpenAI-compatible HTTP server (corelm.entrypoints.server) over one LLMEngine, over N
+replica processes with --data-parallel-size N (server/replicas.py), or over several models picked by each
+request's `model` (--models-dir DIR, or NAME=PATH arguments: server/router.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,8 @@ import os
 import sys
 
 from ...engine import served_model_name
-from .flags import add_engine_flags, add_model_arg, add_verbose_flag, engine_options, llm_from_args
+from ..catalog import find_models, named_models
+from .flags import add_engine_flags, add_verbose_flag, engine_options, llm_for, llm_from_args
 
 
 def add_parser(commands) -> None:
@@ -16,7 +18,20 @@ def add_parser(commands) -> None:
                             description="Serve a web chat page at /, the OpenAI API (/v1/completions, "
                                         "/v1/chat/completions, /v1/models), /tokenize, /detokenize, /health "
                                         "and /metrics (needs the serve extra: pip install 'corelm[serve]').")
-    add_model_arg(p)
+    p.add_argument("model", nargs="*", metavar="MODEL",
+                   help="HF folder, .gguf file or hub id owner/name[:QUANT] (default: the embedded "
+                        "SmolLM2-135M-Instruct); several models as NAME=PATH arguments, each loaded when a "
+                        "request's 'model' names it")
+    g = p.add_argument_group("several models (loaded on demand; docs/guide.md)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model in DIR by name: DIR/NAME.gguf, DIR/NAME/ (an HF or corelm folder with "
+                        "config.json), and the .gguf files one folder down")
+    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="with several models: at most N loaded at once; the least recently used idle one is "
+                        "unloaded first (default: no limit)")
+    g.add_argument("--models-memory-gb", type=float, default=None, metavar="GB",
+                   help="with several models: at most this much loaded, a model counted as its files' size plus "
+                        "its KV pool (default: no limit)")
     add_engine_flags(p)
     add_verbose_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback)")
@@ -90,22 +105,69 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: corelm serve needs FastAPI and uvicorn: pip install 'corelm[serve]' ({e})", file=sys.stderr)
         return 1
     from ..server.replicas import ReplicaFailure, load_replicas
-    if args.data_parallel_size > 1:
+    router = model_router(args, options)
+    if router is None:
+        args.model = args.model[0] if args.model else None
+    if router is not None:
+        load = None
+    elif args.data_parallel_size > 1:
         load = functools.partial(load_replicas, args.model, args.data_parallel_size, options, threads=args.threads,
                                  max_restarts=args.replica_restarts)
     else:
         load = functools.partial(llm_from_args, args)
     # The model loads in the server's background thread, so /health answers while it does.
     try:
-        return server.run(load, args.served_model_name or served_model_name(args.model),
+        return server.run(load, None if router else args.served_model_name or served_model_name(args.model),
                           host=args.host, port=args.port, api_key=api_key, max_body_bytes=args.max_body_bytes,
                           log_level=args.log_level, body_timeout=args.body_timeout,
                           max_connections=args.max_connections, header_timeout=args.header_timeout,
                           max_connections_per_client=args.max_connections_per_client,
-                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins))
+                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
+                          router=router)
     except ReplicaFailure as e:          # a replica could not load, or kept dying
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _is_named(item: str) -> bool:
+    """NAME=PATH, unless the whole argument is itself an existing file or folder."""
+    return "=" in item and not os.path.exists(item)
+
+
+def model_router(args: argparse.Namespace, options):
+    """The ModelRouter of --models-dir and NAME=PATH arguments, or None for one MODEL (today's server)."""
+    named = [m for m in args.model if _is_named(m)]
+    if args.models_dir is None and not named:
+        if len(args.model) > 1:
+            raise ValueError("several models are given as NAME=PATH (or with --models-dir DIR); one MODEL is served "
+                             "by itself.")
+        if args.max_loaded_models is not None or args.models_memory_gb is not None:
+            raise ValueError("--max-loaded-models and --models-memory-gb apply to several models (--models-dir "
+                             "or NAME=PATH).")
+        return None
+    if len(named) < len(args.model):
+        raise ValueError("with several models give each as NAME=PATH (or put them in --models-dir DIR).")
+    for flag in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag) > 1:
+            raise ValueError(f"--{flag.replace('_', '-')} cannot be combined with several models.")
+    if args.served_model_name is not None:
+        raise ValueError("--served-model-name names one model; with several, each is named by NAME=PATH or its "
+                         "file or folder name.")
+    models = find_models(args.models_dir) if args.models_dir is not None else {}
+    for name, path in named_models(named).items():
+        if name in models:
+            raise ValueError(f"the model name {name!r} is in --models-dir too.")
+        models[name] = path
+    if not models:
+        raise ValueError(f"no GGUF file or model folder in --models-dir {args.models_dir}.")
+    from ..server.router import ModelRouter
+    gb = args.models_memory_gb
+    if gb is not None and not gb > 0:
+        raise ValueError(f"--models-memory-gb must be positive, got {gb}.")
+    kv_gb = options.get("kv_cache_gb")
+    return ModelRouter(models, functools.partial(llm_for, options=options), max_loaded=args.max_loaded_models,
+                       memory_bytes=None if gb is None else int(gb * (1 << 30)),
+                       kv_bytes_hint=None if kv_gb is None else int(kv_gb * (1 << 30)))
 
 
 def _names(text: str):

@@ -8,6 +8,7 @@
     POST /v1/messages           Anthropic's Messages API (and /v1/messages/count_tokens)
     POST /v1/responses          OpenAI's Responses API, stateless (no previous_response_id)
     POST /tokenize, /detokenize as vLLM's server: a prompt or messages -> token ids, and back
+    POST /models/load, /models/unload   with several models (router.py): {"model": NAME}, as llama-server's
     GET  /                      the web chat page (static/, no build step, nothing fetched from elsewhere)
 
 The model loads in a background thread after the server starts listening. Hostile clients get bounded
@@ -92,9 +93,11 @@ def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", p
         log_level: str = "info", body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS, header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
         max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT, allowed_hosts: Sequence[str] = (),
-        allowed_origins: Sequence[str] = ()) -> int:
+        allowed_origins: Sequence[str] = (), router=None) -> int:
     """Serves until Ctrl-C. Returns 1 when the model failed to load (the server then stops), else 0.
-    The Host names allowed are the listening address, IP addresses, localhost names and `allowed_hosts`."""
+    The Host names allowed are the listening address, IP addresses, localhost names and `allowed_hosts`.
+    With `router` (a ModelRouter; load_llm and model_name None) it serves several models, loaded on demand;
+    one that fails to load is listed as failed and the server serves on."""
     failed = []
     server_box = []
 
@@ -106,7 +109,7 @@ def run(load_llm: Callable[[], Any], model_name: str, host: str = "127.0.0.1", p
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     app = create_app(load_llm, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                      body_timeout=body_timeout, on_load_error=on_load_error,
-                     allowed_hosts=[host, *allowed_hosts], allowed_origins=allowed_origins)
+                     allowed_hosts=[host, *allowed_hosts], allowed_origins=allowed_origins, router=router)
     server = make_server(uvicorn_config(app, max_connections, header_timeout=header_timeout,
                                         max_connections_per_client=min(max_connections_per_client, max_connections),
                                         host=host, port=port, log_level=log_level))

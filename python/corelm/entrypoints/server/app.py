@@ -23,6 +23,7 @@ from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, 
 from ...openai import anthropic, responses_api, routes
 from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
 from .guard import HostGuard
+from .router import Lease, ModelRouter
 from .request_log import RequestLog, model_block
 from .runner import EngineFailed, EngineRunner, Metrics, make_engine
 from .tokens import detokenize, tokenize
@@ -55,11 +56,14 @@ class ServerConfig:
 
 
 class ServerState:
-    """What the endpoints share: the load status; the LLM, its engine and the engine runner once loaded."""
+    """What the endpoints share: the load status; the LLM, its engine and the engine runner once loaded; or,
+    serving several models, the router (router.py), whose models load on demand."""
 
-    def __init__(self, load_llm: Callable[[], Any], config: ServerConfig,
-                 on_load_error: Optional[Callable[[BaseException], None]] = None):
+    def __init__(self, load_llm: Optional[Callable[[], Any]], config: ServerConfig,
+                 on_load_error: Optional[Callable[[BaseException], None]] = None,
+                 router: Optional[ModelRouter] = None):
         self.load_llm = load_llm
+        self.router = router
         self.config = config
         self.on_load_error = on_load_error
         self.metrics = Metrics()
@@ -78,6 +82,10 @@ class ServerState:
         self._loader.start()
 
     def _load(self) -> None:
+        if self.router is not None:   # nothing loads up front: a model loads when a request names it
+            self.runner = self.router.start(self.metrics, on_dead=self._engine_died)
+            self.status = "ready"
+            return
         try:
             llm = self.load_llm()
             engine = make_engine(llm)
@@ -102,6 +110,13 @@ class ServerState:
         if self.on_load_error is not None:
             self.on_load_error(e)
 
+    async def lease(self, name: Optional[str]) -> Lease:
+        """The model a request names: the router's (loaded first, a 404 for an unknown name), else the one
+        model whatever the name."""
+        if self.router is not None:
+            return await self.router.acquire(name)
+        return Lease(self.config.model_name, self.engine, self.runner, self.tokens, self.max_prompt_bytes)
+
     def wait_ready(self, timeout: float) -> bool:
         self._loader.join(timeout)
         return self.status == "ready"
@@ -114,7 +129,9 @@ class ServerState:
             loop.call_soon_threadsafe(queue.put_nowait, _SHUTDOWN)
 
     def shutdown(self) -> None:
-        if self.runner is not None:
+        if self.router is not None:
+            self.router.stop()
+        elif self.runner is not None:
             self.runner.stop()
 
 
@@ -187,19 +204,22 @@ async def _wait_disconnect(request: Request) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 
-def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optional[str] = None,
+def create_app(load_llm: Optional[Callable[[], Any]], model_name: Optional[str], *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_pending: int = 512,
                body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
                on_load_error: Optional[Callable[[BaseException], None]] = None,
-               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
+               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+               router: Optional[ModelRouter] = None) -> FastAPI:
     """The ASGI app. `load_llm()` runs in a background thread once the server is up; until it returns,
     /health and the generation endpoints answer 503. A body not received within `body_timeout`
     seconds gets a 408 and the connection is closed. Requests whose Host is not an IP address, a
     localhost name or one of `allowed_hosts` ("*" for any) get a 400 (guard.HostGuard); CORS headers
     go only to the `allowed_origins` ("*" for any), none by default. POST bodies must be
-    application/json (a 415 otherwise: a cross-site form or text/plain POST never reaches the API)."""
+    application/json (a 415 otherwise: a cross-site form or text/plain POST never reaches the API).
+    With `router` (load_llm and model_name None) it serves the router's models by a request's `model`, and
+    POST /models/load and /models/unload."""
     state = ServerState(load_llm, ServerConfig(model_name, api_key, max_body_bytes, max_pending, body_timeout),
-                        on_load_error)
+                        on_load_error, router)
 
     from contextlib import asynccontextmanager
 
@@ -306,12 +326,23 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     async def models(request: Request):
         authorize(request)
         metrics.count_request("/v1/models", 200)
+        if state.router is not None:   # every model, with its status
+            return {"object": "list", "data": state.router.cards(state.created)}
         card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "corelm"}
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_seq_len
         return {"object": "list", "data": [card]}
 
     async def generate(request: Request, endpoint: str):
+        leases = []          # the model's lease, released by close() or here when the request fails before
+        try:
+            return await _generate(request, endpoint, leases)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+
+    async def _generate(request: Request, endpoint: str, leases: list):
         request.state.corelm_log = rlog = RequestLog(request.method, endpoint)
         authorize(request)
         require_json(request)
@@ -321,16 +352,18 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         except ClientDisconnect:           # it left mid-upload: a client abort, not a server error
             metrics.count_request(endpoint, 499)
             return HTTPResponse(status_code=499)
-        engine, runner = state.engine, state.runner
         req = routes.parse_body(endpoint, body)         # parse_request, Anthropic's or the Responses API's
+        lease = await state.lease(req.model)       # a router's model loads now, unless it is loaded
+        leases.append(lease)
+        engine, runner = lease.engine, lease.runner
         # a prompt too long for the context by its size alone is refused before anything is rendered
-        check_prompt_bytes(req, state.max_prompt_bytes, engine.max_seq_len)
+        check_prompt_bytes(req, lease.max_prompt_bytes, engine.max_seq_len)
         # off the event loop: a long prompt or conversation takes a while to render and tokenize
         prompts = await asyncio.to_thread(routes.encode, engine, req)   # encode_prompts, or with a prefill
         if runner.num_choices + req.num_choices > state.config.max_pending:
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
-        response = routes.make_response(req, sum(len(ids) for ids in prompts), model_name, state.tokens)
+        response = routes.make_response(req, sum(len(ids) for ids in prompts), lease.name, lease.tokens)
         rlog.response = response
         queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
@@ -355,6 +388,7 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         def close() -> None:
             state.open_queues.pop(queue, None)
             abort_all()
+            lease.release()
 
         async def next_chunk():
             item = await queue.get()
@@ -432,26 +466,36 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
         rlog.done(200)
         return JSONResponse(response.body())
 
-    async def token_endpoint(request: Request, endpoint: str, handler):
+    async def post_body(request: Request, endpoint: str):
+        """A POST's JSON body once authorized and the server ready, or the 499 of a client that left."""
         authorize(request)
         require_json(request)
         require_ready()
         try:
-            body = await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+            return await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
         except ClientDisconnect:
             metrics.count_request(endpoint, 499)
             return HTTPResponse(status_code=499)
-        out = await asyncio.to_thread(handler, state.engine, body)
+
+    async def token_endpoint(request: Request, endpoint: str, handler):
+        body = await post_body(request, endpoint)
+        if isinstance(body, HTTPResponse):
+            return body
+        lease = await state.lease(_model_field(body) if state.router is not None else None)
+        try:
+            out = await asyncio.to_thread(handler, lease, body)
+        finally:
+            lease.release()
         metrics.count_request(endpoint, 200)
         return JSONResponse(out)
 
     @app.post(TOKENIZE_URL)
     async def tokenize_endpoint(request: Request):
-        return await token_endpoint(request, TOKENIZE_URL, tokenize)
+        return await token_endpoint(request, TOKENIZE_URL, lambda lease, body: tokenize(lease.engine, body))
 
     @app.post(DETOKENIZE_URL)
     async def detokenize_endpoint(request: Request):
-        return await token_endpoint(request, DETOKENIZE_URL, detokenize)
+        return await token_endpoint(request, DETOKENIZE_URL, lambda lease, body: detokenize(lease.engine, body))
 
     def static_file(name: str):
         metrics.count_request("/", 200)
@@ -490,11 +534,46 @@ def create_app(load_llm: Callable[[], Any], model_name: str, *, api_key: Optiona
     @app.post(anthropic.COUNT_TOKENS_URL)
     async def count_tokens(request: Request):
         return await token_endpoint(request, anthropic.COUNT_TOKENS_URL,
-                                    lambda engine, body: anthropic.count_tokens(engine, body, state.max_prompt_bytes))
+                                    lambda lease, body: anthropic.count_tokens(lease.engine, body,
+                                                                               lease.max_prompt_bytes))
+
+    if router is not None:   # llama-server's router routes: {"model": NAME} -> {"success": true}
+        async def model_admin(request: Request, endpoint: str, action) -> JSONResponse:
+            body = await post_body(request, endpoint)
+            if isinstance(body, HTTPResponse):
+                return body
+            name = _model_field(body)
+            if name is None:
+                raise bad_request("'model' (a string) is required.", param="model")
+            result = action(name)
+            if asyncio.iscoroutine(result):
+                await result
+            metrics.count_request(endpoint, 200)
+            return JSONResponse({"success": True})
+
+        @app.post(LOAD_URL)
+        async def load_model(request: Request):
+            return await model_admin(request, LOAD_URL, router.load)
+
+        @app.post(UNLOAD_URL)
+        async def unload_model(request: Request):
+            return await model_admin(request, UNLOAD_URL, router.unload)
 
     return app
 
 
+def _model_field(body: bytes) -> Optional[str]:
+    """A JSON body's "model" when it is a string (the endpoint's own parsing judges the rest)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else None
+
+
 TOKENIZE_URL, DETOKENIZE_URL = "/tokenize", "/detokenize"
-_ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, "/v1/models", "/health", "/metrics", "/",
+LOAD_URL, UNLOAD_URL = "/models/load", "/models/unload"
+_ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, LOAD_URL, UNLOAD_URL, "/v1/models", "/health",
+           "/metrics", "/",
            *anthropic.URLS, *routes.URLS}
