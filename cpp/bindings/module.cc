@@ -74,6 +74,13 @@ ModelConfig config_from_dict(const py::dict& d) {
   opt("attn_scale", c.attn_scale);
   opt("attn_softcap", c.attn_softcap);
   opt("final_softcap", c.final_softcap);
+  opt("causal", c.causal);
+  opt("n_positions", c.n_positions);
+  opt("n_token_types", c.n_token_types);
+  opt("layer_norm", c.layer_norm);
+  opt("norm_after_residual", c.norm_after_residual);
+  opt("gated_mlp", c.gated_mlp);
+  opt("output_bias", c.output_bias);
   if (d.contains("activation")) c.activation = parse_name(kActivationNames, d["activation"].cast<std::string>(), "activation");
   c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
   c.n_threads = get<int>(d, "n_threads");
@@ -87,6 +94,34 @@ ModelConfig config_from_dict(const py::dict& d) {
   if (d.contains("numa") && !d["numa"].is_none()) c.numa = parse_numa_policy(d["numa"].cast<std::string>());
   return c;
 }
+
+// forward_batch's and hidden_batch's sequences, (n_tokens, pos, block_table, all_logits) each, as
+// SeqSlices; the block tables stay alive in `tables`.
+struct BatchSlices {
+  std::vector<SeqSlice> slices;
+  std::vector<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> tables;
+  BatchSlices(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& tokens, py::list seqs) {
+    if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
+    int64_t total = 0;
+    for (py::handle h : seqs) {
+      py::tuple e = py::reinterpret_borrow<py::tuple>(h);
+      if (e.size() != 4) throw std::invalid_argument("each sequence is (n_tokens, pos, block_table, all_logits)");
+      tables.push_back(e[2].cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>());
+      if (tables.back().ndim() != 1) throw std::invalid_argument("a block table must be 1-D");
+      SeqSlice s;
+      s.n_tokens = e[0].cast<int64_t>();
+      s.pos = e[1].cast<int64_t>();
+      s.blocks = tables.back().data();
+      s.n_blocks = tables.back().shape(0);
+      s.all_logits = e[3].cast<bool>();
+      if (s.n_tokens < 1) throw std::invalid_argument("every sequence in a batch needs at least one token");
+      total += s.n_tokens;
+      slices.push_back(s);
+    }
+    if (slices.empty()) throw std::invalid_argument("a batch needs at least one sequence");
+    if (total != tokens.shape(0)) throw std::invalid_argument("the sequences' n_tokens must add up to len(tokens)");
+  }
+};
 
 // One forward at a time per model: its scratch buffers and KV cache are shared state.
 struct PyModel {
@@ -298,40 +333,35 @@ PYBIND11_MODULE(_core, m) {
            "another model (a speculative draft) runs on the same cores.")
       .def("forward_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                                py::list seqs) {
-        if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be a 1-D array of token ids");
-        // each entry: (n_tokens, pos, block_table, all_logits); the block tables stay alive in `tables`
-        std::vector<SeqSlice> slices;
-        std::vector<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> tables;
-        int64_t total = 0;
-        for (py::handle h : seqs) {
-          py::tuple e = py::reinterpret_borrow<py::tuple>(h);
-          if (e.size() != 4) throw std::invalid_argument("each sequence is (n_tokens, pos, block_table, all_logits)");
-          tables.push_back(e[2].cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>());
-          if (tables.back().ndim() != 1) throw std::invalid_argument("a block table must be 1-D");
-          SeqSlice s;
-          s.n_tokens = e[0].cast<int64_t>();
-          s.pos = e[1].cast<int64_t>();
-          s.blocks = tables.back().data();
-          s.n_blocks = tables.back().shape(0);
-          s.all_logits = e[3].cast<bool>();
-          if (s.n_tokens < 1) throw std::invalid_argument("every sequence in a batch needs at least one token");
-          total += s.n_tokens;
-          slices.push_back(s);
-        }
-        if (slices.empty()) throw std::invalid_argument("forward_batch needs at least one sequence");
-        if (total != tokens.shape(0)) throw std::invalid_argument("the sequences' n_tokens must add up to len(tokens)");
-        const int64_t rows = self.model.logit_rows(slices.data(), (int64_t)slices.size());
+        BatchSlices b(tokens, seqs);
+        const int64_t rows = self.model.logit_rows(b.slices.data(), (int64_t)b.slices.size());
         py::array_t<float> logits({rows, self.model.config().logits_size()});
         const int32_t* tp = tokens.data();
         float* lp = logits.mutable_data();
         {
           py::gil_scoped_release release;
           std::lock_guard<std::mutex> lock(self.mu);
-          self.model.forward_batch(tp, slices.data(), (int64_t)slices.size(), lp);
+          self.model.forward_batch(tp, b.slices.data(), (int64_t)b.slices.size(), lp);
         }
         return logits;
       }, py::arg("tokens"), py::arg("seqs"),
          "Run several sequences at once: seqs is a list of (n_tokens, pos, block_table, all_logits).")
+      .def("hidden_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                              py::list seqs) {
+        BatchSlices b(tokens, seqs);
+        py::array_t<float> hidden({(int64_t)tokens.shape(0), self.model.config().dim});
+        const int32_t* tp = tokens.data();
+        float* hp = hidden.mutable_data();
+        {
+          py::gil_scoped_release release;
+          std::lock_guard<std::mutex> lock(self.mu);
+          self.model.hidden_batch(tp, b.slices.data(), (int64_t)b.slices.size(), hp);
+        }
+        return hidden;
+      }, py::arg("tokens"), py::arg("seqs"),
+         "The same pass as forward_batch, giving every token's final hidden state [tokens, dim] (after the "
+         "final norm) instead of logits: what embedding models pool. all_logits is ignored; an encoder's "
+         "sequences must each be whole, from position 0.")
       .def_property_readonly("kv_block_size", [](PyModel& s) { return s.model.kv_cache().block_size(); })
       .def_property_readonly("kv_blocks", [](PyModel& s) { return s.model.kv_cache().n_blocks(); })
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })

@@ -131,6 +131,21 @@ void register_testing_kernels(py::module_& m) {
     table(isa).gelu_tanh_mul(y.mutable_data(), g.data(), u.data(), g.shape(0));
     return y;
   });
+  m.def("kernel_layernorm", [](const std::string& isa, FloatArray x, FloatArray w, FloatArray b, float eps) {
+    if (x.ndim() != 1 || w.ndim() != 1 || b.ndim() != 1 || x.shape(0) != w.shape(0) || x.shape(0) != b.shape(0) ||
+        x.shape(0) < 1)
+      throw std::invalid_argument("shape mismatch");
+    py::array_t<float> y(x.shape(0));
+    table(isa).layernorm(y.mutable_data(), x.data(), w.data(), b.data(), x.shape(0), eps);
+    return y;
+  });
+  m.def("kernel_gelu", [](const std::string& isa, FloatArray x) {
+    if (x.ndim() != 1) throw std::invalid_argument("gelu needs a 1-D array");
+    py::array_t<float> y(x.shape(0));
+    std::copy(x.data(), x.data() + x.shape(0), y.mutable_data());
+    table(isa).gelu(y.mutable_data(), x.shape(0));
+    return y;
+  });
   m.def("kernel_softmax", [](const std::string& isa, FloatArray x) {
     if (x.ndim() != 1 || x.shape(0) < 1) throw std::invalid_argument("softmax needs a non-empty 1-D array");
     py::array_t<float> y(x.shape(0));

@@ -2,6 +2,7 @@
 // namespace on purpose: each ISA file gets its own copy built with its own flags, so the linker can
 // never hand an AVX2-only caller a shared inline instance compiled with AVX-512 instructions.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -37,6 +38,17 @@ struct AlignedAlloc {  // 64-byte aligned scratch for aligned vector loads (thre
 // without. Each table passes its default; CORELM_DECODE_PREFETCH=0|1 overrides it (tools/hw_check.sh
 // measures both on a new machine).
 inline bool decode_prefetch(bool table_default) { return tuning::decode_prefetch(table_default); }
+
+// LayerNorm in plain loops, which each ISA file's flags vectorize (a few rows per layer: no intrinsics
+// needed); mean and variance in double, as the scalar reference.
+inline void layernorm_loops(float* out, const float* x, const float* weight, const float* bias, int64_t n, float eps) {
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < n; i++) sum += x[i];
+  const float mean = (float)(sum / (double)n);
+  for (int64_t i = 0; i < n; i++) sq += (double)(x[i] - mean) * (x[i] - mean);
+  const float scale = 1.f / std::sqrt((float)(sq / (double)n) + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * scale * weight[i] + bias[i];
+}
 
 // Whether the AVX-512 decode GEMVs read a super-group's block row group after group (each group's
 // bytes in address order) rather than the groups side by side (one activation load for all of them).

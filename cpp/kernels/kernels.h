@@ -124,6 +124,11 @@ struct KernelTable {
   // out[i] = gelu_tanh(gate[i]) * up[i] (GeGLU, Gemma): gelu_tanh(x) = x * sigmoid(2u),
   // u = sqrt(2/pi) * (x + 0.044715 x^3), which is 0.5 x (1 + tanh(u)).
   void (*gelu_tanh_mul)(float* out, const float* gate, const float* up, int64_t n);
+  // out = (x - mean) / sqrt(var + eps) * weight + bias over n elements (LayerNorm, BERT); out may be x.
+  void (*layernorm)(float* out, const float* x, const float* weight, const float* bias, int64_t n, float eps);
+  // x[i] = gelu(x[i]) = x/2 (1 + erf(x / sqrt 2)) in place (BERT's MLP); the vector tables' erf is
+  // Abramowitz-Stegun 7.1.26, within 1.5e-7 of std::erf.
+  void (*gelu)(float* x, int64_t n);
   // Attention over n cached tokens (part of one KV block) for the G query heads that share a kv head.
   // Keys are stored transposed, K[d * ldk + j]: one vector load is one channel of 16 consecutive tokens,
   // so scores come out 16 at a time with no horizontal sums, and each key load serves all G heads.

@@ -21,7 +21,15 @@ void ModelConfig::validate() const {
     require(std::isfinite(v) && v > 0, "rope_attn_factor and embed_scale must be finite and > 0");
   for (float v : {attn_scale, attn_softcap, final_softcap})
     require(std::isfinite(v) && v >= 0, "attn_scale, attn_softcap and final_softcap must be finite and >= 0");
-  require(activation == Activation::Silu || activation == Activation::GeluTanh, "unknown activation");
+  require(activation == Activation::Silu || activation == Activation::GeluTanh || activation == Activation::Gelu,
+          "unknown activation");
+  require(gated_mlp == (activation != Activation::Gelu), "gelu is the activation of an MLP without a gate, and only");
+  require(!(moe() && !gated_mlp), "experts are gated MLPs");
+  require(n_positions >= 0 && n_positions <= (1 << 24) && n_token_types >= 0 && n_token_types <= 1024,
+          "n_positions must be in [0, 16M] and n_token_types in [0, 1024]");
+  require(n_positions == 0 || max_seq_len <= n_positions,
+          "max_seq_len must not exceed n_positions (the learned positions)");
+  require(causal || lm_head_rows == 0, "an encoder has no lm_head to slice");
   require(!(qk_norm && qk_norm_whole), "qk_norm and qk_norm_whole exclude each other");
   require(n_experts >= 0 && n_experts <= 1024, "n_experts must be in [0, 1024]");
   require(n_experts == 0 ? n_experts_used == 0 : n_experts_used >= 1 && n_experts_used <= n_experts,

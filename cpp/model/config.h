@@ -17,10 +17,11 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
 
-// The MLP's gated activation: SwiGLU (Llama, Qwen, Phi) or GeGLU with tanh-approximated GELU (Gemma).
-enum class Activation { Silu, GeluTanh };
-inline constexpr EnumName<Activation> kActivationNames[] = {{Activation::Silu, "silu"},
-                                                            {Activation::GeluTanh, "gelu_tanh"}};
+// The MLP's activation: gated, SwiGLU (Llama, Qwen, Phi) or GeGLU with tanh-approximated GELU (Gemma);
+// or the exact GELU of an MLP without a gate (BERT).
+enum class Activation { Silu, GeluTanh, Gelu };
+inline constexpr EnumName<Activation> kActivationNames[] = {
+    {Activation::Silu, "silu"}, {Activation::GeluTanh, "gelu_tanh"}, {Activation::Gelu, "gelu"}};
 
 // The hyper-parameters and the family's features (a family description, python/corelm/loader/families.py,
 // says which a family switches on); the defaults are the Llama family's.
@@ -62,6 +63,16 @@ struct ModelConfig {
   int64_t n_experts = 0;
   int64_t n_experts_used = 0;
   bool moe_norm_topk = false;
+  // Encoders (BERT). An encoder has no lm_head: its forward gives hidden states (Model::hidden_batch).
+  bool causal = true;            // false: every token attends to all of its sequence's tokens in the pass
+  int64_t n_positions = 0;       // learned absolute positions (pos_embeddings rows) instead of RoPE; 0: RoPE
+  int64_t n_token_types = 0;     // rows of type_embeddings, of which row 0 is added to every token; 0: none
+  bool layer_norm = false;       // LayerNorm with a bias (<norm>_bias) in place of every RMSNorm
+  // x = norm(x + block(x)) (BERT's post-LN: attn_norm and ffn_norm come after their block's residual
+  // add, embed_norm after the embeddings, no final norm) in place of x + block(norm(x))
+  bool norm_after_residual = false;
+  bool gated_mlp = true;         // false: w_down(act(w_up x + b_up)) + b_down, with Activation::Gelu
+  bool output_bias = false;      // biases on the attention output (bo) and the MLP (b_up, b_down)
   WeightType weight_type = WeightType::F32;
   // How quantized matmuls take their input (kernels.h): int8 per block of 32, or int16 (near fp32).
   ActType act_type = ActType::I8;
@@ -79,6 +90,7 @@ struct ModelConfig {
   int64_t logits_size() const { return lm_head_rows ? lm_head_rows : vocab_size; }
   bool sliding_layer(int64_t l) const { return sliding_layers.empty() || sliding_layers[l]; }
   bool moe() const { return n_experts > 0; }
+  bool encoder() const { return !causal; }
 };
 
 }  // namespace corelm

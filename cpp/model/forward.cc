@@ -34,7 +34,7 @@ void Model::ensure_scratch(int64_t n) {
   qkv_.assign(T * qkv_dim, 0.f);
   att_.assign(T * cfg_.n_heads * cfg_.head_dim, 0.f);
   const int64_t dense_ffn = cfg_.moe() ? 0 : cfg_.ffn_dim;  // experts have buffers of their own
-  hb_.assign(nth * T * 2 * dense_ffn, 0.f);
+  hb_.assign(cfg_.gated_mlp ? nth * T * 2 * dense_ffn : 0, 0.f);
   act_.assign(T * dense_ffn, 0.f);
   proj_.assign(cfg_.post_norms || allreduce_ ? T * cfg_.dim : 0, 0.f);
   // room for any matrix's quantized input of up to T rows (0 bytes with float weights)
@@ -43,8 +43,8 @@ void Model::ensure_scratch(int64_t n) {
     for (int64_t m = 1; m <= T; m++) qact_ld_ = std::max(qact_ld_, (act_bytes(kt_, w, m, cfg_.act_type) + 63) / 64 * 64);
   };
   for (const LayerWeights& L : layers_)
-    for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) fit(*w);
-  fit(lm_head_);
+    for (const PackedMatrix* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_up, &L.w_down}) fit(*w);
+  if (lm_head_.storage) fit(lm_head_);
   qact_ = qact_ld_ ? aligned_buffer(nth * qact_ld_) : nullptr;
   scores_.assign(nth * (cfg_.n_heads / cfg_.n_kv_heads) * cfg_.max_seq_len, 0.f);
   out_rows_.assign(T * cfg_.dim, 0.f);
@@ -77,8 +77,19 @@ int64_t Model::logit_rows(const SeqSlice* seqs, int64_t n_seqs) const {
 
 void Model::forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
   require(n_seqs >= 1, "forward_batch needs at least one sequence");
+  require(!cfg_.encoder(), "an encoder has no logits: its forward gives hidden states (hidden_batch)");
   check_batch(tokens, seqs, n_seqs);
   run(tokens, seqs, n_seqs, logits);
+}
+
+void Model::hidden_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* hidden) {
+  require(n_seqs >= 1, "hidden_batch needs at least one sequence");
+  require(hidden != nullptr, "hidden_batch needs an output");
+  require(!receive_ && !send_, "hidden states of a pipeline stage are not the model's output");
+  check_batch(tokens, seqs, n_seqs);
+  for (int64_t i = 0; i < n_seqs; i++)  // an encoder's tokens attend to the whole input: it must all be here
+    require(!cfg_.encoder() || seqs[i].pos == 0, "an encoder's sequence must be whole in one pass, from position 0");
+  run(tokens, seqs, n_seqs, nullptr, hidden);
 }
 
 void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const {
@@ -124,16 +135,19 @@ Chunking chunking(const PackedMatrix& w, int64_t units, int64_t align, int64_t t
 }
 
 // Normalizes all T tokens of x into the buffer index's own copy, so no barrier is needed before a matmul.
+// Without a norm (post-LN models normalize the stream itself after each block) the rows are x itself.
 struct NormedInput {
   const KernelTable* k;
-  const float *x, *norm;
+  const float *x, *norm, *bias;  // norm null: no norm; bias non-null: LayerNorm
   float* xb;       // [buffers][ld_buf]
   int64_t ld_buf, T, d;
   float eps;
-  const float* rows(int buf) const { return xb + (size_t)buf * ld_buf; }
+  const float* rows(int buf) const { return norm ? xb + (size_t)buf * ld_buf : x; }
   void prepare(int buf) const {
+    if (!norm) return;
     float* out = xb + (size_t)buf * ld_buf;
-    for (int64_t t = 0; t < T; t++) k->rmsnorm(out + t * d, x + t * d, norm, d, eps);
+    for (int64_t t = 0; t < T; t++)
+      bias ? k->layernorm(out + t * d, x + t * d, norm, bias, d, eps) : k->rmsnorm(out + t * d, x + t * d, norm, d, eps);
   }
 };
 
@@ -273,9 +287,16 @@ struct MatmulTask {
   int64_t n_out;
   bool accumulate;
   float softcap = 0.f;  // > 0: stores softcap * tanh(y / softcap) (Gemma 2's logits)
+  const float* bias = nullptr;  // [n_out] added to y, or null
+  bool gelu = false;            // stores gelu(y + bias) (BERT's MLP)
   void prepare(int buf) const { mm.prepare(buf, in, m, ld_in); }
   void compute(int buf, int64_t n0, int64_t n1, float* s, int64_t ld) const {
     mm.run(buf, in, m, ld_in, s - n0, ld, n0, n1);
+    if (bias)
+      for (int64_t t = 0; t < m; t++)
+        for (int64_t i = 0; i < n1 - n0; i++) s[t * ld + i] += bias[n0 + i];
+    if (gelu)
+      for (int64_t t = 0; t < m; t++) mm.k->gelu(s + t * ld, n1 - n0);
   }
   void commit(int64_t n0, int64_t n1, const float* s, int64_t ld) const {
     for (int64_t t = 0; t < m; t++) {
@@ -424,7 +445,7 @@ struct ExpertDownTask {
 
 }  // namespace
 
-void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits) {
+void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits, float* hidden) {
   const ForwardMark busy;
   int64_t T = 0;
   for (int64_t i = 0; i < n_seqs; i++) T += seqs[i].n_tokens;
@@ -449,11 +470,27 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       k.row_to_f32(tok_embeddings_, tokens[t], x + t * d);
       if (cfg_.embed_scale != 1.f)
         for (int64_t i = 0; i < d; i++) x[t * d + i] *= cfg_.embed_scale;
+      const float* pos = cfg_.n_positions ? pos_embeddings_.data() + tok_pos_[t] * d : nullptr;
+      for (int64_t i = 0; pos && i < d; i++) x[t * d + i] += pos[i];
+      for (int64_t i = 0; i < (int64_t)type_embedding_.size(); i++) x[t * d + i] += type_embedding_[i];
     }
   }
+  // The stream's own norm (post-LN models: after the embeddings and after every block's residual add)
+  auto norm_stream = [&](const std::vector<float>& w, const std::vector<float>& b) {
+    pool_.parallel([&](int tid, int nth) {
+      int64_t t0, t1;
+      split_range(T, tid, nth, 1, &t0, &t1);
+      for (int64_t t = t0; t < t1; t++)
+        b.empty() ? k.rmsnorm(x + t * d, x + t * d, w.data(), d, cfg_.norm_eps)
+                  : k.layernorm(x + t * d, x + t * d, w.data(), b.data(), d, cfg_.norm_eps);
+    });
+  };
+  const bool post_ln = cfg_.norm_after_residual;
+  if (post_ln && !receive_) norm_stream(embed_norm_, embed_norm_bias_);
 
-  auto normed = [&](const std::vector<float>& w) {
-    return NormedInput{&k, x, w.data(), xb_.data(), scratch_tokens_ * d, T, d, cfg_.norm_eps};
+  auto normed = [&](const std::vector<float>& w, const std::vector<float>& b) {
+    return NormedInput{&k, x, post_ln ? nullptr : w.data(), b.empty() ? nullptr : b.data(), xb_.data(),
+                       scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
   auto task_matmul = [&](const PackedMatrix& w) {
     // an input of its own for this pass's rows or a single one (lm_head): a table may want one for some
@@ -463,14 +500,19 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   };
   // x += in @ W^T; with post-norms x += rmsnorm(in @ W^T) * post_norm, which needs whole rows first, as
   // does a tensor-parallel rank's partial product (summed across the ranks before anything else)
-  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w, const std::vector<float>& post_norm) {
+  // (a bias, where the family has one, is added once: after the ranks' sum)
+  auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w, const std::vector<float>& post_norm,
+                             const std::vector<float>& bias) {
     const bool post = !post_norm.empty(), whole_rows = post || allreduce_;
-    pool_.parallel_chunks(MatmulTask{task_matmul(w), in, T, ld, whole_rows ? proj_.data() : x, d, !whole_rows},
-                          chunking(w, d, k.row_grain, T, 1));
+    MatmulTask task{task_matmul(w), in, T, ld, whole_rows ? proj_.data() : x, d, !whole_rows};
+    task.bias = bias.empty() || allreduce_ ? nullptr : bias.data();
+    pool_.parallel_chunks(task, chunking(w, d, k.row_grain, T, 1));
     if (!whole_rows) return;
     if (allreduce_) allreduce_(proj_.data(), T * d);
     for (int64_t t = 0; t < T; t++) {
       float* p = proj_.data() + t * d;
+      if (allreduce_ && !bias.empty())
+        for (int64_t i = 0; i < d; i++) p[i] += bias[i];
       if (post) k.rmsnorm(p, p, post_norm.data(), d, cfg_.norm_eps);
       for (int64_t i = 0; i < d; i++) x[t * d + i] += p[i];
     }
@@ -479,27 +521,49 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
     const bool local_rope = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
-    const QkvTask qkv{normed(L.attn_norm), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(),
+    const QkvTask qkv{normed(L.attn_norm, L.attn_norm_bias), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(),
                       (local_rope ? rope_cos_local_ : rope_cos_).data(), (local_rope ? rope_sin_local_ : rope_sin_).data(),
                       L.q_norm.empty() ? nullptr : L.q_norm.data(), L.k_norm.empty() ? nullptr : L.k_norm.data(),
                       tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh, nkv, kv_.block_size(),
-                      cfg_.rotary_dim() / 2, cfg_.qk_norm_whole};
+                      cfg_.n_positions ? 0 : cfg_.rotary_dim() / 2, cfg_.qk_norm_whole};
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     if (cfg_.qk_norm_whole) qk_norm_whole(l, seqs, T);
     attention(l, seqs, T);
-    matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm);
+    matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm, L.bo);
+    if (post_ln) norm_stream(L.attn_norm, L.attn_norm_bias);
     if (cfg_.moe()) {
       moe(l, T);
       continue;
     }
-    const int64_t blocks = (f + GB - 1) / GB;
-    pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm), task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB,
-                                     cfg_.activation},
-                          chunking(L.w_gate_up, blocks, 1, T, GB));
-    matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm);
+    if (cfg_.gated_mlp) {
+      const int64_t blocks = (f + GB - 1) / GB;
+      pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm, L.ffn_norm_bias), task_matmul(L.w_gate_up), hb_.data(),
+                                       act_.data(), f, GB, cfg_.activation},
+                            chunking(L.w_gate_up, blocks, 1, T, GB));
+    } else {  // act = gelu(x W_up^T + b_up), x the stream itself (post-LN: the gateless MLP's only users)
+      require(post_ln, "an MLP without a gate is built for post-LN models only");
+      MatmulTask up{task_matmul(L.w_up), x, T, d, act_.data(), f, false};
+      up.bias = L.b_up.empty() ? nullptr : L.b_up.data();
+      up.gelu = true;
+      pool_.parallel_chunks(up, chunking(L.w_up, f, k.row_grain, T, 1));
+    }
+    matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm, L.b_down);
+    if (post_ln) norm_stream(L.ffn_norm, L.ffn_norm_bias);
   }
 
   if (send_) return send_(x, T * d);   // a pipeline stage before the last: its layers' output goes on
+  if (hidden) {  // every token's state after the final norm (post-LN: the stream is normed already)
+    for (int64_t t = 0; t < T; t++) {
+      float* h = hidden + t * d;
+      if (norm_.empty())
+        std::memcpy(h, x + t * d, d * sizeof(float));
+      else if (cfg_.layer_norm)
+        k.layernorm(h, x + t * d, norm_.data(), norm_bias_.data(), d, cfg_.norm_eps);
+      else
+        k.rmsnorm(h, x + t * d, norm_.data(), d, cfg_.norm_eps);
+    }
+    return;
+  }
   if (!logits) return;
   // the rows whose logits are wanted, normalized, then one matmul over the vocabulary
   int64_t rows = 0;
@@ -517,7 +581,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
 void Model::qk_norm_whole(int64_t l, const SeqSlice* seqs, int64_t T) {
   const LayerWeights& L = layers_[l];
   const int64_t hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads, qkv_dim = (nh + 2 * nkv) * hd;
-  const int64_t half = cfg_.rotary_dim() / 2, B = kv_.block_size();
+  const int64_t half = cfg_.n_positions ? 0 : cfg_.rotary_dim() / 2, B = kv_.block_size();
   const bool local = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
   const float* cos = (local ? rope_cos_local_ : rope_cos_).data();
   const float* sin = (local ? rope_sin_local_ : rope_sin_).data();
@@ -708,9 +772,11 @@ void Model::attention(int64_t l, const SeqSlice* seqs, int64_t T) {
     const int64_t t = task / (parts * n_kv), kvh = kvh0 + task / parts % n_kv, part = task % parts;
     const int64_t h0 = kvh * group + part * per, G = std::min(per, group - part * per);
     if (G <= 0) return;
-    const int64_t p = tok_pos_[t];
+    const SeqSlice& seq = seqs[tok_seq_[t]];
+    // causal: the token's own position; an encoder's tokens see their whole input
+    const int64_t p = cfg_.causal ? tok_pos_[t] : seq.pos + seq.n_tokens - 1;
     const int64_t start = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-    kv_.attend(kt_, l, kvh, seqs[tok_seq_[t]].blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale,
+    kv_.attend(kt_, l, kvh, seq.blocks, start, p, qkv_.data() + t * qkv_dim + h0 * hd, G, scale,
                cfg_.attn_softcap, s,
                att_.data() + t * nh * hd + h0 * hd);
   };

@@ -89,6 +89,10 @@ class Model {
   // (or n_tokens rows with all_logits) of [vocab].
   void forward_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
   int64_t logit_rows(const SeqSlice* seqs, int64_t n_seqs) const;
+  // The same pass, ending in every token's final hidden state (after the final norm, where the model has
+  // one) in place of logits: hidden gets [tokens][dim]. Embedding models pool these (encoders can only
+  // do this); an encoder's sequence must be whole in one pass, from position 0.
+  void hidden_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* hidden);
   // Tensor parallelism: this model holds one rank's shard (a slice of the heads, of the MLP's rows and of
   // the vocabulary), so each attention and MLP output is a partial sum. `allreduce` sums n floats in
   // place across the ranks, in an order fixed so every rank gets the same bits; it is called on the
@@ -147,7 +151,7 @@ class Model {
 
  private:
   void check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs) const;
-  void run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits);
+  void run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, float* logits, float* hidden = nullptr);
   void attention(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
   void qk_norm_whole(int64_t layer, const SeqSlice* seqs, int64_t n_tokens);
   void moe(int64_t layer, int64_t n_tokens);
@@ -189,6 +193,9 @@ class Model {
   PackedMatrix tok_embeddings_;  // [vocab, dim]
   PackedMatrix lm_head_;         // [vocab, dim]; shares storage with tok_embeddings_ when tied
   std::vector<float> norm_;      // [dim]
+  std::vector<float> norm_bias_; // [dim] with layer_norm
+  // Encoders: learned positions [n_positions][dim], token type 0's row [dim], the embeddings' norm [dim]
+  std::vector<float> pos_embeddings_, type_embedding_, embed_norm_, embed_norm_bias_;
   std::vector<LayerWeights> layers_;
   std::map<std::string, std::vector<float>> pending_;  // wq/wk/wv/w_gate/w_up until fused
   std::map<std::string, std::pair<WeightType, std::vector<uint8_t>>> pending_raw_;  // the same, raw blocks

@@ -17,7 +17,9 @@ static bool all_digits(const std::string& s) {
 }
 
 WeightName parse_weight_name(const std::string& name, int64_t n_layers, int64_t n_experts) {
-  if (name == "tok_embeddings" || name == "lm_head" || name == "norm") return {-1, -1, name};
+  for (const char* global : {"tok_embeddings", "lm_head", "norm", "norm_bias", "pos_embeddings", "type_embeddings",
+                             "embed_norm", "embed_norm_bias"})
+    if (name == global) return {-1, -1, name};
   const size_t dot = name.rfind("layers.", 0) == 0 ? name.find('.', 7) : std::string::npos;
   const std::string idx = dot == std::string::npos ? "" : name.substr(7, dot - 7);
   require(all_digits(idx), "unknown weight " + name);
@@ -143,9 +145,19 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
       require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
       check_shape(name, shape, {cfg_.logits_size(), d});
       lm_head_ = kt_.pack(data, cfg_.logits_size(), d, cfg_.weight_type, &pack_threads_);
-    } else {  // norm
+    } else if (part == "pos_embeddings" || part == "type_embeddings") {
+      const bool pos = part == "pos_embeddings";
+      require(pos ? cfg_.n_positions > 0 : cfg_.n_token_types > 0, "weight " + name + " given for a model without it");
+      check_shape(name, shape, {pos ? cfg_.n_positions : cfg_.n_token_types, d});
+      (pos ? pos_embeddings_ : type_embedding_) = vec((pos ? cfg_.n_positions : 1) * d);
+    } else {  // norm, embed_norm and their biases
+      require(part.find("embed_norm") != 0 || cfg_.norm_after_residual,
+              "weight " + name + " given for a model without an embeddings norm");
+      require(part.find("_bias") == std::string::npos || cfg_.layer_norm,
+              "weight " + name + " given for a model without LayerNorm");
       check_shape(name, shape, {d});
-      norm_ = vec(d);
+      (part == "norm" ? norm_ : part == "norm_bias" ? norm_bias_ : part == "embed_norm" ? embed_norm_ : embed_norm_bias_) =
+          vec(d);
     }
     return;
   }
@@ -158,6 +170,18 @@ void Model::set_weight(const std::string& name, const float* data, const std::ve
   if (part == "attn_norm" || part == "ffn_norm") {
     check_shape(name, shape, {d});
     (part == "attn_norm" ? L.attn_norm : L.ffn_norm) = vec(d);
+  } else if (part == "attn_norm_bias" || part == "ffn_norm_bias") {
+    require(cfg_.layer_norm, "weight " + name + " given for a model without LayerNorm");
+    check_shape(name, shape, {d});
+    (part == "attn_norm_bias" ? L.attn_norm_bias : L.ffn_norm_bias) = vec(d);
+  } else if (part == "bo" || part == "b_up" || part == "b_down") {
+    require(cfg_.output_bias, "weight " + name + " given for a model without output biases");
+    const int64_t n = part == "b_up" ? f : d;
+    check_shape(name, shape, {n});
+    (part == "bo" ? L.bo : part == "b_up" ? L.b_up : L.b_down) = vec(n);
+  } else if (part == "w_up" && !cfg_.gated_mlp) {
+    check_shape(name, shape, {f, d});
+    L.w_up = kt_.pack(data, f, d, cfg_.weight_type, &pack_threads_);
   } else if (part == "post_attn_norm" || part == "post_ffn_norm") {
     require(cfg_.post_norms, "weight " + name + " given for a model without post-norms");
     check_shape(name, shape, {d});
@@ -244,14 +268,17 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
   if (type == WeightType::BF16 && cfg_.weight_type != WeightType::BF16) return as_f32();
   const std::string& part = w.part;
   const bool model_matrix = w.layer < 0 && (part == "tok_embeddings" || part == "lm_head");
-  if (model_matrix || (w.layer >= 0 && (part == "wo" || part == "w_down"))) {  // packed as they come
+  const bool gateless_up = w.layer >= 0 && part == "w_up" && !cfg_.gated_mlp;
+  if (model_matrix || gateless_up || (w.layer >= 0 && (part == "wo" || part == "w_down"))) {  // packed as they come
     if (part == "lm_head") require(!cfg_.tie_embeddings, "lm_head given for a model with tied embeddings");
     check_shape(name, shape, model_matrix ? std::vector<int64_t>{part == "lm_head" ? cfg_.logits_size() : cfg_.vocab_size, d}
-                             : part == "wo" ? std::vector<int64_t>{d, q_rows} : std::vector<int64_t>{d, f});
+                             : part == "wo" ? std::vector<int64_t>{d, q_rows}
+                             : gateless_up  ? std::vector<int64_t>{f, d}
+                                            : std::vector<int64_t>{d, f});
     PackedMatrix m = kt_.pack_raw(type, raw, shape[0], shape[1], &pack_threads_);
     if (!model_matrix) {
       LayerWeights& L = layers_[w.layer];
-      (part == "wo" ? L.wo : down_of(L, w)) = m;
+      (part == "wo" ? L.wo : gateless_up ? L.w_up : down_of(L, w)) = m;
     } else {
       (part == "tok_embeddings" ? tok_embeddings_ : lm_head_) = m;
       if (part == "tok_embeddings" && cfg_.tie_embeddings) lm_head_ = m;
@@ -333,16 +360,26 @@ void Model::set_weight_raw(const std::string& name, WeightType type, const uint8
 void Model::finalize() {
   auto missing = [](const std::string& what) { throw std::invalid_argument("missing weight " + what); };
   if (!tok_embeddings_.storage) missing("tok_embeddings");
-  if (!lm_head_.storage) missing("lm_head");
-  if (norm_.empty()) missing("norm");
+  if (!lm_head_.storage && !cfg_.encoder()) missing("lm_head");
+  if (norm_.empty() && !cfg_.norm_after_residual) missing("norm");  // post-LN: the last ffn_norm is the last
+  if (cfg_.layer_norm && !norm_.empty() && norm_bias_.empty()) missing("norm_bias");
+  if (cfg_.n_positions && pos_embeddings_.empty()) missing("pos_embeddings");
+  if (cfg_.n_token_types && type_embedding_.empty()) missing("type_embeddings");
+  if (cfg_.norm_after_residual && (embed_norm_.empty() || (cfg_.layer_norm && embed_norm_bias_.empty())))
+    missing(cfg_.layer_norm ? "embed_norm/embed_norm_bias" : "embed_norm");
   for (int64_t i = 0; i < cfg_.n_layers; i++) {
     const LayerWeights& L = layers_[i];
     const std::string p = layer_weight_name(i, "");
     if (L.attn_norm.empty()) missing(p + "attn_norm");
     if (L.ffn_norm.empty()) missing(p + "ffn_norm");
+    if (cfg_.layer_norm && (L.attn_norm_bias.empty() || L.ffn_norm_bias.empty()))
+      missing(p + "attn_norm_bias/ffn_norm_bias");
+    if (cfg_.output_bias && (L.bo.empty() || L.b_down.empty() || (!cfg_.gated_mlp && L.b_up.empty())))
+      missing(p + (cfg_.gated_mlp ? "bo/b_down" : "bo/b_up/b_down"));
+    if (!cfg_.gated_mlp && !L.w_up.storage) missing(p + "w_up");
     if (!L.wqkv.storage && L.wqkv.parts.empty()) missing(p + "wq/wk/wv");
     if (!L.wo.storage) missing(p + "wo");
-    if (!cfg_.moe() && !L.w_gate_up.storage) missing(p + "w_gate/w_up");
+    if (!cfg_.moe() && cfg_.gated_mlp && !L.w_gate_up.storage) missing(p + "w_gate/w_up");
     if (!cfg_.moe() && !L.w_down.storage) missing(p + "w_down");
     if (cfg_.moe() && !L.router.storage) missing(p + "router");
     for (size_t e = 0; e < L.experts.size(); e++) {
@@ -380,7 +417,7 @@ std::vector<std::tuple<std::string, uintptr_t, size_t>> Model::weight_spans() co
 size_t Model::weight_bytes() const {
   size_t total = lm_head_.bytes();
   for (const LayerWeights& L : layers_) {
-    total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_down.bytes() + L.router.bytes();
+    total += L.wqkv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() + L.w_up.bytes() + L.w_down.bytes() + L.router.bytes();
     for (const ExpertWeights& e : L.experts) total += e.w_gate_up.bytes() + e.w_down.bytes();
   }
   return total;
@@ -404,7 +441,10 @@ std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
     std::vector<std::tuple<std::string, const char*, PackedMatrix*>> kinds = {
         {layer_weight_name(l, "wqkv"), "wqkv", &L.wqkv}, {layer_weight_name(l, "wo"), "wo", &L.wo}};
     if (!cfg_.moe()) {
-      kinds.emplace_back(layer_weight_name(l, "w_gate_up"), "w_gate_up", &L.w_gate_up);
+      if (cfg_.gated_mlp)
+        kinds.emplace_back(layer_weight_name(l, "w_gate_up"), "w_gate_up", &L.w_gate_up);
+      else
+        kinds.emplace_back(layer_weight_name(l, "w_up"), "w_up", &L.w_up);
       kinds.emplace_back(layer_weight_name(l, "w_down"), "w_down", &L.w_down);
     } else {
       kinds.emplace_back(layer_weight_name(l, "router"), "router", &L.router);
@@ -426,7 +466,7 @@ std::vector<Model::NamedMatrix> Model::matrices_in_decode_order() {
       }
     }
   }
-  out.push_back({"lm_head", "lm_head", &lm_head_});
+  if (!cfg_.encoder()) out.push_back({"lm_head", "lm_head", &lm_head_});
   out.push_back({"tok_embeddings", "", &tok_embeddings_});  // read a row per token; shares lm_head's bytes when tied
   return out;
 }

@@ -25,6 +25,11 @@ struct LayerWeights {
   PackedMatrix wo;                         // [dim, n_heads * head_dim]
   PackedMatrix w_gate_up;                  // [2 * ffn_dim, dim]: gate and up rows interleaved in blocks
   PackedMatrix w_down;                     // [dim, ffn_dim]
+  // LayerNorm's biases (layer_norm); an MLP without a gate (gated_mlp false): w_up [ffn_dim, dim] alone;
+  // output biases (output_bias): bo [dim], b_up [ffn_dim], b_down [dim]
+  std::vector<float> attn_norm_bias, ffn_norm_bias;
+  PackedMatrix w_up;
+  std::vector<float> bo, b_up, b_down;
   // Mixture of experts, in place of w_gate_up and w_down: the router [n_experts, dim], always fp32 (its
   // logits pick the experts), and the experts.
   PackedMatrix router;
@@ -36,7 +41,8 @@ struct LayerWeights {
 // without a barrier.
 constexpr int64_t kGateUpBlock = 16;
 
-// A weight's internal name: "tok_embeddings", "lm_head", "norm", "layers.<layer>.<part>", or an
+// A weight's internal name: "tok_embeddings", "lm_head", "norm", an encoder's "pos_embeddings",
+// "type_embeddings", "embed_norm", a LayerNorm's "<norm>_bias", "layers.<layer>.<part>", or an
 // expert's "layers.<layer>.experts.<expert>.<part>" (part w_gate, w_up or w_down).
 struct WeightName {
   int64_t layer = -1;   // -1: a weight of the whole model

@@ -144,6 +144,29 @@ def test_gelu_tanh_mul(isa, n):
 
 
 @pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 3, 16, 31, 384, 1025])
+def test_layernorm(isa, n):
+    # an offset mean and a large scale: a one-pass variance would lose digits here
+    x = (RNG.standard_normal(n) * 30 + 500).astype(np.float32)
+    w = RNG.standard_normal(n).astype(np.float32)
+    b = RNG.standard_normal(n).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = (x64 - x64.mean()) / np.sqrt(x64.var() + 1e-12) * w + b if n > 1 else b.astype(np.float64)
+    np.testing.assert_allclose(_core.testing.kernel_layernorm(isa, x, w, b, 1e-12), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("isa", TABLES)
+@pytest.mark.parametrize("n", [1, 3, 16, 31, 1536])
+def test_gelu(isa, n):
+    # BERT's exact GELU, x/2 (1 + erf(x / sqrt 2)), against math.erf in float64
+    import math
+    x = (RNG.standard_normal(n) * 4).astype(np.float32)
+    x[:4] = [-100.0, 100.0, 0.0, -3.0][: min(4, n)]
+    ref = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(_core.testing.kernel_gelu(isa, x), ref, rtol=1e-6, atol=5e-7)
+
+
+@pytest.mark.parametrize("isa", TABLES)
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 100, 4097])
 def test_softmax(isa, n):
     x = (RNG.standard_normal(n) * 10).astype(np.float32)

@@ -43,8 +43,9 @@ def test_each_family_is_described_once():
         mlp = {"w_gate", "w_up", "w_down"} & (set(f.hf_layer.values()) | set(f.gguf_layer.values()))
         assert (f.moe, bool(mlp)) in ((True, False), (False, True)), f.arch
         assert f.moe == bool(f.hf_experts and f.gguf_stacked) == ("router" in f.hf_layer.values())
-        # a multimodal class's text model and other towers: only with the key of its text config
-        assert f.hf_text_config or not (f.hf_text_prefixes or f.hf_towers), f.arch
+        # a multimodal class's text model and other towers: only with the key of its text config (an encoder's
+        # checkpoints: the model under "bert.", its heads beside it)
+        assert f.hf_text_config or f.encoder or not (f.hf_text_prefixes or f.hf_towers), f.arch
 
 
 @pytest.mark.parametrize("family", list(TINY))

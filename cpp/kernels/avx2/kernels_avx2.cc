@@ -427,6 +427,36 @@ void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
   }
 }
 
+void layernorm(float* out, const float* x, const float* weight, const float* bias, int64_t n, float eps) {
+  layernorm_loops(out, x, weight, bias, n, eps);
+}
+
+// gelu(x) = x/2 (1 + erf(x / sqrt 2)), erf by Abramowitz-Stegun 7.1.26 on |x| with the sign put back.
+inline __m256 gelu8(__m256 v) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 z = _mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f));
+  const __m256 a = _mm256_andnot_ps(sign, z);
+  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
+  __m256 p = _mm256_set1_ps(1.061405429f);
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+  p = _mm256_mul_ps(p, t);
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), a));
+  const __m256 erf = _mm256_or_ps(_mm256_fnmadd_ps(p, e, one), _mm256_and_ps(sign, z));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(one, erf));
+}
+
+void gelu(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, gelu8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(x + i, m, gelu8(_mm256_maskload_ps(x + i, m)));
+  }
+}
+
 void softmax(float* x, int64_t n) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 mx = ninf;
@@ -707,7 +737,7 @@ void kv_accum_sparse(KVType t, const float* p, int64_t ldp, int64_t G, const uin
 }  // namespace
 
 // row_grain 32: the quantized layout's super-group
-const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores, kv_accum,
+const KernelTable kAvx2Kernels = {"avx2", 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, layernorm, gelu, kv_scores, kv_accum,
                                   kv_scores_sparse, kv_accum_sparse, softmax,
                                   row_to_f32, pack_raw, quant::avx2_quant_act_bytes,
                                   quant::avx2_quantize_act, quant::avx2_matmul_quant};

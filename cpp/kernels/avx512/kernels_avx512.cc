@@ -597,6 +597,33 @@ void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
   }
 }
 
+void layernorm(float* out, const float* x, const float* weight, const float* bias, int64_t n, float eps) {
+  layernorm_loops(out, x, weight, bias, n, eps);
+}
+
+// gelu(x) = x/2 (1 + erf(x / sqrt 2)), erf by Abramowitz-Stegun 7.1.26 on |x| with the sign put back.
+void gelu(float* x, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __m512 z = _mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f));
+    const __m512 a = _mm512_abs_ps(z);
+    const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, one));
+    __m512 p = _mm512_set1_ps(1.061405429f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    p = _mm512_mul_ps(p, t);
+    const __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), a));
+    __m512 erf_abs = _mm512_fnmadd_ps(p, e, one);
+    const __m512 erf = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(erf_abs), _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(INT32_MIN))));
+    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, erf)));
+  }
+}
+
 void softmax(float* x, int64_t n) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 16) {
@@ -641,11 +668,11 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
+const KernelTable kAvx512Kernels = {"avx512", /*row_grain: the quantized layout interleaves 32 rows*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, layernorm, gelu, kv_scores,
                                     kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                     quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                     quant::avx512_matmul_quant};
-const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
+const KernelTable kAvx512Bf16Kernels = {"avx512_bf16", 32, pack, matmul_bf16dp, rmsnorm, silu_mul, gelu_tanh_mul, layernorm, gelu, kv_scores,
                                         kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                         quant::avx512_quant_act_bytes, quant::avx512_quantize_act,
                                         quant::avx512_matmul_quant, &kAvx512Kernels};

@@ -96,6 +96,19 @@ void gelu_tanh_mul(float* out, const float* gate, const float* up, int64_t n) {
   }
 }
 
+void layernorm(float* out, const float* x, const float* weight, const float* bias, int64_t n, float eps) {
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < n; i++) sum += x[i];
+  const double mean = sum / (double)n;
+  for (int64_t i = 0; i < n; i++) sq += (x[i] - mean) * (x[i] - mean);
+  const double scale = 1.0 / std::sqrt(sq / (double)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = (float)((x[i] - mean) * scale) * weight[i] + bias[i];
+}
+
+void gelu(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] = 0.5f * x[i] * (1.f + std::erf(x[i] * 0.70710678118654752f));
+}
+
 // One cached element as fp32 (int8: the raw level; the caller applies the row's scale).
 inline float kv_at(KVType t, const void* p, int64_t i) {
   switch (t) {
@@ -162,7 +175,7 @@ void row_to_f32(const PackedMatrix& w, int64_t row, float* out) {
 
 }  // namespace
 
-const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, kv_scores,
+const KernelTable kScalarKernels = {"scalar", /*row_grain: as the other tables*/ 32, pack, matmul, rmsnorm, silu_mul, gelu_tanh_mul, layernorm, gelu, kv_scores,
                                     kv_accum, kv_scores_sparse, kv_accum_sparse, softmax, row_to_f32, pack_raw,
                                     quant::scalar_quant_act_bytes, quant::scalar_quantize_act,
                                     quant::scalar_matmul_quant};

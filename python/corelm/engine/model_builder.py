@@ -71,7 +71,11 @@ def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
                 attn_softcap=float(spec.attn_logit_softcap or 0.0),
                 final_softcap=float(spec.final_logit_softcap or 0.0), qk_norm_whole=bool(spec.qk_norm_whole),
                 n_experts=int(spec.num_experts), n_experts_used=int(spec.num_experts_used),
-                moe_norm_topk=bool(spec.moe_norm_topk))
+                moe_norm_topk=bool(spec.moe_norm_topk),
+                # an encoder's (BERT)
+                causal=not spec.encoder, n_positions=int(spec.max_position_embeddings) if spec.encoder else 0,
+                n_token_types=int(spec.type_vocab_size), layer_norm=bool(spec.encoder),
+                norm_after_residual=bool(spec.encoder), gated_mlp=not spec.encoder, output_bias=bool(spec.encoder))
 
 
 # activations="auto" is the exact path: int16 (about 15 bits) keeps every weight format's own function

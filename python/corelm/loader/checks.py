@@ -75,8 +75,14 @@ ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")  # what rope.py computes
 
 def _validate_features(spec: ModelSpec, source: str) -> None:
     """The family-feature fields of a spec (whichever loader filled them), named when wrong."""
-    if spec.activation not in ("silu", "gelu_tanh"):
-        raise ModelLoadError(f"{source}: activation {spec.activation!r} must be 'silu' or 'gelu_tanh'")
+    if spec.activation not in ("silu", "gelu_tanh", "gelu") or (spec.activation == "gelu") != bool(spec.encoder):
+        raise ModelLoadError(f"{source}: activation {spec.activation!r} must be 'silu' or 'gelu_tanh' (a decoder's "
+                             f"gate) or 'gelu' (an encoder's)")
+    if spec.pooling not in (None, "mean", "cls", "last"):
+        raise ModelLoadError(f"{source}: pooling {short(spec.pooling)} must be 'mean', 'cls' or 'last'")
+    if spec.encoder and (not pos_int(spec.type_vocab_size) or spec.type_vocab_size > 1024):
+        raise ModelLoadError(f"{source}: type_vocab_size = {short(spec.type_vocab_size)} is not a positive integer "
+                             f"up to 1024")
     for name in ("embed_scale", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
                  "rope_local_theta"):
         v = getattr(spec, name)

@@ -42,6 +42,36 @@ _GGUF_LLAMA_LAYER = {**_GGUF_LLAMA_ATTN, "ffn_gate.weight": "w_gate", "ffn_up.we
 _GGUF_QK_NORM = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 _GGUF_GEMMA_NORMS = {"post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
 
+# Whole-model tensors -> internal names: decoders' checkpoints (Llama's names) and GGUF files.
+_HF_DECODER_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings", "model.norm.weight": "norm",
+                      "lm_head.weight": "lm_head"}
+_GGUF_DECODER_GLOBAL = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
+
+# BERT encoders (sentence-transformers' checkpoints, and BertModel's under "bert."): LayerNorm after each
+# residual add, so the attention block's norm (attn_norm) is its output LayerNorm and the MLP's (ffn_norm)
+# the layer's output LayerNorm; the MLP has no gate (w_up, then GELU, then w_down), every projection a bias.
+_HF_BERT_GLOBAL = {"embeddings.word_embeddings.weight": "tok_embeddings",
+                   "embeddings.position_embeddings.weight": "pos_embeddings",
+                   "embeddings.token_type_embeddings.weight": "type_embeddings",
+                   "embeddings.LayerNorm.weight": "embed_norm", "embeddings.LayerNorm.bias": "embed_norm_bias"}
+_HF_BERT_LAYER = {
+    "attention.self.query.weight": "wq", "attention.self.key.weight": "wk", "attention.self.value.weight": "wv",
+    "attention.self.query.bias": "bq", "attention.self.key.bias": "bk", "attention.self.value.bias": "bv",
+    "attention.output.dense.weight": "wo", "attention.output.dense.bias": "bo",
+    "attention.output.LayerNorm.weight": "attn_norm", "attention.output.LayerNorm.bias": "attn_norm_bias",
+    "intermediate.dense.weight": "w_up", "intermediate.dense.bias": "b_up",
+    "output.dense.weight": "w_down", "output.dense.bias": "b_down",
+    "output.LayerNorm.weight": "ffn_norm", "output.LayerNorm.bias": "ffn_norm_bias"}
+_GGUF_BERT_GLOBAL = {"token_embd.weight": "tok_embeddings", "position_embd.weight": "pos_embeddings",
+                     "token_types.weight": "type_embeddings", "token_embd_norm.weight": "embed_norm",
+                     "token_embd_norm.bias": "embed_norm_bias"}
+_GGUF_BERT_LAYER = {
+    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk",
+    "attn_v.bias": "bv", "attn_output.weight": "wo", "attn_output.bias": "bo", "attn_output_norm.weight": "attn_norm",
+    "attn_output_norm.bias": "attn_norm_bias", "ffn_up.weight": "w_up", "ffn_up.bias": "b_up",
+    "ffn_down.weight": "w_down", "ffn_down.bias": "b_down", "layer_output_norm.weight": "ffn_norm",
+    "layer_output_norm.bias": "ffn_norm_bias"}
+
 # Fused checkpoint tensors split at load (Phi-3): their name -> (the internal parts, in row order).
 QKV = ("wq", "wk", "wv")
 GATE_UP = ("w_gate", "w_up")
@@ -106,6 +136,14 @@ class Family:
     hf_text_config: Optional[str] = None
     hf_text_prefixes: Dict[str, str] = field(default_factory=dict)
     hf_towers: Tuple[str, ...] = ()
+    # Where the checkpoint keeps its whole-model tensors and its layers ("<prefix><i>.<name>")
+    hf_global: Dict[str, str] = field(default_factory=lambda: dict(_HF_DECODER_GLOBAL))
+    hf_layer_prefix: str = "model.layers."
+    gguf_global: Dict[str, str] = field(default_factory=lambda: dict(_GGUF_DECODER_GLOBAL))
+    # An encoder (BERT): every token attends to the whole input, learned absolute positions and token
+    # types, LayerNorm with biases after each residual add, a gateless GELU MLP, biases on every
+    # projection, no lm_head (the hidden states are pooled into embeddings)
+    encoder: bool = False
 
 
 _GEMMA_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
@@ -158,6 +196,12 @@ FAMILIES: Dict[str, Family] = {f.arch: f for f in (
            ffn_keys=("moe_intermediate_size", "expert_feed_forward_length"), norm_topk="config",
            hf_defaults=dict(rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8, norm_topk_prob=False,
                             moe_intermediate_size=768)),
+    Family("bert", ("BertModel", "BertForMaskedLM"), "bert", 512, _HF_BERT_LAYER, _GGUF_BERT_LAYER,
+           attention_bias="always", activation="gelu", encoder=True, hf_global=_HF_BERT_GLOBAL,
+           hf_layer_prefix="encoder.layer.", gguf_global=_GGUF_BERT_GLOBAL,
+           hf_text_prefixes={"bert.": ""}, hf_towers=("pooler.", "cls.", "bert.pooler."),
+           hf_defaults=dict(layer_norm_eps=1e-12, type_vocab_size=2, hidden_act="gelu",
+                            position_embedding_type="absolute")),
     Family("olmoe", ("OlmoeForCausalLM",), "olmoe", 4096,
            {**_HF_LLAMA_ATTN, **_HF_QK_NORM, **_HF_MOE_ROUTER}, {**_GGUF_LLAMA_ATTN, **_GGUF_QK_NORM, **_GGUF_MOE},
            attention_bias="config", qk_norm_whole=True, moe=True, hf_experts=_HF_MOE_EXPERTS,

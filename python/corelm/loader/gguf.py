@@ -518,6 +518,9 @@ def load_gguf_model(path: str, tokenizer_in_background: bool = False):
     gen = {"bos_token_id": spec.bos_token_id} if spec.bos_token_id is not None else {}
     if spec.eos_token_ids:
         gen["eos_token_id"] = spec.eos_token_ids[0] if len(spec.eos_token_ids) == 1 else list(spec.eos_token_ids)
+    for key, name in GGUF_SAMPLING_KEYS.items():      # the model's sampling defaults, as generation_config.json's
+        if isinstance(g.metadata.get(key), (int, float)) and not isinstance(g.metadata.get(key), bool):
+            gen[name] = g.metadata[key]
     template = g.metadata.get("tokenizer.chat_template")
     get_raw_weight, raw_weight_type = _gguf_raw_getters(g, spec, names)
     return LoadedModel(
@@ -527,6 +530,12 @@ def load_gguf_model(path: str, tokenizer_in_background: bool = False):
         tokenizer=_tokenizer_thread(g) if tokenizer_in_background else _build_tokenizer(g),
         chat_template=template if isinstance(template, str) else None, generation_config=gen,
         source=os.path.abspath(g.path), source_format="gguf", description=_gguf_description(g, names))
+
+
+# GGUF's general.sampling.* keys (llama.cpp's) -> generation_config.json's names
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 def _tokenizer_thread(g: GGUFFile) -> "concurrent.futures.Future":

@@ -19,12 +19,10 @@ from .checks import (SIZE_KEYS, Source, add_source, check_experts, check_weight_
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt")
 
-# HF tensor name -> internal name (layer tensors: the family's hf_layer, loader/families.py).
-_HF_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings", "model.norm.weight": "norm",
-              "lm_head.weight": "lm_head"}
-_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# HF tensor names -> internal names: the family's hf_global and, under its hf_layer_prefix, hf_layer
+# (loader/families.py).
 # Buffers some checkpoints carry that the engine recomputes.
-_HF_IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+_HF_IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq|embeddings\.position_ids")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,13 +56,16 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
     else:
         bias = fam.attention_bias == "always"
     layers = req("num_hidden_layers")
+    if fam.encoder:
+        _check_encoder_config(opt, source)
     ffn_key = fam.ffn_keys[0]
     experts_key, experts = _hf_experts(config, fam, source)
     spec = ModelSpec(
         arch=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
         intermediate_size=req(ffn_key), num_layers=layers,
         num_heads=heads, num_kv_heads=opt("num_key_value_heads") or heads, head_dim=head_dim,
-        rms_norm_eps=opt("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config, fam),
+        rms_norm_eps=opt("layer_norm_eps") if fam.encoder else opt("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(config, fam),
         rope_scaling=_rope_scaling(config, fam, source),
         max_position_embeddings=config.get("max_position_embeddings") or fam.default_max_pos,
         tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
@@ -82,11 +83,22 @@ def spec_from_hf_config(config: Dict[str, Any], generation_config: Dict[str, Any
         rope_dim=_rope_dim(config, head_dim, source), qk_norm_whole=fam.qk_norm_whole,
         num_experts=experts, num_experts_used=opt("num_experts_per_tok", 0) if fam.moe else 0,
         moe_norm_topk=opt("norm_topk_prob", False) if fam.norm_topk == "config" else fam.moe,
+        encoder=fam.encoder, type_vocab_size=opt("type_vocab_size", 0) if fam.encoder else 0,
     )
     if "head_dim" not in config and "head_dim" not in fam.hf_defaults and pos_int(hidden) and pos_int(heads) \
             and hidden % heads:
         raise ModelLoadError(f"{source}: hidden_size {hidden} is not divisible by {heads} heads")
     return validate_spec(spec, source, (experts_key, "num_experts_per_tok"))
+
+
+def _check_encoder_config(opt, source: str) -> None:
+    """An encoder's features the forward pass does not have are refused by name."""
+    if opt("position_embedding_type") != "absolute":
+        raise ModelLoadError(f"{source}: position_embedding_type {opt('position_embedding_type')!r} is not "
+                             f"supported (corelm runs learned 'absolute' positions)")
+    types = opt("type_vocab_size")
+    if not pos_int(types) or types > 1024:
+        raise ModelLoadError(f"{source}: type_vocab_size = {types!r} is not a positive integer up to 1024")
 
 
 # Keys of a multimodal config.json that transformers reads from the outer config, not the text model's: the
@@ -145,8 +157,9 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 def _check_unsupported_features(config: Dict[str, Any], fam: Family, source: str) -> None:
     # Refuse what the engine would silently compute wrong.
     act = config.get("hidden_activation") or config.get("hidden_act") or fam.hf_defaults.get("hidden_activation", "silu")
-    if (act != "silu") if fam.activation == "silu" else (act not in _GELU_TANH):
-        want = "silu (SwiGLU)" if fam.activation == "silu" else "gelu_pytorch_tanh (GeGLU)"
+    supported = {"silu": ("silu",), "gelu_tanh": _GELU_TANH, "gelu": ("gelu",)}[fam.activation]
+    if act not in supported:
+        want = {"silu": "silu (SwiGLU)", "gelu_tanh": "gelu_pytorch_tanh (GeGLU)", "gelu": "gelu (exact)"}[fam.activation]
         raise ModelLoadError(f"{source}: activation {act!r} is not supported for {fam.arch} (corelm implements "
                              f"{want})")
     if config.get("mlp_bias"):
@@ -301,6 +314,7 @@ def load_hf_folder(folder: str) -> LoadedModel:
     config = read_json(config_path, "config.json")
     generation_config = optional_json(os.path.join(folder, "generation_config.json"), "generation_config.json")
     spec = spec_from_hf_config(config, generation_config, folder)
+    spec.pooling, spec.normalize = sentence_transformers_pooling(folder, spec.pooling, spec.normalize)
     experts_key = _hf_experts(hf_text_config(config, family(spec.arch), folder), family(spec.arch), folder)[0]
     names = _map_hf_names(spec, tensors, folder, experts_key)
     shapes = {n: source_shape(tensors.info(src[0]).shape, src) for n, src in names.items()}
@@ -314,6 +328,34 @@ def load_hf_folder(folder: str) -> LoadedModel:
         tokenizer=load_tokenizer("from_hf_folder", folder, folder),
         chat_template=folder_chat_template(folder), generation_config=generation_config, source=folder,
         source_format="hf", description=_hf_description(tensors, names))
+
+
+# sentence-transformers' Pooling config keys -> corelm's pooling names
+_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+
+
+def sentence_transformers_pooling(folder: str, pooling: Optional[str], normalize: bool) -> Tuple[Optional[str], bool]:
+    """The pooling and normalisation a sentence-transformers folder declares (modules.json: a Pooling
+    module's config, a Normalize module); what the caller had where the folder says nothing."""
+    path = os.path.join(folder, "modules.json")
+    modules = read_json(path, "modules.json") if os.path.isfile(path) else None
+    if not isinstance(modules, list):
+        return pooling, normalize
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    normalize = "Normalize" in kinds
+    pool = kinds.get("Pooling")
+    if pool is not None:
+        path = str(pool.get("path", ""))
+        if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
+            raise ModelLoadError(f"{folder}: modules.json names a Pooling path outside the folder: {path!r}")
+        cfg = optional_json(os.path.join(folder, path, "config.json"), f"{path}/config.json")
+        modes = [name for key, name in _ST_POOLING.items() if isinstance(cfg, dict) and cfg.get(key) is True]
+        others = [k for k, v in (cfg or {}).items() if k.startswith("pooling_mode_") and v is True and k not in _ST_POOLING]
+        if others or len(modes) > 1:
+            raise ModelLoadError(f"{folder}: {path}/config.json asks for pooling {few(others + modes)}; corelm pools "
+                                 f"by one of mean, cls or last token")
+        pooling = modes[0] if modes else pooling
+    return pooling, normalize
 
 
 def _open_weights(folder: str) -> SafetensorsCollection:
@@ -339,11 +381,12 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
     holds that the engine uses."""
     fam = family(spec.arch)
     names, unknown = {}, []
+    layer_re = re.compile(re.escape(fam.hf_layer_prefix) + r"(\d+)\.(.+)")
     for hf in tensors:
         name = _text_model_name(fam, hf)
         if name is None:
             continue            # a multimodal checkpoint's vision tower: the engine runs the text model alone
-        m = _HF_LAYER_RE.fullmatch(name)
+        m = layer_re.fullmatch(name)
         rest = m.group(2) if m else None
         if rest in fam.hf_fused or rest in fam.hf_stacked:
             stacked = rest in fam.hf_stacked
@@ -352,7 +395,7 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
                                               stacked, experts_key, folder).items():
                 add_source(names, internal, src, folder)
             continue
-        internal = _HF_GLOBAL.get(name)
+        internal = fam.hf_global.get(name)
         if internal is None and m:
             expert = expert_tensor(fam, rest)
             if rest in fam.hf_layer:
@@ -368,7 +411,7 @@ def _map_hf_names(spec: ModelSpec, tensors: SafetensorsCollection, folder: str,
         add_source(names, internal, (hf, 0, -1), folder)
     if unknown:
         raise ModelLoadError(f"{folder}: unknown tensors for a {spec.arch} model: {few(unknown)}")
-    if "lm_head" not in names and not spec.tie_word_embeddings:
+    if "lm_head" not in names and not spec.tie_word_embeddings and not spec.encoder:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and tie_word_embeddings is false")
     return names
 
@@ -378,7 +421,8 @@ def _text_model_name(fam: Family, hf: str) -> Optional[str]:
     another prefix, the family's hf_text_prefixes); None for a tensor of its other towers (hf_towers)."""
     for prefix, text_prefix in fam.hf_text_prefixes.items():
         if hf.startswith(prefix):
-            return text_prefix + hf[len(prefix):]
+            hf = text_prefix + hf[len(prefix):]
+            break
     return None if hf.startswith(fam.hf_towers) else hf
 
 

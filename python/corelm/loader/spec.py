@@ -50,6 +50,16 @@ class ModelSpec:
     num_experts: int = 0
     num_experts_used: int = 0
     moe_norm_topk: bool = False
+    # An encoder (BERT; Family.encoder): pos_embeddings [max_position_embeddings, hidden], type_embeddings
+    # [type_vocab_size, hidden] (type 0 added to every token), LayerNorm (eps: rms_norm_eps) after each
+    # residual add, a gateless MLP, biases everywhere; no lm_head and no final norm.
+    encoder: bool = False
+    type_vocab_size: int = 0
+    # How embeddings pool the hidden states ("mean", "cls" or "last") and whether they are scaled to unit
+    # length, as the model was trained for (sentence-transformers' modules, a GGUF's pooling_type); None:
+    # the model does not say (a decoder: last-token pooling, normalized, unless a request says otherwise).
+    pooling: Optional[str] = None
+    normalize: bool = True
 
 
 def layer_weight_names(spec: ModelSpec, i: int) -> List[str]:
@@ -58,9 +68,16 @@ def layer_weight_names(spec: ModelSpec, i: int) -> List[str]:
 
 def weight_shapes(spec: ModelSpec) -> Dict[str, tuple]:
     """The expected shape of every internal weight; loaders check against it."""
-    shapes = {"tok_embeddings": (spec.vocab_size, spec.hidden_size), "norm": (spec.hidden_size,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head"] = (spec.vocab_size, spec.hidden_size)
+    d = spec.hidden_size
+    if spec.encoder:
+        shapes = {"tok_embeddings": (spec.vocab_size, d), "pos_embeddings": (spec.max_position_embeddings, d),
+                  "embed_norm": (d,), "embed_norm_bias": (d,)}
+        if spec.type_vocab_size:
+            shapes["type_embeddings"] = (spec.type_vocab_size, d)
+    else:
+        shapes = {"tok_embeddings": (spec.vocab_size, d), "norm": (d,)}
+    if not spec.tie_word_embeddings and not spec.encoder:
+        shapes["lm_head"] = (spec.vocab_size, d)
     for i in range(spec.num_layers):
         shapes.update(_layer_shapes(spec, i))
     return shapes
@@ -73,6 +90,10 @@ def _layer_shapes(spec: ModelSpec, i: int) -> Dict[str, tuple]:
     shapes = {p + "attn_norm": (d,), p + "wq": (q, d), p + "wk": (kv, d), p + "wv": (kv, d), p + "wo": (d, q),
               p + "ffn_norm": (d,)}
     mlp = {"w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    if spec.encoder:   # a gateless MLP, LayerNorms and biases
+        del mlp["w_gate"]
+        shapes.update({p + "attn_norm_bias": (d,), p + "ffn_norm_bias": (d,), p + "bo": (d,), p + "b_up": (f,),
+                       p + "b_down": (d,)})
     if spec.num_experts:
         shapes[p + "router"] = (spec.num_experts, d)
         for e in range(spec.num_experts):
@@ -90,8 +111,9 @@ def _layer_shapes(spec: ModelSpec, i: int) -> Dict[str, tuple]:
     return shapes
 
 
-# Matrices the engine keeps in fp32 whatever the dtype: the MoE router (its logits choose the experts).
-FLOAT_MATRICES = ("router",)
+# Matrices the engine keeps in fp32 whatever the dtype: the MoE router (its logits choose the experts), an
+# encoder's position and token-type rows (added, not multiplied).
+FLOAT_MATRICES = ("router", "pos_embeddings", "type_embeddings")
 
 
 def kept_float(name: str) -> bool:
