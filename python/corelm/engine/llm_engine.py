@@ -108,8 +108,11 @@ class LLMEngine:
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
-                 enable_prefix_caching: bool = True, reasoning_budget: int = -1):
+                 enable_prefix_caching: bool = True, reasoning_budget: int = -1, generation_config: str = "auto"):
         t0 = time.perf_counter()
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
+                             f"own), got {generation_config!r}.")
         if not isinstance(reasoning_budget, int) or isinstance(reasoning_budget, bool) or reasoning_budget < -1:
             raise ValueError(f"reasoning_budget must be -1 (no limit), 0 (no thinking) or a number of tokens, "
                              f"got {reasoning_budget!r}.")
@@ -167,6 +170,9 @@ class LLMEngine:
         self.kv_sparsity = float(kv_sparsity)
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
+        # vLLM's --generation-config auto: the model's sampling defaults for requests that leave them unset
+        self.sampling_defaults = model_sampling_defaults(self.loaded.generation_config) \
+            if generation_config == "auto" else {}
         self.speculator = self._speculator(speculative_model, num_speculative_tokens, speculative_weights,
                                            prompt_lookup_max, prompt_lookup_min, threads=threads, progress=progress,
                                            pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations,
@@ -335,6 +341,25 @@ class LLMEngine:
         once no move is running. The move runs at idle priority: while the CPUs are busy it waits."""
         cores = [self.core] + [c for c in [getattr(self.speculator, "core", None)] if c is not None]
         return wait_for_huge_pages(cores, timeout)
+
+
+# generation_config.json's sampling keys (GGUF's general.sampling.* are read into the same names)
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(generation_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The sampling parameters a model's files set, as vLLM reads them (SAMPLING_DEFAULT_KEYS); a value
+    SamplingParams refuses is left out."""
+    out = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = generation_config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                SamplingParams(**{key: value})
+            except ValueError:
+                continue
+            out[key] = value
+    return out
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:

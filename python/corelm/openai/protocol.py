@@ -7,6 +7,7 @@ echoed back (llama.cpp PR#9210: "error messages are supposed to be fixed strings
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import SamplingParams
 from ..engine.guided import GuidedMatcher, StructuredOutputsParams, UnsatisfiableConstraint
+from ..engine.llm_engine import SAMPLING_DEFAULT_KEYS
 from ..engine.sampling import MAX_LOGIT_BIAS
 from .errors import APIError, bad_request
 from .reasoning import PROMPT_TAIL_TOKENS, prompt_opens_thought, template_thinks
@@ -213,6 +215,7 @@ class GenerationRequest:
     prompt_ids: Optional[List[List[int]]] = None       # set by encode_prompts
     tools: Optional[ToolConfig] = None                 # chat: the tools, and how calls are parsed
     reasoning: Optional[bool] = None   # chat, set by encode_prompts: None no thought parsing, True the prompt opened one
+    unset: frozenset = frozenset()     # sampling fields the body left out: the model's defaults apply (encode_prompts)
 
     @property
     def prompt_param(self) -> str:
@@ -239,7 +242,8 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
             template_kwargs = {**(template_kwargs or {}), "tools": tools.tools}
         return GenerationRequest(True, _chat_params(req, tools), [], _chat_messages(req), req.stream, include_usage,
                                  req.model, "max_completion_tokens" if req.max_completion_tokens is not None
-                                 else "max_tokens", template_kwargs=template_kwargs, tools=tools)
+                                 else "max_tokens", template_kwargs=template_kwargs, tools=tools,
+                                 unset=_unset_sampling(req))
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported("best_of", "'best_of' must equal 'n' (or be omitted).")
     params = _sampling_params(req, req.max_tokens, req.logprobs, {})
@@ -254,7 +258,12 @@ def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> Generati
     if req.suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise bad_request("'suffix' needs text prompts, not token ids.", "suffix")
     return GenerationRequest(False, params, list(prompts), None, req.stream, include_usage, req.model,
-                             echo=req.echo, suffix=req.suffix)
+                             echo=req.echo, suffix=req.suffix, unset=_unset_sampling(req))
+
+
+def _unset_sampling(req: _Sampling) -> frozenset:
+    """The sampling fields a model may set defaults for (vLLM's) that the body left out."""
+    return frozenset(k for k in SAMPLING_DEFAULT_KEYS if getattr(req, k) is None)
 
 
 # Variables the server itself gives the chat template; chat_template_kwargs may not replace them.
@@ -432,7 +441,14 @@ def _response_format(rf: Dict[str, Any]) -> Dict[str, Any]:
 
 def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
     """The token ids of each prompt (chat: of the rendered conversation), checked against the
-    vocabulary and the context; APIError otherwise. Slow for long inputs: run it off an event loop."""
+    vocabulary and the context; APIError otherwise. The model's sampling defaults (engine.sampling_defaults) fill
+    the fields the body left out. Slow for long inputs: run it off an event loop."""
+    defaults = {k: v for k, v in (getattr(engine, "sampling_defaults", None) or {}).items() if k in req.unset}
+    if defaults:
+        try:
+            req.params = dataclasses.replace(req.params, **defaults)
+        except ValueError as e:          # the model's temperature 0 with n > 1
+            raise sampling_error(e) from None
     if req.chat:
         prompts = [encode_chat(engine, req.messages, req.template_kwargs)]
         req.reasoning = _reasoning_state(engine, prompts[0])

@@ -61,6 +61,10 @@ def add_engine_flags(p: argparse.ArgumentParser,
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="reasoning models: end a thought (<think>...) after N tokens and go on to the answer, for "
                         "requests that set no max_thinking_tokens; 0: no thinking (default: -1, no limit)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take "
+                        "the model's (generation_config.json, GGUF general.sampling.*); vllm: vLLM's own defaults "
+                        "(default: %(default)s)")
     g = p.add_argument_group("several processes (MPI ranks, one per NUMA node or slice of the cores, or per "
                              "machine with --hosts; pip install \"corelm[distributed]\"); --threads is then per rank")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -132,6 +136,8 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     options = dict(threads=args.threads, dtype=args.dtype, max_seq_len=args.ctx_size or None, numa=args.numa)
     if args.reasoning_budget != -1:
         options["reasoning_budget"] = args.reasoning_budget
+    if args.generation_config != "auto":
+        options["generation_config"] = args.generation_config
     if args.hosts is not None:
         options["mpi_hosts"] = args.hosts
     if args.mpi_iface is not None:
