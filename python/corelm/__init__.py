@@ -11,17 +11,21 @@ light commands do not pay for loading the C++ core.
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamChunk",
-           "TextPrompt", "TokensPrompt", "StructuredOutputsParams",
+           "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput",
+           "ScoringRequestOutput",
            "ModelLoadError", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequestOutput", "ScoringRequestOutput"):
         from . import llm
         return getattr(llm, name)
     if name in ("LLMEngine", "SamplingParams", "StreamChunk", "TextPrompt", "TokensPrompt"):
         from . import engine
         return getattr(engine, name)
+    if name == "PoolingParams":
+        from .engine.pooling import PoolingParams
+        return PoolingParams
     if name == "StructuredOutputsParams":
         from .engine.sampling import StructuredOutputsParams
         return StructuredOutputsParams

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from .engine.llm_engine import DEFAULT_MODEL_FILE, LLMEngine, PromptType, default_model_path, is_single_prompt  # noqa: F401
+from .engine.pooling import PoolingParams, cosine
 from .engine.sampling import SamplingParams
 from .engine.sequence import GenerationError, StreamChunk
 
@@ -129,6 +130,34 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: List[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, as vLLM's pooling API returns it (`outputs.embedding`)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: List[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's similarity score (`outputs.score`), as vLLM's LLM.score returns it."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: List[int]
+    finished: bool = True
+
+
 class LLM:
     """Loads a model (an HF folder, a .gguf file, a corelm folder or a hub id; None = the embedded
     SmolLM2-135M-Instruct) into one LLMEngine. Options are LLMEngine's (threads, dtype, max_seq_len,
@@ -153,6 +182,37 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # -- pooling: embeddings and scores (vLLM's embed() and score()) -----------------------------------
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Optional[PoolingParams] = None,
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = False) -> List[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), pooled as the model was trained (an encoder's
+        sentence-transformers config, mean by default; a decoder's last token) and normalized unless
+        pooling_params.normalize is False; pooling_params.dimensions keeps the first d components."""
+        single = is_single_prompt(prompts)
+        batch = [prompts] if single else list(prompts)
+        ids = [self.engine.encode_embedding_input(p, truncate_prompt_tokens) for p in batch]
+        vectors = self.engine.embed(ids, pooling_params)
+        return [EmbeddingRequestOutput(str(next(self._request_ids)), EmbeddingOutput(v.tolist()), i)
+                for i, v in zip(ids, vectors)]
+
+    def score(self, data_1: Union[PromptType, Sequence[PromptType]], data_2: Union[PromptType, Sequence[PromptType]],
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = False) -> List[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings: one data_1 against every data_2 (1 -> N), or
+        data_1[i] against data_2[i] (N -> N), as vLLM scores with an embedding model."""
+        left = [data_1] if is_single_prompt(data_1) else list(data_1)
+        right = [data_2] if is_single_prompt(data_2) else list(data_2)
+        if not left or not right:
+            raise ValueError("score needs at least one text on each side.")
+        if len(left) != 1 and len(left) != len(right):
+            raise ValueError(f"score pairs one text with many, or as many with as many; got {len(left)} and "
+                             f"{len(right)}.")
+        ids = [self.engine.encode_embedding_input(p, truncate_prompt_tokens) for p in left + right]
+        vectors = self.engine.embed(ids)
+        queries, docs = vectors[:len(left)], vectors[len(left):]
+        pairs = [(queries[0 if len(left) == 1 else j], docs[j], ids[len(left) + j]) for j in range(len(right))]
+        return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(cosine(q, d)), i)
+                for q, d, i in pairs]
 
     def reset(self) -> None:
         """Forget the prefix cache (the next prompt is read from scratch)."""

@@ -28,6 +28,7 @@ from ..options import choose
 from . import speculative
 from .kv_blocks import check_prompt_fits
 from .model_builder import build_core_model, wait_for_huge_pages
+from .pooling import Embedder, PoolingParams
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, StreamChunk
@@ -183,6 +184,11 @@ class LLMEngine:
             self.speculator.adaptive = speculative_adaptive
         self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
                                    speculator=self.speculator, enable_prefix_caching=enable_prefix_caching)
+        # embeddings: the model's declared pooling, else an encoder's mean and a decoder's last token
+        self.is_encoder = bool(self.spec.encoder)
+        self.pooling = self.spec.pooling or ("mean" if self.is_encoder else "last")
+        self.embedder = Embedder(self.core, self.scheduler.blocks, self.spec.hidden_size, self.pooling,
+                                 bool(self.spec.normalize))
         self.load_time_s = time.perf_counter() - t0
 
     def _speculator(self, model: Optional[str], k: Optional[int], weights: Optional[str], n_max: int, n_min: int,
@@ -274,6 +280,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Queues a request (all its n choices) and returns its prompt's token ids. Raises ValueError
         (nothing queued) for a bad prompt or parameters, or a request id already in use."""
+        if self.is_encoder:
+            raise ValueError(f"{self.model_name} is an embedding model (an encoder): it embeds and scores text, it "
+                             f"does not generate; use embed() or /v1/embeddings.")
         ids = self.encode_prompt(prompt)
         self.check_prompt(ids)
         self.check_params(params)
@@ -283,6 +292,31 @@ class LLMEngine:
                          self.max_seq_len - len(ids), seq_index=k) for k in range(params.n)]
         self.scheduler.add(request_id, seqs)
         return ids
+
+    def encode_embedding_input(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None) -> List[int]:
+        """A prompt's ids for embedding, checked against the context (truncate_prompt_tokens: keep only its
+        last k tokens, as vLLM's option; an encoder keeps its first k, [CLS] included, and its final [SEP])."""
+        ids = self.encode_prompt(prompt)
+        if truncate_prompt_tokens is not None:
+            k = truncate_prompt_tokens
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}.")
+            if len(ids) > k:
+                ids = ids[:k - 1] + ids[-1:] if self.is_encoder else ids[-k:]
+        if not ids:
+            raise ValueError("an input to embed needs at least one token.")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"the input has {len(ids)} tokens; this model embeds at most {self.max_seq_len} "
+                             f"(truncate_prompt_tokens cuts longer ones).")
+        return ids
+
+    def embed(self, prompts: List[List[int]], params: Optional[PoolingParams] = None) -> List[np.ndarray]:
+        """One embedding per prompt (token ids from encode_embedding_input), pooled as the model says
+        (self.pooling) and normalized unless params say otherwise. Runs on the caller's thread between
+        steps: the server calls it from the engine's thread."""
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("embeddings run in one process; this engine is split across ranks.")
+        return self.embedder.embed(prompts, params)
 
     def abort_request(self, request_id: str) -> None:
         """Stops every choice of the request at the next step (each ends with an "abort" chunk)."""

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, Response, TokenText, bad_request, sampling_error
-from ...openai import anthropic, responses_api, routes
+from ...openai import anthropic, embeddings, responses_api, routes
 from ...openai.protocol import check_prompt_bytes, prompt_byte_limit
 from .guard import HostGuard
 from .router import Lease, ModelRouter
@@ -489,6 +489,51 @@ def create_app(load_llm: Optional[Callable[[], Any]], model_name: Optional[str],
         metrics.count_request(endpoint, 200)
         return JSONResponse(out)
 
+    async def pooling_endpoint(request: Request, url: str, endpoint: str):
+        """Embeddings, score and rerank: the body tokenized off the event loop, the vectors computed on the
+        engine's thread between generation steps (runner.call)."""
+        body = await post_body(request, endpoint)
+        if isinstance(body, HTTPResponse):
+            return body
+        rlog = request_log(request)
+        lease = await state.lease(_model_field(body) if state.router is not None else None)
+        try:
+            call = getattr(lease.runner, "call", None)
+            if call is None:
+                raise APIError(501, "Embeddings are not served by data-parallel replicas; serve the embedding "
+                                    "model without --data-parallel-size.", "invalid_request_error")
+            job = await asyncio.to_thread(embeddings.parse, lease.engine, url, body)
+            try:
+                vectors = await call(lambda: lease.engine.embed(job.ids, job.params))
+            except ValueError as e:
+                raise bad_request(str(e)) from None
+            except RuntimeError as e:     # no free KV blocks now, or the engine is stopping
+                raise APIError(503, str(e), "server_error") from None
+            out = embeddings.respond(job, vectors, lease.name)
+        finally:
+            lease.release()
+        metrics.count_request(endpoint, 200)
+        with metrics.lock:
+            metrics.prompt_tokens += job.prompt_tokens
+        rlog.done(200)
+        return JSONResponse(out)
+
+    @app.post(embeddings.EMBEDDINGS_URL)
+    async def embeddings_endpoint(request: Request):
+        return await pooling_endpoint(request, embeddings.EMBEDDINGS_URL, embeddings.EMBEDDINGS_URL)
+
+    @app.post(embeddings.SCORE_URL)
+    async def score_endpoint(request: Request):
+        return await pooling_endpoint(request, embeddings.SCORE_URL, embeddings.SCORE_URL)
+
+    def rerank_route(url: str):
+        async def rerank(request: Request):
+            return await pooling_endpoint(request, embeddings.RERANK_URL, url)
+        return rerank
+
+    for rerank_url in embeddings.RERANK_URLS:
+        app.add_api_route(rerank_url, rerank_route(rerank_url), methods=["POST"])
+
     @app.post(TOKENIZE_URL)
     async def tokenize_endpoint(request: Request):
         return await token_endpoint(request, TOKENIZE_URL, lambda lease, body: tokenize(lease.engine, body))
@@ -576,4 +621,4 @@ TOKENIZE_URL, DETOKENIZE_URL = "/tokenize", "/detokenize"
 LOAD_URL, UNLOAD_URL = "/models/load", "/models/unload"
 _ROUTES = {COMPLETIONS_URL, CHAT_URL, TOKENIZE_URL, DETOKENIZE_URL, LOAD_URL, UNLOAD_URL, "/v1/models", "/health",
            "/metrics", "/",
-           *anthropic.URLS, *routes.URLS}
+           *anthropic.URLS, *routes.URLS, embeddings.EMBEDDINGS_URL, embeddings.SCORE_URL, *embeddings.RERANK_URLS}

@@ -189,6 +189,9 @@ class _ModelRunner:
     def abort(self, request_id: str) -> None:
         self.runner.abort(request_id)
 
+    def call(self, fn):
+        return self.runner.call(fn)
+
     @property
     def num_choices(self) -> int:
         return self.runner.num_choices

@@ -109,6 +109,7 @@ class EngineRunner:
         self.dead: Optional[str] = None
         self._cv = threading.Condition()
         self._targets: Dict[str, _Target] = {}
+        self._calls: Deque[Tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future"]] = collections.deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="corelm-engine", daemon=True)
 
@@ -160,6 +161,34 @@ class EngineRunner:
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt_ids)
 
+    def call(self, fn: Callable[[], Any]) -> "asyncio.Future":
+        """From the event loop: runs fn() on the engine thread between two steps (the engine is not
+        thread-safe: embeddings use its model and KV pool); the future gets its result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._calls.append((fn, loop, future))
+            self._cv.notify()
+        return future
+
+    def _run_call(self) -> None:
+        with self._cv:
+            if not self._calls:
+                return
+            fn, loop, future = self._calls.popleft()
+        try:
+            result, error = fn(), None
+        except Exception as e:   # the caller's to report (a bad input, no free KV blocks)
+            result, error = None, e
+
+        def deliver() -> None:
+            if future.cancelled():
+                return
+            future.set_exception(error) if error is not None else future.set_result(result)
+        loop.call_soon_threadsafe(deliver)
+
     def abort(self, request_id: str) -> None:
         """Cancels a request that has not finished; its last chunk (finish_reason "abort") is dropped."""
         with self._cv:
@@ -170,10 +199,16 @@ class EngineRunner:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self.engine.has_unfinished_requests():
+                while not self._stopping and not self._calls and not self.engine.has_unfinished_requests():
                     self._cv.wait()
                 if self._stopping and not self.engine.has_unfinished_requests():
+                    for _, loop, future in self._calls:
+                        loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(
+                            RuntimeError("the engine is shutting down")))
                     return
+            self._run_call()   # one call between steps: generation keeps moving under a stream of them
+            if not self.engine.has_unfinished_requests():
+                continue
             try:
                 out = self.engine.step()
             except EngineDead as e:   # nothing more can run: fail what was in flight, stop stepping
