@@ -367,6 +367,28 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_bytes", [](PyModel& s) { return s.model.kv_cache().bytes(); })
       .def_property_readonly("kv_keep", [](PyModel& s) { return s.model.kv_cache().n_keep(); })
       .def_property_readonly("kv_type", [](PyModel& s) { return std::string(kv_type_name(s.model.kv_cache().type())); })
+      .def_property_readonly("kv_block_bytes", [](PyModel& s) { return s.model.kv_cache().block_bytes(); })
+      .def("kv_block_read", [](PyModel& s, int64_t block) {
+             py::array_t<uint8_t> out((py::ssize_t)s.model.kv_cache().block_bytes());
+             uint8_t* p = out.mutable_data();
+             py::gil_scoped_release release;
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.model.kv_cache().read_block(block, p);
+             return out;
+           }, py::arg("block"),
+           "One KV block's bytes (all layers and kv heads: keys, values, int8 scales, sparse masks) as uint8 "
+           "[kv_block_bytes], for kv_block_write into a cache of the same shape and type.")
+      .def("kv_block_write", [](PyModel& s, int64_t block,
+                                py::array_t<uint8_t, py::array::c_style | py::array::forcecast> data) {
+             const size_t n = s.model.kv_cache().block_bytes();
+             if (data.ndim() != 1 || (size_t)data.shape(0) != n)
+               throw std::invalid_argument("kv_block_write needs a 1-D uint8 array of kv_block_bytes (" +
+                                           std::to_string(n) + ") bytes");
+             const uint8_t* p = data.data();
+             py::gil_scoped_release release;
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.model.kv_cache().write_block(block, p);
+           }, py::arg("block"), py::arg("data"), "Overwrites one KV block with kv_block_read's bytes.")
       .def_property_readonly("weight_bytes", [](PyModel& s) { return s.model.weight_bytes(); })
       .def("last_routing", [](PyModel& s) {
              const std::vector<int32_t> r = s.model.last_routing();

@@ -42,6 +42,33 @@ size_t KVCache::bytes() const {
   return rows * 2 * row;
 }
 
+// A block's rows of one (layer, kv head) are consecutive in every buffer (dense keys transposed inside
+// the block, so still the same bytes), so a block is n_layers * n_kv_heads pieces per buffer.
+template <class F>
+void KVCache::for_block_pieces(int64_t block, F&& f) const {
+  if (block < 0 || block >= n_blocks_) throw std::out_of_range("KV block index out of range");
+  const std::pair<void*, size_t> bufs[] = {  // (base, bytes per token row)
+      {k_.get(), n_keep_ * esz_},       {v_.get(), n_keep_ * esz_},
+      {k_scale_.get(), sizeof(RowScale)}, {v_scale_.get(), sizeof(RowScale)},
+      {k_mask_.get(), mask_words_ * 4}, {v_mask_.get(), mask_words_ * 4}};
+  for (const auto& [base, row_bytes] : bufs) {
+    if (!base) continue;  // no scales (not int8) or masks (dense)
+    for (int64_t l = 0; l < n_layers_; l++)
+      for (int64_t h = 0; h < n_kv_heads_; h++)
+        f(static_cast<char*>(base) + index(l, block, h, 0) * row_bytes, block_size_ * row_bytes);
+  }
+}
+
+size_t KVCache::block_bytes() const { return bytes() / n_blocks_; }
+
+void KVCache::read_block(int64_t block, uint8_t* out) const {
+  for_block_pieces(block, [&](const char* p, size_t n) { std::memcpy(out, p, n), out += n; });
+}
+
+void KVCache::write_block(int64_t block, const uint8_t* in) {
+  for_block_pieces(block, [&](char* p, size_t n) { std::memcpy(p, in, n), in += n; });
+}
+
 // In-place orthonormal Walsh-Hadamard transform of x[n] in blocks of the largest power of two dividing n
 // (the whole row when n is a power of two). It is its own inverse. int8 rows are stored rotated: the
 // rotation spreads a row's outlier channels over all its elements, which narrows [min, max] and so the

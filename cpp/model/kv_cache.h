@@ -75,6 +75,13 @@ class KVCache {
     return b;
   }
 
+  // One block's contents, all layers and kv heads (keys, values, int8 scales, sparse masks): the disk
+  // prefix cache's unit (engine/prefix_store.py). The bytes are each buffer's [layer][kv_head] slices of
+  // the block, buffer after buffer, as stored: meaningful only to a cache of the same shape and type.
+  size_t block_bytes() const;
+  void read_block(int64_t block, uint8_t* out) const;
+  void write_block(int64_t block, const uint8_t* in);
+
   // Stores one token's key (or, with value, its value) for one kv head at (block, slot).
   void store(int64_t layer, int64_t block, int64_t slot, int64_t kv_head, bool value, const float* x);
   // The row stored there as floats (dequantized, rotated back, dropped elements zero): for tests.
@@ -88,6 +95,10 @@ class KVCache {
               int64_t end, const float* q, int64_t G, float scale, float softcap, float* scores, float* out) const;
 
  private:
+  // f(address, bytes) for each contiguous piece of a block, in block_bytes()' order
+  template <class F>
+  void for_block_pieces(int64_t block, F&& f) const;
+
   size_t index(int64_t layer, int64_t block, int64_t kv_head, int64_t slot) const {
     return (((size_t)layer * n_kv_heads_ + kv_head) * n_blocks_ + block) * block_size_ + slot;  // token row
   }

@@ -107,6 +107,7 @@ class Model {
   void set_pipeline(Transfer receive, Transfer send);
   std::pair<Transfer, Transfer> pipeline() const { return {receive_, send_}; }
   const KVCache& kv_cache() const { return kv_; }
+  KVCache& kv_cache() { return kv_; }  // between forwards only (the disk prefix cache's block copies)
   // The experts the last forward routed its tokens to: [n_layers][its tokens][n_experts_used], each
   // token's in falling probability (empty without experts). For tests against the reference's routing.
   std::vector<int32_t> last_routing() const {

@@ -29,6 +29,7 @@ from . import speculative
 from .kv_blocks import check_prompt_fits
 from .model_builder import build_core_model, wait_for_huge_pages
 from .pooling import Embedder, PoolingParams
+from .prefix_store import PrefixStore
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, StreamChunk
@@ -97,7 +98,10 @@ class LLMEngine:
     cut across, a slice of every layer each; pipeline_parallel_size: ranks holding consecutive layers each
     (engine/distributed/; MPI, started here unless an MPI launcher started this process); mpi_hosts: an MPI
     hostfile for ranks 1..N-1 on other machines; mpi_iface: the network interface MPI's traffic keeps to.
-    enable_prefix_caching=False reads every prompt whole (no KV block is shared between requests)."""
+    enable_prefix_caching=False reads every prompt whole (no KV block is shared between requests).
+    prefix_cache_dir: a directory where full KV blocks of cached prefixes are also kept on disk, within
+    prefix_cache_gb GiB (default 8), and read back after a restart or an eviction from memory
+    (engine/prefix_store.py)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -109,7 +113,8 @@ class LLMEngine:
                  speculative_weights: Optional[str] = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
                  speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
-                 enable_prefix_caching: bool = True, reasoning_budget: int = -1, generation_config: str = "auto"):
+                 enable_prefix_caching: bool = True, reasoning_budget: int = -1, generation_config: str = "auto",
+                 prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None):
         t0 = time.perf_counter()
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
@@ -182,8 +187,10 @@ class LLMEngine:
             if not isinstance(speculative_adaptive, bool):
                 raise ValueError(f"speculative_adaptive must be True or False, got {speculative_adaptive!r}.")
             self.speculator.adaptive = speculative_adaptive
+        self.prefix_store = self._prefix_store(prefix_cache_dir, prefix_cache_gb, enable_prefix_caching)
         self.scheduler = Scheduler(self.core, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
-                                   speculator=self.speculator, enable_prefix_caching=enable_prefix_caching)
+                                   speculator=self.speculator, enable_prefix_caching=enable_prefix_caching,
+                                   prefix_store=self.prefix_store)
         # embeddings: the model's declared pooling, else an encoder's mean and a decoder's last token
         self.is_encoder = bool(self.spec.encoder)
         self.pooling = self.spec.pooling or ("mean" if self.is_encoder else "last")
@@ -226,6 +233,22 @@ class LLMEngine:
         lookup = speculative.PromptLookup(8 if k is None else k, n_max, n_min)   # copies go first
         return speculative.DraftModel(core, self.core, 4 if k is None else k, vocab_limit=self.vocab_size,
                                       lookup=lookup)
+
+    def _prefix_store(self, directory: Optional[str], budget_gb: Optional[float],
+                      enable_prefix_caching: bool) -> Optional[PrefixStore]:
+        """The disk prefix cache the options ask for (None: none)."""
+        if directory is None:
+            if budget_gb is not None:
+                raise ValueError("prefix_cache_gb needs prefix_cache_dir (the directory the blocks are kept in).")
+            return None
+        if not enable_prefix_caching:
+            raise ValueError("prefix_cache_dir needs the prefix cache (enable_prefix_caching=True).")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("prefix_cache_dir is not supported with tensor or pipeline parallelism yet.")
+        core = self.core
+        return PrefixStore(directory, budget_gb, self.loaded.source or self.model_path, core.kv_block_size,
+                           core.kv_block_bytes, weights=self.dtype, kv_type=core.kv_type, kv_keep=core.kv_keep,
+                           kernel_table=core.kernel_table, activations=core.activations)
 
     def _eos_ids(self) -> List[int]:
         ids = list(self.spec.eos_token_ids or [])

@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .kv_blocks import BlockManager
+from .prefix_store import chain_digest
 from .sequence import Sequence, StreamChunk
 from .speculative import SpecGuard, StepCosts, plan_lengths
 
@@ -37,6 +38,7 @@ class _Running:
         self.seq = seq
         self.blocks: List[int] = []
         self.hashes: List[int] = []     # chain hash of each full block so far
+        self.digests: List[bytes] = []  # with a prefix store: the same blocks' disk digests (prefix_store.py)
         self.n_computed = 0             # tokens whose keys/values are in the cache
 
 
@@ -47,10 +49,12 @@ class Scheduler:
     sequence is preempted (its blocks freed) and recomputed later."""
 
     def __init__(self, core, max_num_seqs: int = 64, max_batch_tokens: int = 256, speculator=None,
-                 spec_rows: int = 24, enable_prefix_caching: bool = True):
+                 spec_rows: int = 24, enable_prefix_caching: bool = True, prefix_store=None):
         self.core = core
         # False: every prompt is read whole (no block is offered to or taken from the prefix cache)
         self.prefix_caching = enable_prefix_caching
+        # a PrefixStore (prefix_store.py): full blocks also kept on disk, read where the memory cache misses
+        self.prefix_store = prefix_store if enable_prefix_caching else None
         # speculation (engine/speculative.py): proposed tokens ride along in a step of at most spec_rows
         # tokens, as many as the measured costs say pay off; a batch already that wide runs plain.
         self.speculator = speculator
@@ -148,7 +152,7 @@ class Scheduler:
             self.speculator.forget(r.key)
             self._unread.discard(r.key)
         self.blocks.release(r.blocks)
-        r.blocks, r.hashes, r.n_computed = [], [], 0
+        r.blocks, r.hashes, r.digests, r.n_computed = [], [], [], 0
         self._waiting.appendleft(r)
 
     def _grow(self, r: _Running, n_tokens: int) -> bool:
@@ -167,8 +171,32 @@ class Scheduler:
         for i in range(len(r.blocks)):
             h = BlockManager.chain_hash(h, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
+        if self.prefix_store is not None:
+            self._load_stored(r)
         r.n_computed = len(r.blocks) * self.block_size
         self._cached_prompt[r.rid] = max(self._cached_prompt.get(r.rid, 0), r.n_computed)
+
+    def _load_stored(self, r: _Running) -> None:
+        """Past the blocks the memory cache matched, the prompt's next full blocks from the disk store, each
+        into a fresh block registered in the memory cache, until one is missing (or the pool is full)."""
+        store, bs = self.prefix_store, self.block_size
+        d = b""
+        for i in range((len(r.tokens) - 1) // bs):   # the last prompt token is always run
+            block_tokens = r.tokens[i * bs:(i + 1) * bs]
+            d = chain_digest(d, block_tokens)
+            if i < len(r.blocks):
+                r.digests.append(d)
+                continue
+            kv = store.load(d, block_tokens)
+            b = self.blocks.allocate() if kv is not None else None
+            if b is None:
+                return
+            self.core.kv_block_write(b, kv)
+            h = BlockManager.chain_hash(r.hashes[-1] if r.hashes else 0, tuple(block_tokens))
+            self.blocks.register(b, h)
+            r.blocks.append(b)
+            r.hashes.append(h)
+            r.digests.append(d)
 
     def _schedule(self) -> List[Tuple[_Running, int]]:
         """Which requests run this step and how many of their tokens."""
@@ -202,7 +230,7 @@ class Scheduler:
             n = min(len(r.tokens) - r.n_computed, budget)
             if not self._grow(r, r.n_computed + n):
                 self.blocks.release(r.blocks)
-                r.blocks, r.hashes, r.n_computed = [], [], 0
+                r.blocks, r.hashes, r.digests, r.n_computed = [], [], [], 0
                 break  # wait for blocks to free up
             self._waiting.popleft()
             self._running.append(r)
@@ -365,3 +393,8 @@ class Scheduler:
             r.hashes.append(h)
             if self.prefix_caching:
                 self.blocks.register(r.blocks[i], h)
+            if self.prefix_store is not None:
+                tokens = r.tokens[i * self.block_size:(i + 1) * self.block_size]
+                r.digests.append(chain_digest(r.digests[-1] if r.digests else b"", tokens))
+                if self.prefix_store.wants(r.digests[-1]):
+                    self.prefix_store.save(r.digests[-1], tokens, self.core.kv_block_read(r.blocks[i]))

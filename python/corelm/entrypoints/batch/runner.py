@@ -266,10 +266,12 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               speculative_model: Optional[str] = "[ngram]", num_speculative_tokens: Optional[int] = None,
               speculative_weights: Optional[str] = None, tensor_parallel_size: int = 1,
               pipeline_parallel_size: int = 1, mpi_hosts: Optional[str] = None,
-              mpi_iface: Optional[str] = None, max_loaded_models: Optional[int] = None) -> Dict[str, Any]:
+              mpi_iface: Optional[str] = None, max_loaded_models: Optional[int] = None,
+              prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity, the speculative_*
-    options and the parallel ones are corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
+    options, the parallel ones and prefix_cache_dir / prefix_cache_gb (one directory the workers share) are
+    corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
     is N processes on its own cores). `model`: a path, or {name: path} for several models, each line's
     `model` picking one (worker.py), at most `max_loaded_models` loaded in a worker at once.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
@@ -295,6 +297,9 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
         model = {name: os.path.abspath(path) for name, path in model.items()}
         if max_loaded_models is not None:
             options["max_loaded_models"] = max_loaded_models
+    if prefix_cache_dir is not None or prefix_cache_gb is not None:   # a budget alone: the engine says what is missing
+        options.update(prefix_cache_dir=prefix_cache_dir and os.path.abspath(prefix_cache_dir),
+                       prefix_cache_gb=prefix_cache_gb)
     if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
         options.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                        mpi_hosts=mpi_hosts, mpi_iface=mpi_iface)

@@ -56,6 +56,11 @@ def add_engine_flags(p: argparse.ArgumentParser,
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="KV cache budget in GiB (default: room for 8 full-context sequences, at most 4 GiB; "
                         "pages are reserved, and memory is used only as the cache fills)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep full KV blocks of cached prefixes in files under DIR, read back after a restart "
+                        "or when memory evicted them (default: the prefix cache is in memory only)")
+    p.add_argument("--prefix-cache-gb", type=float, default=None, metavar="GB",
+                   help="the most GiB --prefix-cache-dir's blocks take; the least recently used go first (default: 8)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context length in tokens (default 0: the model's own, at most 4096)")
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
@@ -156,6 +161,10 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
+    if args.prefix_cache_dir is not None:
+        options["prefix_cache_dir"] = args.prefix_cache_dir
+    if args.prefix_cache_gb is not None:
+        options["prefix_cache_gb"] = args.prefix_cache_gb
     if args.kv_sparsity is not None:
         try:
             options["kv_sparsity"] = check_kv_sparsity(args.kv_sparsity)
