@@ -74,6 +74,12 @@ def _vllm_options(model: Optional[str], options: Dict[str, Any]) -> Dict[str, An
         elif key == "tokenizer_mode":
             if value not in ("auto", "hf", "slow"):
                 raise ValueError(f"tokenizer_mode={value!r}: corelm has one tokenizer (give 'auto').")
+        elif key in ("task", "runner", "convert"):   # vLLM's model-runner choice: every model here embeds too
+            allowed = {"task": ("auto", "generate", "embed", "score"), "runner": ("auto", "generate", "pooling"),
+                       "convert": ("auto", "none", "embed")}[key]
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r}: corelm runs {', '.join(repr(a) for a in allowed)} (every model "
+                                 f"generates and embeds; an encoder only embeds).")
         elif key == "seed":
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"seed must be an integer, got {value!r}.")

@@ -194,3 +194,21 @@ def test_chat_takes_tools_and_template_kwargs(llm):
         llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=template, chat_template_kwargs={"tools": 1})
     with pytest.raises(ValueError, match="tools"):
         llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=template, tools=[{"type": "nope"}])
+
+
+def test_vllm_pooling_examples_run():
+    # vLLM's offline embedding and scoring examples (examples/offline_inference/basic/embed.py, score.py)
+    llm = LLM(model=STORIES, task="embed", runner="pooling", dtype="fp32", threads=2)
+    prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is"]
+    outputs = llm.embed(prompts)
+    for prompt, output in zip(prompts, outputs):
+        embeds = output.outputs.embedding
+        assert len(embeds) == llm.spec.hidden_size and isinstance(embeds[0], float)
+        assert output.prompt_token_ids == llm.encode_prompt(prompt)
+    text_1 = "What is the capital of France?"
+    texts_2 = ["The capital of Brazil is Brasilia.", "The capital of France is Paris."]
+    scores = llm.score(text_1, texts_2)
+    assert [type(s).__name__ for s in scores] == ["ScoringRequestOutput"] * 2
+    assert all(-1 <= s.outputs.score <= 1 for s in scores)
+    with pytest.raises(ValueError, match="task='classify'"):
+        LLM(model=STORIES, task="classify")

@@ -108,7 +108,8 @@ def test_parse_line_accepts_both_endpoints_and_the_shorthand():
     ("[1, 2]", "invalid_json", False),
     (json.dumps({"method": "POST"}), "invalid_custom_id", False),
     (json.dumps({**chat_line("a"), "method": "GET"}), "invalid_method", True),
-    (json.dumps({**chat_line("a"), "url": "/v1/embeddings"}), "invalid_url", True),
+    (json.dumps({**chat_line("a"), "url": "/v1/images/generations"}), "invalid_url", True),
+    (json.dumps({**chat_line("a"), "url": "/v1/embeddings"}), "invalid_request", True),   # a chat body there
     (json.dumps({**chat_line("a"), "body": "x"}), "invalid_request", True),
     (json.dumps(chat_line("a", messages=[])), "invalid_request", True),
     (json.dumps(chat_line("a", temperature="hot")), "invalid_request", True),

@@ -129,3 +129,27 @@ def test_embeddings_run_while_a_generation_streams(server, client, llm):
     t.join(30)
     assert "".join(text) == llm.generate("Once upon a time", __import__("corelm").SamplingParams(
         max_tokens=120, temperature=0))[0].outputs[0].text
+
+
+def test_batch_file_embeddings_score_and_rerank_lines(tmp_path, llm):
+    from corelm.entrypoints.batch import run_batch
+    from test_batch_cli import STORIES, read_output, write_input
+    lines = [{"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS}},
+             {"custom_id": "s", "method": "POST", "url": "/v1/score", "body": {"text_1": TEXTS[0], "text_2": TEXTS}},
+             {"custom_id": "r", "method": "POST", "url": "/v1/rerank",
+              "body": {"query": TEXTS[1], "documents": TEXTS, "top_n": 2}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": []}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once upon a time", "max_tokens": 4}}]
+    out = str(tmp_path / "out.jsonl")
+    s = run_batch(write_input(tmp_path / "in.jsonl", lines), out, workers=1, model=STORIES, progress=False)
+    assert (s["requests"], s["errors"]) == (5, 1)
+    got = {r["custom_id"]: r for r in read_output(out)}
+    # the worker's model has the default dtype (bf16 where the CPU has it), the reference fp32
+    data = got["e"]["response"]["body"]["data"]
+    for d, o in zip(data, llm.embed(TEXTS)):
+        assert np.dot(d["embedding"], o.outputs.embedding) > 0.999
+    np.testing.assert_allclose([d["score"] for d in got["s"]["response"]["body"]["data"]],
+                               [x.outputs.score for x in llm.score(TEXTS[0], TEXTS)], atol=3e-3)
+    assert len(got["r"]["response"]["body"]["results"]) == 2
+    assert got["bad"]["error"]["code"] and got["c"]["response"]["body"]["object"] == "text_completion"

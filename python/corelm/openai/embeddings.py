@@ -61,6 +61,22 @@ class RerankBody(_Body):
     truncate_prompt_tokens: Optional[int] = None
 
 
+POOLING_URLS = frozenset({EMBEDDINGS_URL, SCORE_URL, *RERANK_URLS})
+_BODIES = {EMBEDDINGS_URL: EmbeddingsBody, SCORE_URL: ScoreBody, **{u: RerankBody for u in RERANK_URLS}}
+
+
+@dataclass
+class PoolingRequest:
+    """A pooling request's checked body (what a batch file line holds before a model tokenizes it)."""
+    url: str
+    body: Any
+    stream: bool = False
+
+    @property
+    def model(self) -> Optional[str]:
+        return self.body.model
+
+
 @dataclass
 class PoolingJob:
     """A parsed request: the token ids to embed (the engine thread embeds them), and how to answer."""
@@ -92,11 +108,20 @@ def _encode(engine, prompts: List[Any], truncate: Optional[int], param: str) -> 
         raise bad_request(str(e), param) from None
 
 
+def validate(url: str, raw) -> PoolingRequest:
+    """The body checked against its API's schema (APIError 400), before any model is at hand."""
+    return PoolingRequest(RERANK_URL if url in RERANK_URLS else url, _parse(_BODIES[url], raw))
+
+
 def parse(engine, url: str, raw) -> PoolingJob:
     """The request's ids, tokenized with the model's tokenizer (slow for long inputs: off the event loop).
     Raises APIError (400) for a bad body."""
+    return prepare(engine, validate(url, raw))
+
+
+def prepare(engine, req: PoolingRequest) -> PoolingJob:
+    url, body = req.url, req.body
     if url == EMBEDDINGS_URL:
-        body = _parse(EmbeddingsBody, raw)
         inputs = body.input
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
@@ -107,7 +132,6 @@ def parse(engine, url: str, raw) -> PoolingJob:
             raise bad_request(str(e), "dimensions") from None
         return PoolingJob(url, body, _encode(engine, list(inputs), body.truncate_prompt_tokens, "input"), params)
     if url == SCORE_URL:
-        body = _parse(ScoreBody, raw)
         if body.text_1 is None or body.text_2 is None:
             raise bad_request("Give both 'text_1' and 'text_2'.", "text_1" if body.text_1 is None else "text_2")
         left = [body.text_1] if isinstance(body.text_1, str) else body.text_1
@@ -118,7 +142,6 @@ def parse(engine, url: str, raw) -> PoolingJob:
         ids = _encode(engine, left, body.truncate_prompt_tokens, "text_1") + \
             _encode(engine, right, body.truncate_prompt_tokens, "text_2")
         return PoolingJob(url, body, ids, PoolingParams(normalize=True))
-    body = _parse(RerankBody, raw)
     if body.top_n is not None and body.top_n < 1:
         raise bad_request("top_n must be at least 1.", "top_n")
     docs = [d if isinstance(d, str) else d.text for d in body.documents]

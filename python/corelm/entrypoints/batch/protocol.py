@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 from ...openai import CHAT_URL, COMPLETIONS_URL, APIError, GenerationRequest
+from ...openai import embeddings
 from ...openai.anthropic import MESSAGES_URL
 from ...openai.responses_api import RESPONSES_URL
 from ...openai.routes import parse_body
@@ -31,7 +32,7 @@ class BatchLineError(Exception):
 @dataclass
 class BatchRequest:
     custom_id: str
-    request: GenerationRequest
+    request: Union[GenerationRequest, embeddings.PoolingRequest]
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -97,14 +98,16 @@ def parse_line(line: Union[str, bytes]) -> BatchRequest:
         if obj.get("method", "POST") != "POST":
             raise BatchLineError("invalid_method", "method must be POST.")
         url = obj.get("url")
-        if url not in (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL, RESPONSES_URL):
-            raise BatchLineError("invalid_url", f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {MESSAGES_URL} or "
-                                                f"{RESPONSES_URL}.")
+        if url not in (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL, RESPONSES_URL, *embeddings.POOLING_URLS):
+            raise BatchLineError("invalid_url", f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {MESSAGES_URL}, "
+                                                f"{RESPONSES_URL}, {embeddings.EMBEDDINGS_URL}, "
+                                                f"{embeddings.SCORE_URL} or {embeddings.RERANK_URL}.")
         body = obj.get("body")
         if not isinstance(body, dict):
             raise BatchLineError("invalid_request", "body must be a JSON object.")
         try:
-            request = parse_body(url, body)     # /v1/messages, /v1/responses: answered in their own shapes
+            # /v1/messages, /v1/responses: answered in their own shapes; pooling bodies wait for the model
+            request = embeddings.validate(url, body) if url in embeddings.POOLING_URLS else parse_body(url, body)
         except APIError as e:
             raise BatchLineError(e.code or "invalid_request", e.message) from None
         except (ValueError, RecursionError) as e:   # a check below the API layer (a forced tool call's schema size)

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import EngineDead
-from ...openai import APIError, Response, TokenText, sampling_error
+from ...openai import APIError, Response, TokenText, embeddings, sampling_error
 from ...openai.routes import encode, make_response
 from ..catalog import model_load_failed, model_not_found
 from .protocol import BatchRequest, error_line, response_line
@@ -113,6 +113,9 @@ class BatchWorker:
         results: List[Result] = []
         running: Dict[str, Tuple[BatchRequest, Response, int]] = {}   # engine request id -> (request, response, prompt index)
         for r in requests:
+            if isinstance(r.request, embeddings.PoolingRequest):   # whole at once, between nothing
+                results.append(self._pool(r))
+                continue
             try:
                 added = self._add(r)
             except APIError as e:
@@ -154,6 +157,23 @@ class BatchWorker:
             results += [(error_line(cid, "internal_error", f"{type(e).__name__} while generating"), 0)
                         for cid in sorted(failed)]
         return results
+
+    def _pool(self, r: BatchRequest) -> Result:
+        """An embeddings, score or rerank line's output line."""
+        try:
+            job = embeddings.prepare(self.engine, r.request)
+            vectors = self.engine.embed(job.ids, job.params)
+        except APIError as e:
+            return error_line(r.custom_id, e.code or "invalid_request", e.message), 0
+        except ValueError as e:            # as the server answers it
+            return error_line(r.custom_id, "invalid_request", str(e)), 0
+        except BaseException as e:         # this line's failure, not its neighbours'
+            if _fatal(e):
+                raise
+            traceback.print_exc(file=sys.stderr)
+            return error_line(r.custom_id, "internal_error", f"the request failed ({_why(e)})."), 0
+        body = embeddings.respond(job, vectors, r.request.model or self.engine.model_name)
+        return response_line(r.custom_id, body), 0
 
     def _add(self, r: BatchRequest) -> Dict[str, Tuple[BatchRequest, Response, int]]:
         """Queues the request's prompts; APIError (nothing left queued) when the engine refuses one."""
