@@ -520,8 +520,8 @@ def test_the_installed_command_is_this_main():
 @pytest.mark.parametrize("model", ["tests/data/models/stories260K/stories260K.gguf",
                                    "models/SmolLM2-135M-Instruct.Q4_1.gguf"])
 def test_info_reports_the_context_and_storage_the_engine_uses(model, capsys):
-    """`corelm info MODEL` says the context chat/serve/batch get by default (4096 for the embedded model,
-    whose own is 8192: it used to say 8192) and how the matrices are stored (the embedded GGUF keeps its
+    """`corelm info MODEL` says the context chat/serve/batch get by default (the model's trained 8192 for the
+    embedded one) and how the matrices are stored (the embedded GGUF keeps its
     q4_1 and q8_0 blocks: it used to be described only as "dequantized to fp32 at load")."""
     import corelm
     path = os.path.join(ROOT, model)

@@ -126,9 +126,39 @@ def kv_blocks_for(spec: ModelSpec, kv_dtype: str, max_seq_len: int, kv_cache_gb:
     return blocks
 
 
+# The default context's cap: a model trained for more gets it by asking (max_seq_len); the KV pool's pages
+# are reserved, not touched, so the cap bounds the RoPE tables and one request's memory, not idle memory.
+DEFAULT_CONTEXT_CAP = 32768
+
+
+def trained_context(spec) -> int:
+    """The most tokens the model was trained to attend over: max_position_embeddings, or YaRN's factor times
+    its original context where that is more (Qwen2.5's 32k x 4)."""
+    n = int(spec.max_position_embeddings or 2048)
+    s = spec.rope_scaling or {}
+    if s.get("rope_type") == "yarn" and s.get("original_max_position_embeddings"):
+        n = max(n, int(float(s["factor"]) * int(s["original_max_position_embeddings"])))
+    return n
+
+
 def default_max_seq_len(spec) -> int:
-    """The context an engine gets when max_seq_len is not given: the model's own, at most 4096."""
-    return min(int(spec.max_position_embeddings or 2048), 4096)
+    """The context an engine gets when max_seq_len is not given: the trained one, at most
+    DEFAULT_CONTEXT_CAP; a LongRoPE model keeps its pre-training context (beyond it every prompt would take
+    the long factors, which transformers uses only for prompts that long)."""
+    s = spec.rope_scaling or {}
+    if s.get("rope_type") == "longrope":
+        return min(int(s["original_max_position_embeddings"]), trained_context(spec))
+    return min(trained_context(spec), DEFAULT_CONTEXT_CAP)
+
+
+def check_max_seq_len(spec, max_seq_len: int) -> int:
+    """max_seq_len within the model's trained context (a clear error past it)."""
+    if not isinstance(max_seq_len, (int, np.integer)) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}.")
+    if max_seq_len > trained_context(spec):
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's trained context of {trained_context(spec)} "
+                         f"tokens (max_position_embeddings, or YaRN's factor x original context in rope_scaling).")
+    return int(max_seq_len)
 
 
 def keep_as_stored(dtype: str) -> Tuple[str, ...]:
@@ -211,10 +241,7 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     threads = default_threads(numa) if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}.")
-    if max_seq_len is None:
-        max_seq_len = default_max_seq_len(spec)
-    if int(max_seq_len) < 1:
-        raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}.")
+    max_seq_len = default_max_seq_len(spec) if max_seq_len is None else check_max_seq_len(spec, max_seq_len)
     kv_cache_dtype = resolve_kv_dtype(loaded, dtype, kv_cache_dtype)
     kv_sparsity = check_kv_sparsity(kv_sparsity)
     activations = check_activations(activations)

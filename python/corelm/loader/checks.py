@@ -70,7 +70,7 @@ def validate_spec(spec: ModelSpec, source: str,
 
 
 _MAX_RMS_NORM_EPS = 0.1
-ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")  # what rope.py computes
+ROPE_SCALING_TYPES = ("linear", "llama3", "longrope", "yarn")  # what rope.py computes
 
 
 def _validate_features(spec: ModelSpec, source: str) -> None:
@@ -158,6 +158,12 @@ def validate_rope_scaling(scaling: Any, spec: ModelSpec, source: str) -> Optiona
             raise ModelLoadError(f"{source}: rope_scaling.high_freq_factor = {high:g} must be larger than "
                                  f"low_freq_factor = {low:g}")
         _original_context(s, "llama3", source)
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if s.get(key) is not None:
+                number(key, "a positive number")
+        if s.get("original_max_position_embeddings") is not None:
+            _original_context(s, "yarn", source)
     return s
 
 

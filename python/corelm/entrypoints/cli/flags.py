@@ -62,7 +62,7 @@ def add_engine_flags(p: argparse.ArgumentParser,
     p.add_argument("--prefix-cache-gb", type=float, default=None, metavar="GB",
                    help="the most GiB --prefix-cache-dir's blocks take; the least recently used go first (default: 8)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="context length in tokens (default 0: the model's own, at most 4096)")
+                   help="context length in tokens (default 0: the model's trained context, at most 32768; more up to the trained one when asked)")
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="reasoning models: end a thought (<think>...) after N tokens and go on to the answer, for "
                         "requests that set no max_thinking_tokens; 0: no thinking (default: -1, no limit)")
