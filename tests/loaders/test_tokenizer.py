@@ -269,7 +269,7 @@ def _with(meta, **changes):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(model=None), "no tokenizer"),
-    (dict(model="bert"), "'bert' is not supported"),
+    (dict(model="t5"), "'t5' is not supported"),
     (dict(tokens=None), "tokens is missing"),
     (dict(tokens=[]), "tokens is missing or empty"),
     (dict(tokens=["a", 5]), r"tokens\[1\] must be a string"),

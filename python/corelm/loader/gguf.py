@@ -469,7 +469,6 @@ def _pad(n: int, alignment: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # From a GGUF file to a LoadedModel.
 
-_GGUF_GLOBAL = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
 # LongRoPE's per-frequency divisors (Phi-3 128k): read into the spec, not weights
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _REQUIRED = object()
@@ -610,6 +609,7 @@ def spec_from_gguf(g: GGUFFile):
         rope_dim=rope_dim if rope_dim != head_dim else None, qk_norm_whole=fam.qk_norm_whole,
         num_experts=experts, num_experts_used=used,
         moe_norm_topk=_meta(g, f"{arch}.expert_weights_norm", "bool", fam.gguf_norm_topk) if fam.moe else False,
+        encoder=fam.encoder,
     )
     if fam.sliding != "none":
         window = _meta(g, f"{arch}.attention.sliding_window", "int", fam.hf_defaults.get("sliding_window"))
@@ -628,7 +628,30 @@ def spec_from_gguf(g: GGUFFile):
         spec.query_pre_attn_scalar = float(dim // heads if big and heads else head_dim)
     if any(t in g.tensors for t in _ROPE_FACTORS):
         spec.rope_scaling = _gguf_longrope(g, arch)
+    if fam.encoder:
+        _gguf_encoder(g, arch, spec)
     return validate_spec(spec, g.path, (experts_key, used_key))
+
+
+# llama.cpp's <arch>.pooling_type -> ModelSpec.pooling (0: none, the file does not say; 4, "rank", is a
+# reranker's classification head, which corelm does not run)
+_GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}
+
+
+def _gguf_encoder(g: GGUFFile, arch: str, spec) -> None:
+    """An encoder's (BERT) fields: LayerNorm's epsilon, the token types, the pooling llama.cpp applies."""
+    if _meta(g, f"{arch}.attention.causal", "bool", False):
+        raise ModelLoadError(f"{g.path}: {arch}.attention.causal is true; corelm runs {arch} as an encoder "
+                             f"(every token attends to the whole input)")
+    spec.rms_norm_eps = _meta(g, f"{arch}.attention.layer_norm_epsilon", "float", 1e-12)
+    types = g.tensors.get("token_types.weight")
+    spec.type_vocab_size = _meta(g, "tokenizer.ggml.token_type_count", "int",
+                                 types.shape[0] if types is not None and types.shape else 0)
+    kind = _meta(g, f"{arch}.pooling_type", "int", 0)
+    if kind not in _GGUF_POOLING:
+        raise ModelLoadError(f"{g.path}: {arch}.pooling_type = {kind} is not supported (corelm pools by 1 mean, "
+                             f"2 cls or 3 last token; 0: none)")
+    spec.pooling = _GGUF_POOLING[kind]
 
 
 def _expert_keys(g: GGUFFile) -> Tuple[str, str]:
@@ -707,7 +730,7 @@ def _map_gguf_names(spec, g: GGUFFile) -> Dict[str, Tuple[str, int, int]]:
     fam = family(spec.arch)
     names, unknown = {}, []
     for t in g.tensors:
-        internal = _GGUF_GLOBAL.get(t)
+        internal = fam.gguf_global.get(t)
         if internal is None and t.startswith("blk."):
             idx, _, rest = t[4:].partition(".")
             if idx.isdigit() and (rest in fam.gguf_fused or rest in fam.gguf_stacked):

@@ -1,7 +1,8 @@
 """Build a `tokenizers.Tokenizer` from GGUF metadata, equivalent to the model's HF tokenizer.json.
 
 GGUF stores the vocabulary the way llama.cpp uses it (llama-vocab.cpp):
-  tokenizer.ggml.model       "gpt2" (byte-level BPE) | "llama" (SentencePiece BPE with byte fallback)
+  tokenizer.ggml.model       "gpt2" (byte-level BPE) | "llama" (SentencePiece BPE with byte fallback) |
+                             "bert" (WordPiece, stored with llama.cpp's phantom spaces: see _wordpiece)
   tokenizer.ggml.tokens      token strings, index = id
   tokenizer.ggml.scores      SentencePiece scores (merge priority for "llama")
   tokenizer.ggml.token_type  1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
@@ -81,8 +82,12 @@ def build_from_gguf_metadata(meta: Dict[str, Any]) -> GGUFVocab:
         backend = _sentencepiece_bpe(tokens, scores, types, special_ids["unknown"],
                                      add_space_prefix=_get_bool(meta, "tokenizer.ggml.add_space_prefix", True))
         add_bos_default = True
+    elif kind == "bert":
+        backend = _wordpiece(tokens, types, meta, special_ids["unknown"])
+        add_bos_default = True
     else:
-        raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
+        raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama', "
+                             f"'bert')")
 
     _add_special_tokens(backend, tokens, types)
     template = _get_str(meta, "tokenizer.chat_template")
@@ -92,7 +97,8 @@ def build_from_gguf_metadata(meta: Dict[str, Any]) -> GGUFVocab:
         backend=backend, tokens=tokens,
         bos_token_id=special_ids["bos"], eos_token_id=special_ids["eos"],
         extra_eos_ids=[i for i in (special_ids["eot"], special_ids["eom"]) if i is not None],
-        add_bos_token=_get_bool(meta, "tokenizer.ggml.add_bos_token", add_bos_default),
+        # llama.cpp starts every WordPiece input with [CLS], whatever add_bos_token says
+        add_bos_token=kind == "bert" or _get_bool(meta, "tokenizer.ggml.add_bos_token", add_bos_default),
         chat_template=template or None, named_chat_templates=named,
     )
 
@@ -151,6 +157,42 @@ def _sentencepiece_bpe(tokens: List[str], scores: List[float], types: List[int],
     tk.decoder = decoders.Sequence([
         decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
         *([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])])
+    return tk
+
+
+# llama.cpp's defaults for a "bert" vocabulary's [CLS] and [SEP] (BERT's own ids)
+_BERT_CLS_ID, _BERT_SEP_ID = 101, 102
+
+
+def _wordpiece(tokens: List[str], types: List[int], meta, unk_id: Optional[int]) -> HFTokenizer:
+    """The equivalent of BERT's tokenizer.json: WordPiece with "##" continuations, BERT's normalizer and
+    pre-tokenizer, "[CLS] $A [SEP]". llama.cpp's converter stored each word-initial piece with a leading "▁"
+    (its phantom space) and each "##" continuation bare, special tokens as they are; this undoes that.
+    Lowercasing (and accent stripping, which follows it unless the file says) is the file's
+    tokenizer.ggml.normalizer.* keys; a file written before those keys existed means lowercase, which
+    llama.cpp then always did."""
+    pieces = [t[1:] or t if t.startswith("\u2581") else t if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN) else "##" + t
+              for t, ty in zip(tokens, types)]
+    n = len(tokens)
+    cls_id, sep_id = (_token_id(meta, key, n) for key in ("tokenizer.ggml.bos_token_id",
+                                                           "tokenizer.ggml.seperator_token_id"))
+    cls_id = _BERT_CLS_ID if cls_id is None else cls_id
+    sep_id = _BERT_SEP_ID if sep_id is None else sep_id
+    if max(cls_id, sep_id) >= n:
+        raise ModelLoadError(f"GGUF 'bert' vocabulary of {n} tokens has no [CLS] or [SEP] (ids {cls_id} and "
+                             f"{sep_id}; keys tokenizer.ggml.bos_token_id, tokenizer.ggml.seperator_token_id)")
+    unk = pieces[unk_id] if unk_id is not None else "[UNK]"
+    tk = HFTokenizer(models.WordPiece(_vocab_dict(pieces), unk_token=unk, continuing_subword_prefix="##",
+                                      max_input_chars_per_word=100))
+    strip = meta.get("tokenizer.ggml.normalizer.strip_accents")
+    tk.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, lowercase=_get_bool(meta, "tokenizer.ggml.normalizer.lowercase", True),
+        strip_accents=None if strip is None else _get_bool(meta, "tokenizer.ggml.normalizer.strip_accents", False))
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = pieces[cls_id], pieces[sep_id]
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=[(cls, cls_id), (sep, sep_id)])
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     return tk
 
 
