@@ -95,7 +95,7 @@ ModelConfig config_from_dict(const py::dict& d) {
   return c;
 }
 
-// forward_batch's and hidden_batch's sequences, (n_tokens, pos, block_table, all_logits) each, as
+// forward_batch's and hidden_batch's sequences, (n_tokens, pos, block_table, all_logits[, adapter]) each, as
 // SeqSlices; the block tables stay alive in `tables`.
 struct BatchSlices {
   std::vector<SeqSlice> slices;
@@ -105,7 +105,8 @@ struct BatchSlices {
     int64_t total = 0;
     for (py::handle h : seqs) {
       py::tuple e = py::reinterpret_borrow<py::tuple>(h);
-      if (e.size() != 4) throw std::invalid_argument("each sequence is (n_tokens, pos, block_table, all_logits)");
+      if (e.size() != 4 && e.size() != 5)
+        throw std::invalid_argument("each sequence is (n_tokens, pos, block_table, all_logits[, lora adapter id])");
       tables.push_back(e[2].cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>());
       if (tables.back().ndim() != 1) throw std::invalid_argument("a block table must be 1-D");
       SeqSlice s;
@@ -114,6 +115,7 @@ struct BatchSlices {
       s.blocks = tables.back().data();
       s.n_blocks = tables.back().shape(0);
       s.all_logits = e[3].cast<bool>();
+      if (e.size() == 5) s.adapter = e[4].cast<int32_t>();
       if (s.n_tokens < 1) throw std::invalid_argument("every sequence in a batch needs at least one token");
       total += s.n_tokens;
       slices.push_back(s);
@@ -345,7 +347,36 @@ PYBIND11_MODULE(_core, m) {
         }
         return logits;
       }, py::arg("tokens"), py::arg("seqs"),
-         "Run several sequences at once: seqs is a list of (n_tokens, pos, block_table, all_logits).")
+         "Run several sequences at once: seqs is a list of (n_tokens, pos, block_table, all_logits[, adapter]), "
+         "adapter a LoRA adapter's id (add_lora) or -1 for the base model.")
+      .def("add_lora", [](PyModel& self, int32_t id, int64_t rank, float scale, py::dict targets) {
+        std::vector<FloatArray> arrays;  // kept alive while the core packs them
+        std::vector<LoraWeights> ws;
+        for (auto item : targets) {
+          py::tuple ab = py::reinterpret_borrow<py::tuple>(item.second);
+          if (ab.size() != 2) throw std::invalid_argument("each LoRA target maps to (A, B)");
+          arrays.push_back(ab[0].cast<FloatArray>());
+          arrays.push_back(ab[1].cast<FloatArray>());
+        }
+        size_t i = 0;
+        for (auto item : targets) {
+          const FloatArray &a = arrays[i], &b = arrays[i + 1];
+          ws.push_back(LoraWeights{item.first.cast<std::string>(), a.data(), shape_of(a), b.data(), shape_of(b)});
+          i += 2;
+        }
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> lock(self.mu);
+        self.model.add_lora(id, rank, scale, ws);
+      }, py::arg("id"), py::arg("rank"), py::arg("scale"), py::arg("targets"),
+         "Registers a LoRA adapter under id (>= 0): targets maps internal weight names (layers.<i>.wq, wk, wv, wo, "
+         "w_gate, w_up, w_down) to (A [rank, in], B [out, rank]) float32; a sequence naming id gets "
+         "y += scale * (x A^T) B^T after each of them.")
+      .def("remove_lora", [](PyModel& self, int32_t id) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> lock(self.mu);
+        self.model.remove_lora(id);
+      }, py::arg("id"))
+      .def_property_readonly("lora_ids", [](PyModel& self) { return self.model.lora_ids(); })
       .def("hidden_batch", [](PyModel& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                               py::list seqs) {
         BatchSlices b(tokens, seqs);

@@ -100,6 +100,9 @@ void Model::check_batch(const int32_t* tokens, const SeqSlice* seqs, int64_t n_s
     const SeqSlice& s = seqs[i];
     require(s.n_tokens >= 1, "every sequence in a batch needs at least one token");
     const int64_t end = s.pos + s.n_tokens;  // one past the last position
+    require(s.adapter == -1 || loras_.count(s.adapter), "no LoRA adapter with id " + std::to_string(s.adapter));
+    // a rank's shard holds a slice of each projection's rows or columns, which the adapters' A and B are not cut to
+    require(s.adapter == -1 || !allreduce_, "LoRA adapters do not run on a tensor-parallel shard");
     require(s.pos >= 0 && s.pos <= cfg_.max_seq_len && s.n_tokens <= cfg_.max_seq_len - s.pos,
             "tokens at positions " + std::to_string(s.pos) + ".." + std::to_string(end - 1) +
                 " do not fit the context of " + std::to_string(cfg_.max_seq_len) + " tokens");
@@ -218,10 +221,12 @@ struct QkvTask {
   const SeqSlice* seqs;
   int64_t layer, hd, nh, nkv, block_size, rope_half;  // rope_half: pairs rotated per head
   bool projection_only;
+  const LoraPass* lora;  // null: no sequence has an adapter
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t h0, int64_t h1, float* s, int64_t ld) const {
     const int64_t half = rope_half;
     mm.run(buf, in.rows(buf), in.T, in.d, s - h0 * hd, ld, h0 * hd, h1 * hd);
+    if (lora) lora->add(buf, LoraSite::Qkv, layer, s - h0 * hd, ld, h0 * hd, h1 * hd);
     for (int64_t t = 0; t < in.T; t++) {
       const float* cs = rope_cos + tok_pos[t] * half;
       const float* sn = rope_sin + tok_pos[t] * half;
@@ -258,12 +263,15 @@ struct GateUpTask {
   float* act;  // [T][f]
   int64_t f, block;
   Activation activation;
+  const LoraPass* lora;  // null: no sequence has an adapter
+  int64_t layer;
   void prepare(int buf) const { in.prepare(buf), mm.prepare(buf, in.rows(buf), in.T, in.d); }
   void compute(int buf, int64_t b0, int64_t b1, float* s, int64_t ld) const {
     const int64_t T = in.T, n0 = 2 * b0 * block, n1 = std::min(2 * b1 * block, 2 * f), ldh = n1 - n0;
     // the claim's gate/up outputs packed [T][ldh]: rows 2f apart folded into a few L1 sets
     float* h = hb + (size_t)buf * T * 2 * f;
     mm.run(buf, in.rows(buf), T, in.d, h - n0, ldh, n0, n1);
+    if (lora) lora->add(buf, LoraSite::GateUp, layer, h - n0, ldh, n0, n1);
     for (int64_t t = 0; t < T; t++)
       for (int64_t b = b0; b < b1; b++) {
         const int64_t c = std::min(block, f - b * block);
@@ -289,9 +297,13 @@ struct MatmulTask {
   float softcap = 0.f;  // > 0: stores softcap * tanh(y / softcap) (Gemma 2's logits)
   const float* bias = nullptr;  // [n_out] added to y, or null
   bool gelu = false;            // stores gelu(y + bias) (BERT's MLP)
+  const LoraPass* lora = nullptr;  // adds its products of (site, layer) to y, before the bias
+  LoraSite site = LoraSite::Wo;
+  int64_t layer = 0;
   void prepare(int buf) const { mm.prepare(buf, in, m, ld_in); }
   void compute(int buf, int64_t n0, int64_t n1, float* s, int64_t ld) const {
     mm.run(buf, in, m, ld_in, s - n0, ld, n0, n1);
+    if (lora) lora->add(buf, site, layer, s - n0, ld, n0, n1);
     if (bias)
       for (int64_t t = 0; t < m; t++)
         for (int64_t i = 0; i < n1 - n0; i++) s[t * ld + i] += bias[n0 + i];
@@ -452,9 +464,12 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   ensure_scratch(T);
   routing_tokens_ = cfg_.moe() ? T : 0;
   bool all_logits = false;
+  lora_tok_.assign(T, nullptr);
   for (int64_t i = 0, t = 0; i < n_seqs; i++) {
     all_logits |= seqs[i].all_logits;
-    for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++) tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j;
+    const LoraAdapter* adapter = seqs[i].adapter >= 0 ? loras_.at(seqs[i].adapter).get() : nullptr;
+    for (int64_t j = 0; j < seqs[i].n_tokens; j++, t++)
+      tok_seq_[t] = i, tok_pos_[t] = seqs[i].pos + j, lora_tok_[t] = adapter;
   }
   // Rows whose every logit is asked for are a speculative proposal being checked against what decode
   // would give: a few of them run through the table that computes each row with decode's bits.
@@ -462,6 +477,13 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   run_kt_ = &k;
   const int64_t d = cfg_.dim, hd = cfg_.head_dim, nh = cfg_.n_heads, nkv = cfg_.n_kv_heads;
   const int64_t f = cfg_.ffn_dim, GB = kGateUpBlock;
+  LoraPass lora(k, LoraShapes{d, nh * hd, nkv * hd, f}, lora_tok_, pool_, lora_u_, lora_tmp_);
+  // the sequences' adapters' x A^T of a site, before its region (null: no adapter in this pass)
+  auto lora_down = [&](LoraSite site, int64_t layer, const float* in, int64_t ld) -> const LoraPass* {
+    if (!lora.active()) return nullptr;
+    lora.down(pool_, site, layer, in, ld);
+    return &lora;
+  };
   float* x = x_.data();
   if (receive_) {   // a later pipeline stage: the hidden states of the layers before this one's
     receive_(x, T * d);
@@ -492,6 +514,13 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     return NormedInput{&k, x, post_ln ? nullptr : w.data(), b.empty() ? nullptr : b.data(), xb_.data(),
                        scratch_tokens_ * d, T, d, cfg_.norm_eps};
   };
+  // the same for a matrix whose input is normalized in its region: normalized here first (buffer index 0's
+  // copy, which the region's prepare rewrites with the same values)
+  auto lora_down_normed = [&](LoraSite site, int64_t layer, const NormedInput& in) -> const LoraPass* {
+    if (!lora.active()) return nullptr;
+    in.prepare(0);
+    return lora_down(site, layer, in.rows(0), d);
+  };
   auto task_matmul = [&](const PackedMatrix& w) {
     // an input of its own for this pass's rows or a single one (lm_head): a table may want one for some
     // row counts only (the amx table: a prompt's sparse rows)
@@ -502,10 +531,11 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   // does a tensor-parallel rank's partial product (summed across the ranks before anything else)
   // (a bias, where the family has one, is added once: after the ranks' sum)
   auto matmul_residual = [&](const float* in, int64_t ld, const PackedMatrix& w, const std::vector<float>& post_norm,
-                             const std::vector<float>& bias) {
+                             const std::vector<float>& bias, LoraSite site, int64_t layer) {
     const bool post = !post_norm.empty(), whole_rows = post || allreduce_;
     MatmulTask task{task_matmul(w), in, T, ld, whole_rows ? proj_.data() : x, d, !whole_rows};
     task.bias = bias.empty() || allreduce_ ? nullptr : bias.data();
+    task.lora = lora_down(site, layer, in, ld), task.site = site, task.layer = layer;
     pool_.parallel_chunks(task, chunking(w, d, k.row_grain, T, 1));
     if (!whole_rows) return;
     if (allreduce_) allreduce_(proj_.data(), T * d);
@@ -521,15 +551,17 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
   for (int64_t l = 0; l < cfg_.n_layers; l++) {
     const LayerWeights& L = layers_[l];
     const bool local_rope = cfg_.sliding_layer(l) && !rope_cos_local_.empty();
-    const QkvTask qkv{normed(L.attn_norm, L.attn_norm_bias), task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(),
+    const NormedInput attn_in = normed(L.attn_norm, L.attn_norm_bias);
+    const QkvTask qkv{attn_in, task_matmul(L.wqkv), L.bqkv.empty() ? nullptr : L.bqkv.data(),
                       (local_rope ? rope_cos_local_ : rope_cos_).data(), (local_rope ? rope_sin_local_ : rope_sin_).data(),
                       L.q_norm.empty() ? nullptr : L.q_norm.data(), L.k_norm.empty() ? nullptr : L.k_norm.data(),
                       tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh, nkv, kv_.block_size(),
-                      cfg_.n_positions ? 0 : cfg_.rotary_dim() / 2, cfg_.qk_norm_whole};
+                      cfg_.n_positions ? 0 : cfg_.rotary_dim() / 2, cfg_.qk_norm_whole,
+                      lora_down_normed(LoraSite::Qkv, l, attn_in)};
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     if (cfg_.qk_norm_whole) qk_norm_whole(l, seqs, T);
     attention(l, seqs, T);
-    matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm, L.bo);
+    matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm, L.bo, LoraSite::Wo, l);
     if (post_ln) norm_stream(L.attn_norm, L.attn_norm_bias);
     if (cfg_.moe()) {
       moe(l, T);
@@ -537,8 +569,9 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     }
     if (cfg_.gated_mlp) {
       const int64_t blocks = (f + GB - 1) / GB;
-      pool_.parallel_chunks(GateUpTask{normed(L.ffn_norm, L.ffn_norm_bias), task_matmul(L.w_gate_up), hb_.data(),
-                                       act_.data(), f, GB, cfg_.activation},
+      const NormedInput ffn_in = normed(L.ffn_norm, L.ffn_norm_bias);
+      pool_.parallel_chunks(GateUpTask{ffn_in, task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB, cfg_.activation,
+                                       lora_down_normed(LoraSite::GateUp, l, ffn_in), l},
                             chunking(L.w_gate_up, blocks, 1, T, GB));
     } else {  // act = gelu(x W_up^T + b_up), x the stream itself (post-LN: the gateless MLP's only users)
       require(post_ln, "an MLP without a gate is built for post-LN models only");
@@ -547,7 +580,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       up.gelu = true;
       pool_.parallel_chunks(up, chunking(L.w_up, f, k.row_grain, T, 1));
     }
-    matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm, L.b_down);
+    matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm, L.b_down, LoraSite::Down, l);
     if (post_ln) norm_stream(L.ffn_norm, L.ffn_norm_bias);
   }
 

@@ -19,6 +19,7 @@
 #include "kernels/kernels.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/lora.h"
 #include "model/weights.h"
 #include "runtime/numa.h"
 #include "runtime/thread_pool.h"
@@ -59,6 +60,17 @@ struct SeqSlice {
   const int32_t* blocks = nullptr;  // block table: position p lives in blocks[p / block_size]
   int64_t n_blocks = 0;
   bool all_logits = false;          // logits for every new token, or only the last
+  int32_t adapter = -1;             // the LoRA adapter its tokens go through (Model::add_lora); -1: the base model
+};
+
+// One projection of a LoRA adapter as add_lora takes it: the internal weight name it adapts
+// ("layers.<i>.wq", ...), A [rank, in] and B [out, rank], row-major fp32.
+struct LoraWeights {
+  std::string name;
+  const float* a;
+  std::vector<int64_t> a_shape;
+  const float* b;
+  std::vector<int64_t> b_shape;
 };
 
 class Model {
@@ -82,6 +94,11 @@ class Model {
   void set_weight_raw(const std::string& name, WeightType type, const uint8_t* raw, size_t nbytes,
                       const std::vector<int64_t>& shape);
   void finalize();  // throws if any weight is missing
+  // LoRA adapters (lora.h), applied to the sequences whose SeqSlice names them, never merged into the
+  // weights: y += (x A^T)(scale B)^T after each targeted projection. Between forwards only.
+  void add_lora(int32_t id, int64_t rank, float scale, const std::vector<LoraWeights>& targets);
+  void remove_lora(int32_t id);
+  std::vector<int32_t> lora_ids() const;
   bool ready() const { return ready_; }
 
   // Runs several sequences in one pass: matrix products over all their tokens together, attention per
@@ -262,6 +279,10 @@ class Model {
 
   std::vector<PlacedBuffer> placed_;
   std::string numa_status_;
+
+  std::map<int32_t, std::unique_ptr<LoraAdapter>> loras_;  // by id
+  std::vector<const LoraAdapter*> lora_tok_;  // [T] each token's adapter in this forward (null: base)
+  std::vector<float> lora_u_, lora_tmp_;      // LoraPass's buffers
 };
 
 }  // namespace corelm

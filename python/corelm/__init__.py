@@ -11,7 +11,7 @@ light commands do not pay for loading the C++ core.
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamChunk",
-           "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput",
+           "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "LoRARequest", "PoolingParams", "EmbeddingRequestOutput",
            "ScoringRequestOutput",
            "ModelLoadError", "__version__"]
 
@@ -23,6 +23,9 @@ def __getattr__(name):
     if name in ("LLMEngine", "SamplingParams", "StreamChunk", "TextPrompt", "TokensPrompt"):
         from . import engine
         return getattr(engine, name)
+    if name == "LoRARequest":
+        from .engine.lora import LoRARequest
+        return LoRARequest
     if name == "PoolingParams":
         from .engine.pooling import PoolingParams
         return PoolingParams

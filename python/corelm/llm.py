@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from .engine.llm_engine import DEFAULT_MODEL_FILE, LLMEngine, PromptType, default_model_path, is_single_prompt  # noqa: F401
+from .engine.lora import LoRARequest  # noqa: F401
 from .engine.pooling import PoolingParams, cosine
 from .engine.sampling import SamplingParams
 from .engine.sequence import GenerationError, StreamChunk
@@ -254,7 +255,8 @@ class LLM:
             self._pump()
         return box.popleft()
 
-    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+               lora_request: Optional[LoRARequest] = None) -> Iterator[StreamChunk]:
         """Generates one completion, yielding text as soon as it is complete UTF-8 and cannot be the
         start of a stop string. Closing the iterator early stops generation (finish_reason "abort").
         GenerationError when the model's logits are not finite."""
@@ -263,7 +265,7 @@ class LLM:
         if params.n != 1:
             raise ValueError("stream() makes one completion: use n=1 (or generate() for several).")
         rid = f"stream-{next(self._request_ids)}"
-        prompt_ids = self.engine.add_request(rid, prompt, params)   # validates before the generator starts
+        prompt_ids = self.engine.add_request(rid, prompt, params, lora_request)   # validates before the generator starts
         return self._stream_request(rid, len(prompt_ids))
 
     def _spec_since(self, before: Optional[Dict[str, int]], m: Dict[str, Any]) -> None:
@@ -304,16 +306,19 @@ class LLM:
             self._spec_since(spec0, m)
 
     def chat_stream(self, messages: List[Dict[str, Any]], sampling_params: Optional[SamplingParams] = None,
-                    chat_template: Optional[str] = None) -> Iterator[StreamChunk]:
-        return self.stream(self.engine.encode_chat(messages, chat_template), sampling_params)
+                    chat_template: Optional[str] = None, lora_request: Optional[LoRARequest] = None
+                    ) -> Iterator[StreamChunk]:
+        return self.stream(self.engine.encode_chat(messages, chat_template), sampling_params, lora_request)
 
     # -- whole completions --------------------------------------------------------------------------
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> List[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> List[RequestOutput]:
         """Completes every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...};
         one or a list) and returns one RequestOutput per prompt, in input order. `sampling_params` is
-        one SamplingParams for all prompts or a list, one per prompt. All prompts go to the continuous
+        one SamplingParams for all prompts or a list, one per prompt; `lora_request` (LLM(enable_lora=True))
+        likewise one LoRARequest or a list (None: the base model). All prompts go to the continuous
         batcher at once."""
         prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -322,6 +327,12 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts.")
         encoded = [self.engine.encode_prompt(p) for p in prompts]     # validate everything before starting
         for ids, params in zip(encoded, params_list):
             self.engine.check_prompt(ids)
@@ -339,8 +350,8 @@ class LLM:
         spec0 = self.engine.spec_counts()
         t0 = time.perf_counter()
         try:
-            for rid, ids, params in zip(rids, encoded, params_list):
-                self.engine.add_request(rid, ids, params)
+            for rid, ids, params, lora in zip(rids, encoded, params_list, loras):
+                self.engine.add_request(rid, ids, params, lora)
                 added.append(rid)
             pending = set(rids)
             while pending:
@@ -388,7 +399,8 @@ class LLM:
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = False, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, tools: Optional[List[Dict[str, Any]]] = None,
-             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
+             chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> List[RequestOutput]:
         """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them; each
         is rendered with the model's chat template (or `chat_template`) and generated as in generate().
         `tools` (OpenAI's function tools) and `chat_template_kwargs` reach the template as the server's
@@ -406,7 +418,7 @@ class LLM:
             kwargs["tools"] = config.tools
         prompts = [{"prompt_token_ids": self._encode_chat(c, chat_template, add_generation_prompt, kwargs)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _encode_chat(self, messages: List[Dict[str, Any]], chat_template: Optional[str],
                      add_generation_prompt: bool, kwargs: Dict[str, Any]) -> List[int]:

@@ -21,7 +21,7 @@ LAYERS = [
     ("corelm.convert", "corelm.calibrate"),
     ("corelm.engine",),
     ("corelm.openai",),
-    ("corelm.llm", "corelm"),
+    ("corelm.llm", "corelm", "corelm.lora"),
     ("corelm.entrypoints",),
 ]
 # What entry points may import besides each other: the public API. Never loader, tokenizer, conversion,

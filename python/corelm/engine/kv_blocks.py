@@ -48,9 +48,16 @@ class BlockManager:
     def chain_hash(prev: int, tokens: Tuple[int, ...]) -> int:
         return hash((prev, tokens))
 
-    def match_prefix(self, token_ids: List[int]) -> List[int]:
-        """The cached blocks holding the longest run of full blocks of token_ids (references taken)."""
-        blocks, h = [], 0
+    @staticmethod
+    def root_hash(adapter: int) -> int:
+        """Where a sequence's chain starts: a block computed through a LoRA adapter holds other keys and values
+        than the base model's for the same tokens, so each adapter's chain starts apart (0: the base model)."""
+        return 0 if adapter < 0 else hash(("lora", adapter))
+
+    def match_prefix(self, token_ids: List[int], root: int = 0) -> List[int]:
+        """The cached blocks holding the longest run of full blocks of token_ids (references taken), for a
+        chain starting at root (root_hash)."""
+        blocks, h = [], root
         for i in range(len(token_ids) // self.block_size):
             h = self.chain_hash(h, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             b = self.cached.get(h)

@@ -27,6 +27,7 @@ from ..loader import load_model
 from ..options import choose
 from . import speculative
 from .kv_blocks import check_prompt_fits
+from .lora import LoRARequest, LoraRegistry
 from .model_builder import build_core_model, wait_for_huge_pages
 from .pooling import Embedder, PoolingParams
 from .prefix_store import PrefixStore
@@ -101,7 +102,8 @@ class LLMEngine:
     enable_prefix_caching=False reads every prompt whole (no KV block is shared between requests).
     prefix_cache_dir: a directory where full KV blocks of cached prefixes are also kept on disk, within
     prefix_cache_gb GiB (default 8), and read back after a restart or an eviction from memory
-    (engine/prefix_store.py)."""
+    (engine/prefix_store.py). enable_lora: requests may name LoRA adapters (add_request's lora_request, vLLM's
+    LoRARequest), at most max_loras registered at once (engine/lora.py)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -114,7 +116,8 @@ class LLMEngine:
                  speculative_adaptive: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
                  enable_prefix_caching: bool = True, reasoning_budget: int = -1, generation_config: str = "auto",
-                 prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None):
+                 prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None,
+                 enable_lora: bool = False, max_loras: int = 4):
         t0 = time.perf_counter()
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
@@ -194,6 +197,7 @@ class LLMEngine:
         # embeddings: the model's declared pooling, else an encoder's mean and a decoder's last token
         self.is_encoder = bool(self.spec.encoder)
         self.pooling = self.spec.pooling or ("mean" if self.is_encoder else "last")
+        self.loras = self._lora_registry(enable_lora, max_loras)
         self.embedder = Embedder(self.core, self.scheduler.blocks, self.spec.hidden_size, self.pooling,
                                  bool(self.spec.normalize))
         self.load_time_s = time.perf_counter() - t0
@@ -250,6 +254,38 @@ class LLMEngine:
                            core.kv_block_bytes, weights=self.dtype, kv_type=core.kv_type, kv_keep=core.kv_keep,
                            kernel_table=core.kernel_table, activations=core.activations)
 
+    def _lora_registry(self, enable_lora: bool, max_loras: int) -> Optional[LoraRegistry]:
+        if not isinstance(enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {enable_lora!r}.")
+        if not enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor or pipeline parallelism yet.")
+        if self.is_encoder:
+            raise ValueError(f"{self.model_name} is an embedding model; LoRA adapters apply to generation.")
+        return LoraRegistry(self.core, self.spec, max_loras, self.scheduler.adapters_in_use)
+
+    def _lora_registry_of(self, what: str) -> LoraRegistry:
+        if self.loras is None:
+            raise ValueError(f"{what} needs LoRA enabled (LLM(..., enable_lora=True), corelm serve --lora).")
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and registers an adapter now (requests naming it later need not wait for it), as vLLM's."""
+        self._lora_registry_of("add_lora").resolve(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_registry_of("remove_lora").remove(lora_int_id)
+
+    def list_loras(self) -> List[LoRARequest]:
+        """The adapters added so far (each loaded again when a request names it after an eviction)."""
+        return [] if self.loras is None else self.loras.list()
+
+    def lora_by_name(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter added under lora_name `name` (the server's model field), None if none."""
+        return None if self.loras is None or not isinstance(name, str) else self.loras.by_name(name)
+
     def _eos_ids(self) -> List[int]:
         ids = list(self.spec.eos_token_ids or [])
         gen = self.loaded.generation_config.get("eos_token_id")
@@ -300,9 +336,11 @@ class LLMEngine:
         params.validate_against_vocab(self.vocab_size)
 
     # -- requests -----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> List[int]:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: Optional[LoRARequest] = None) -> List[int]:
         """Queues a request (all its n choices) and returns its prompt's token ids. Raises ValueError
-        (nothing queued) for a bad prompt or parameters, or a request id already in use."""
+        (nothing queued) for a bad prompt or parameters, a request id already in use, or a bad adapter.
+        lora_request: the LoRA adapter its tokens go through (None: the base model)."""
         if self.is_encoder:
             raise ValueError(f"{self.model_name} is an embedding model (an encoder): it embeds and scores text, it "
                              f"does not generate; use embed() or /v1/embeddings.")
@@ -313,7 +351,12 @@ class LLMEngine:
             params = dataclasses.replace(params, max_thinking_tokens=self.reasoning_budget)
         seqs = [Sequence(ids, choice_params(params, k), self.tokenizer, self.vocab_size, self.eos_token_ids,
                          self.max_seq_len - len(ids), seq_index=k) for k in range(params.n)]
-        self.scheduler.add(request_id, seqs)
+        if lora_request is None:
+            self.scheduler.add(request_id, seqs)
+            return ids
+        loras = self._lora_registry_of("a lora_request")
+        with loras.lock:   # the adapter stays registered until the scheduler holds the request
+            self.scheduler.add(request_id, seqs, loras.resolve(lora_request))
         return ids
 
     def encode_embedding_input(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None) -> List[int]:

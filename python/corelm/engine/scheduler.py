@@ -31,9 +31,11 @@ log = logging.getLogger("corelm")
 class _Running:
     """A sequence's place in the batcher: its tokens so far and its KV blocks."""
 
-    def __init__(self, rid: str, seq: Sequence):
+    def __init__(self, rid: str, seq: Sequence, adapter: int = -1):
         self.rid = rid
         self.key = (rid, seq.index)
+        self.adapter = adapter              # the core's LoRA adapter id (-1: the base model)
+        self.root = BlockManager.root_hash(adapter)   # its blocks' chain starts here
         self.tokens = list(seq.prompt_ids)  # prompt, then every sampled token
         self.seq = seq
         self.blocks: List[int] = []
@@ -96,14 +98,20 @@ class Scheduler:
             raise ValueError(f"the prompt needs more KV-cache blocks than the cache holds ({self.core.kv_blocks}); "
                              f"raise kv_cache_gb.")
 
-    def add(self, request_id: str, seqs: List[Sequence]) -> None:
-        """Queues a request's sequences (one per choice; validated by the caller)."""
+    def add(self, request_id: str, seqs: List[Sequence], adapter: int = -1) -> None:
+        """Queues a request's sequences (one per choice; validated by the caller), through the core's LoRA
+        adapter `adapter` (-1: the base model)."""
         self.check_fits(len(seqs[0].prompt_ids))
         with self._lock:
             if request_id in self._ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._ids[request_id] = len(seqs)
-            self._waiting.extend(_Running(request_id, s) for s in seqs)
+            self._waiting.extend(_Running(request_id, s, adapter) for s in seqs)
+
+    def adapters_in_use(self) -> set:
+        """The LoRA adapters of the queued and running sequences."""
+        with self._lock:
+            return {r.adapter for r in list(self._waiting) + self._running}
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -166,12 +174,12 @@ class Scheduler:
 
     def _admit(self, r: _Running) -> None:
         # reuse cached full blocks of the prompt, except that the last prompt token is always run
-        r.blocks = self.blocks.match_prefix(r.tokens[:-1]) if self.prefix_caching else []
-        h = 0
+        r.blocks = self.blocks.match_prefix(r.tokens[:-1], r.root) if self.prefix_caching else []
+        h = r.root
         for i in range(len(r.blocks)):
             h = BlockManager.chain_hash(h, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
-        if self.prefix_store is not None:
+        if self.prefix_store is not None and r.adapter < 0:   # the disk's blocks are the base model's
             self._load_stored(r)
         r.n_computed = len(r.blocks) * self.block_size
         self._cached_prompt[r.rid] = max(self._cached_prompt.get(r.rid, 0), r.n_computed)
@@ -192,7 +200,7 @@ class Scheduler:
             if b is None:
                 return
             self.core.kv_block_write(b, kv)
-            h = BlockManager.chain_hash(r.hashes[-1] if r.hashes else 0, tuple(block_tokens))
+            h = BlockManager.chain_hash(r.hashes[-1] if r.hashes else r.root, tuple(block_tokens))
             self.blocks.register(b, h)
             r.blocks.append(b)
             r.hashes.append(h)
@@ -265,7 +273,8 @@ class Scheduler:
             d = drafts.get(r.key, ())
             tokens.extend(r.tokens[r.n_computed:r.n_computed + n])
             tokens.extend(d)
-            slices.append((n + len(d), r.n_computed, np.asarray(r.blocks, dtype=np.int32), bool(d)))
+            s = (n + len(d), r.n_computed, np.asarray(r.blocks, dtype=np.int32), bool(d))
+            slices.append(s + (r.adapter,) if r.adapter >= 0 else s)
         self.last_step_tokens = len(tokens)
         logits = self.core.forward_batch(np.asarray(tokens, dtype=np.int32), slices)
         pure_decode = all(n == 1 for _, n in plan)
@@ -388,12 +397,12 @@ class Scheduler:
     def _register_full_blocks(self, r: _Running) -> None:
         while len(r.hashes) < r.n_computed // self.block_size:
             i = len(r.hashes)
-            prev = r.hashes[-1] if r.hashes else 0
+            prev = r.hashes[-1] if r.hashes else r.root
             h = BlockManager.chain_hash(prev, tuple(r.tokens[i * self.block_size:(i + 1) * self.block_size]))
             r.hashes.append(h)
             if self.prefix_caching:
                 self.blocks.register(r.blocks[i], h)
-            if self.prefix_store is not None:
+            if self.prefix_store is not None and r.adapter < 0:
                 tokens = r.tokens[i * self.block_size:(i + 1) * self.block_size]
                 r.digests.append(chain_digest(r.digests[-1] if r.digests else b"", tokens))
                 if self.prefix_store.wants(r.digests[-1]):
