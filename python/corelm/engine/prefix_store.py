@@ -16,9 +16,9 @@ rewritten when the block is next computed.
 
 Writes run on one thread per directory behind a bounded queue (a full queue drops the block), as a
 temporary file renamed into place, so readers (other processes too) see whole files or none. The
-directory's *.kvb files stay within a budget in GiB: past it the least recently used go first (a read
-sets a file's mtime, which serves as its access time: atime is often not kept). A read-only or full disk
-only warns.
+directory's *.kvb files stay within a budget in GiB: past it the least recently used go first, down to
+90% of it (a read sets a file's mtime, which serves as its access time: atime is often not kept). A
+read-only or full disk only warns.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ _HEADER = struct.Struct("<8sI32s16sIQ")   # magic, version, model key, digest, n
 _CHECKSUM_BYTES = 32
 DEFAULT_BUDGET_GB = 8.0
 QUEUE_BYTES = 256 << 20                   # blocks waiting to be written, at most
+EVICT_TO = 0.9                            # of the budget, once past it
 STALE_TMP_S = 600                         # a temporary file this old was left by a crash
 
 
@@ -142,13 +143,15 @@ class _Directory:
             self.known.discard((model_key, digest))
 
     def _evict(self) -> None:
+        """Past the budget, deletes the least recently used files down to EVICT_TO of it (so the sort over
+        every file runs once per tenth of the budget written, not once per block)."""
         with self.lock:
             if self.total <= self.budget:
                 return
             order = sorted(self.files.items(), key=lambda kv: kv[1][1])
         for path, (size, _) in order:
             with self.lock:
-                if self.total <= self.budget:
+                if self.total <= self.budget * EVICT_TO:
                     return
                 if path not in self.files:
                     continue
