@@ -103,7 +103,8 @@ class LLMEngine:
     prefix_cache_dir: a directory where full KV blocks of cached prefixes are also kept on disk, within
     prefix_cache_gb GiB (default 8), and read back after a restart or an eviction from memory
     (engine/prefix_store.py). enable_lora: requests may name LoRA adapters (add_request's lora_request, vLLM's
-    LoRARequest), at most max_loras registered at once (engine/lora.py)."""
+    LoRARequest), at most max_loras registered at once (engine/lora.py); lora_modules: adapters loaded now (the
+    server's --lora, selected by a request's model name)."""
 
     def __init__(self, model: Optional[str] = None, *, threads: Optional[int] = None, dtype: str = "auto",
                  max_seq_len: Optional[int] = None, revision: Optional[str] = None, progress: bool = False,
@@ -117,7 +118,7 @@ class LLMEngine:
                  mpi_hosts: Optional[str] = None, mpi_iface: Optional[str] = None,
                  enable_prefix_caching: bool = True, reasoning_budget: int = -1, generation_config: str = "auto",
                  prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None,
-                 enable_lora: bool = False, max_loras: int = 4):
+                 enable_lora: bool = False, max_loras: int = 4, lora_modules: Seq[LoRARequest] = ()):
         t0 = time.perf_counter()
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
@@ -197,7 +198,9 @@ class LLMEngine:
         # embeddings: the model's declared pooling, else an encoder's mean and a decoder's last token
         self.is_encoder = bool(self.spec.encoder)
         self.pooling = self.spec.pooling or ("mean" if self.is_encoder else "last")
-        self.loras = self._lora_registry(enable_lora, max_loras)
+        self.loras = self._lora_registry(enable_lora or bool(lora_modules), max_loras)
+        for lora in lora_modules:
+            self.add_lora(lora)
         self.embedder = Embedder(self.core, self.scheduler.blocks, self.spec.hidden_size, self.pooling,
                                  bool(self.spec.normalize))
         self.load_time_s = time.perf_counter() - t0

@@ -182,10 +182,11 @@ class BatchWorker:
         response = make_response(req, sum(len(ids) for ids in prompts), req.model or self.engine.model_name,
                                  self.tokens)        # OpenAI's, or Anthropic's for /v1/messages
         added = {}
+        lora = self.engine.lora_by_name(req.model)   # a line whose model is a --lora adapter's name runs through it
         try:
             for p, ids in enumerate(prompts):
                 rid = f"{response.id}-{p}"
-                self.engine.add_request(rid, ids, req.params)
+                self.engine.add_request(rid, ids, req.params, lora)
                 added[rid] = (r, response, p)
         except BaseException as e:
             for rid in added:

@@ -5,9 +5,9 @@ come from corelm.options, so a name added there reaches every command."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
-from ...engine import SamplingParams, check_kv_sparsity
+from ...engine import LoRARequest, SamplingParams, check_kv_sparsity
 from ...options import CHOICES, argparse_choices
 
 
@@ -53,6 +53,12 @@ def add_engine_flags(p: argparse.ArgumentParser,
                    help="drop this fraction of every cached key and value row, keeping the largest magnitudes "
                         "(a bitmap and the kept values; with any --kv-cache-dtype), in [0, 1) (default 0: "
                         "dense; quality cost in docs/quality.md)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
+                   help="a LoRA adapter (a PEFT folder or a GGUF LoRA file), applied per request to requests whose "
+                        "model is NAME, times SCALE (default 1); repeatable")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapters registered at once (default: 4, or as many as --lora gives); the least "
+                        "recently used idle one makes room")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="KV cache budget in GiB (default: room for 8 full-context sequences, at most 4 GiB; "
                         "pages are reserved, and memory is used only as the cache fills)")
@@ -170,11 +176,37 @@ def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
             options["kv_sparsity"] = check_kv_sparsity(args.kv_sparsity)
         except ValueError:
             raise ValueError(f"--kv-sparsity must be in [0, 1), got {args.kv_sparsity}.") from None
+    if args.lora:
+        options["lora_modules"] = lora_modules(args.lora)
+        options["max_loras"] = max(args.max_loras or 4, len(args.lora))
+    elif args.max_loras is not None:
+        raise ValueError("--max-loras needs --lora (an adapter to serve).")
     for flag, key in (("draft_model", "speculative_model"), ("draft_tokens", "num_speculative_tokens"),
                       ("draft_weights", "speculative_weights")):
         if getattr(args, flag) is not None:   # else the engine's default: prompt lookup where it pays
             options[key] = getattr(args, flag)
     return options
+
+
+def lora_modules(items) -> List[LoRARequest]:
+    """--lora NAME=PATH[:SCALE] values as LoRARequests (ids 1, 2, ... in order)."""
+    out: List[LoRARequest] = []
+    for i, item in enumerate(items):
+        name, eq, path = item.partition("=")
+        scale = 1.0
+        head, colon, tail = path.rpartition(":")
+        if colon and head:
+            try:
+                scale = float(tail)
+                path = head
+            except ValueError:
+                pass   # a colon inside the path
+        if not eq or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH[:SCALE], got {item!r}.")
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"--lora names {name!r} twice.")
+        out.append(LoRARequest(name, i + 1, path, scale=scale))
+    return out
 
 
 def llm_from_args(args: argparse.Namespace):

@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     from ..server.replicas import ReplicaFailure, load_replicas
     router = model_router(args, options)
+    if options.get("lora_modules") and (router is not None or args.data_parallel_size > 1):
+        raise ValueError("--lora serves adapters of one model: not with --models-dir, several models or "
+                         "--data-parallel-size yet.")
     if router is None:
         args.model = args.model[0] if args.model else None
     if router is not None:

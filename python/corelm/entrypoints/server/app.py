@@ -331,7 +331,11 @@ def create_app(load_llm: Optional[Callable[[], Any]], model_name: Optional[str],
         card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "corelm"}
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_seq_len
-        return {"object": "list", "data": [card]}
+        # LoRA adapters as vLLM lists them: their name, path (root) and the model they adapt (parent)
+        adapters = [{"id": r.lora_name, "object": "model", "created": state.created, "owned_by": "corelm",
+                     "root": r.lora_path, "parent": model_name}
+                    for r in (getattr(state.engine, "list_loras", lambda: [])() if state.engine is not None else [])]
+        return {"object": "list", "data": [card] + adapters}
 
     async def generate(request: Request, endpoint: str):
         leases = []          # the model's lease, released by close() or here when the request fails before
@@ -363,7 +367,11 @@ def create_app(load_llm: Optional[Callable[[], Any]], model_name: Optional[str],
         if runner.num_choices + req.num_choices > state.config.max_pending:
             raise APIError(503, "The server is busy; retry later.", "unavailable_error", code="server_busy")
 
-        response = routes.make_response(req, sum(len(ids) for ids in prompts), lease.name, lease.tokens)
+        # a request whose model names a LoRA adapter (--lora NAME=PATH) runs through it, and is answered as NAME
+        lookup = getattr(engine, "lora_by_name", None) if state.router is None else None
+        lora = lookup(req.model) if lookup is not None else None
+        response = routes.make_response(req, sum(len(ids) for ids in prompts), lora.lora_name if lora else lease.name,
+                                        lease.tokens)
         rlog.response = response
         queue: asyncio.Queue = asyncio.Queue()     # (prompt index, chunk) | EngineFailed | _DISCONNECTED | _SHUTDOWN
         request_ids = [f"{response.id}-{p}" for p in range(len(prompts))]   # one engine request per prompt
@@ -375,7 +383,10 @@ def create_app(load_llm: Optional[Callable[[], Any]], model_name: Optional[str],
         require_ready()                    # the server may have begun shutting down meanwhile
         try:
             for p, ids in enumerate(prompts):
-                runner.add(request_ids[p], ids, req.params, queue, p)
+                if lora is None:
+                    runner.add(request_ids[p], ids, req.params, queue, p)
+                else:
+                    runner.add(request_ids[p], ids, req.params, queue, p, lora_request=lora)
         except ValueError as e:
             abort_all()
             raise sampling_error(e) from None

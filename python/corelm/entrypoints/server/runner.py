@@ -148,14 +148,17 @@ class EngineRunner:
             return bool(self._targets) or self.engine.has_unfinished_requests()
 
     def add(self, request_id: str, prompt_ids: List[int], params: SamplingParams,
-            queue: "asyncio.Queue", prompt_index: int = 0) -> None:
+            queue: "asyncio.Queue", prompt_index: int = 0, lora_request=None) -> None:
         """From the event loop. Raises ValueError (from the engine's validation) without queueing.
-        The queue receives (prompt_index, chunk) for every choice's chunks."""
+        The queue receives (prompt_index, chunk) for every choice's chunks. lora_request: the LoRA adapter
+        the request runs through (None: the base model)."""
         loop = asyncio.get_running_loop()
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            self.engine.add_request(request_id, prompt_ids, params)
+            # (an adapter only where there is one: the router's engines take no lora_request)
+            self.engine.add_request(request_id, prompt_ids, params,
+                                    **({} if lora_request is None else {"lora_request": lora_request}))
             self._targets[request_id] = _Target(loop, queue, prompt_index, params.n, time.monotonic())
             self._cv.notify()
         with self.metrics.lock:
