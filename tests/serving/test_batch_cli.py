@@ -335,6 +335,23 @@ def test_cli_batch_passes_engine_options(tmp_path, monkeypatch):
     assert got["kv_sparsity"] == 0.3
 
 
+def test_every_engine_flag_of_batch_is_a_run_batch_option(tmp_path):
+    """Each engine option `corelm batch`'s flags give has a run_batch parameter (--lora, --reasoning-budget and
+    --generation-config once had none: a TypeError before any worker started)."""
+    import inspect
+    from corelm.entrypoints.cli.flags import engine_options
+    args = cli.build_parser().parse_args([
+        "batch", STORIES, "in.jsonl", "-o", "out.jsonl", "-t", "1", "--dtype", "q4", "-c", "64", "--numa", "isolate",
+        "--schedule", "static", "--activations", "int8", "--kv-cache-dtype", "int8", "--kv-cache-gb", "1",
+        "--kv-sparsity", "0.3", "--prefix-cache-dir", "d", "--prefix-cache-gb", "1", "--lora", "a=p", "--max-loras",
+        "2", "--reasoning-budget", "0", "--generation-config", "vllm", "-tp", "2", "-pp", "2", "--hosts", "h",
+        "--mpi-iface", "eth0", "--draft-model", "[ngram]", "--draft-tokens", "3", "--draft-weights", "q8"])
+    from corelm.entrypoints.batch import run_batch
+    options = engine_options(args)
+    assert {"lora_modules", "max_loras", "reasoning_budget", "generation_config"} <= set(options)
+    inspect.signature(run_batch).bind("in.jsonl", "out.jsonl", **options)   # TypeError names a missing one
+
+
 def test_cli_batch(tmp_path, capsys):
     src = write_input(tmp_path / "in.jsonl", mixed(3))
     out = str(tmp_path / "out.jsonl")

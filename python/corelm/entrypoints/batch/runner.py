@@ -21,15 +21,16 @@ replaced while it runs stops with an error (OutputLostError) rather than report 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import stat
 import sys
 import time
-from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from .protocol import BatchLineError, BatchRequest, error_line, parse_line
-from ...engine import check_kv_sparsity, split_cpus
+from ...engine import LoRARequest, check_kv_sparsity, split_cpus
 from ...options import choose, choose_optional
 from .worker import worker_main
 
@@ -267,11 +268,14 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
               speculative_weights: Optional[str] = None, tensor_parallel_size: int = 1,
               pipeline_parallel_size: int = 1, mpi_hosts: Optional[str] = None,
               mpi_iface: Optional[str] = None, max_loaded_models: Optional[int] = None,
-              prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None) -> Dict[str, Any]:
+              prefix_cache_dir: Optional[str] = None, prefix_cache_gb: Optional[float] = None,
+              reasoning_budget: int = -1, generation_config: str = "auto", lora_modules: Sequence[LoRARequest] = (),
+              max_loras: Optional[int] = None) -> Dict[str, Any]:
     """Runs every request of input_path not yet answered in output_path; returns a summary dict.
     dtype, max_seq_len, numa, schedule, activations, kv_cache_dtype, kv_cache_gb, kv_sparsity, the speculative_*
-    options, the parallel ones and prefix_cache_dir / prefix_cache_gb (one directory the workers share) are
-    corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
+    options, the parallel ones, prefix_cache_dir / prefix_cache_gb (one directory the workers share),
+    reasoning_budget, generation_config and lora_modules / max_loras (a line whose model is an adapter's name
+    runs through it) are corelm.LLM's, for every worker (a worker with tensor_parallel_size=N
     is N processes on its own cores). `model`: a path, or {name: path} for several models, each line's
     `model` picking one (worker.py), at most `max_loaded_models` loaded in a worker at once.
     `on_start(backend)` is called once the workers are started (tests use it to find their pids)."""
@@ -293,6 +297,20 @@ def run_batch(input_path: str, output_path: str, workers: int = 1, threads: Opti
                "kv_sparsity": kv_sparsity}
     options.update(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                    speculative_weights=speculative_weights)
+    if reasoning_budget != -1:
+        options["reasoning_budget"] = reasoning_budget
+    if generation_config != "auto":
+        options["generation_config"] = generation_config
+    if lora_modules:
+        if isinstance(model, dict):
+            raise ValueError("--lora serves adapters of one model: not with --models-dir.")
+        for lora in lora_modules:
+            if not os.path.exists(lora.lora_path):
+                raise FileNotFoundError(f"LoRA adapter {lora.lora_name}: {lora.lora_path} does not exist.")
+        options["lora_modules"] = [dataclasses.replace(lora, lora_path=os.path.abspath(lora.lora_path))
+                                   for lora in lora_modules]
+        if max_loras is not None:
+            options["max_loras"] = max_loras
     if isinstance(model, dict):
         model = {name: os.path.abspath(path) for name, path in model.items()}
         if max_loaded_models is not None:
