@@ -34,65 +34,44 @@ std::vector<int64_t> shape_of(const FloatArray& a) {
   return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
 }
 
-template <class T>
-T get(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw std::invalid_argument(std::string("model config is missing '") + key + "'");
-  return d[key].cast<T>();
-}
-
-ModelConfig config_from_dict(const py::dict& d) {
-  ModelConfig c;
-  c.vocab_size = get<int64_t>(d, "vocab_size");
-  if (d.contains("lm_head_rows")) c.lm_head_rows = d["lm_head_rows"].cast<int64_t>();
-  c.dim = get<int64_t>(d, "dim");
-  c.ffn_dim = get<int64_t>(d, "ffn_dim");
-  c.n_layers = get<int64_t>(d, "n_layers");
-  c.n_heads = get<int64_t>(d, "n_heads");
-  c.n_kv_heads = get<int64_t>(d, "n_kv_heads");
-  c.head_dim = get<int64_t>(d, "head_dim");
-  c.norm_eps = get<float>(d, "norm_eps");
-  c.tie_embeddings = get<bool>(d, "tie_embeddings");
-  c.attention_bias = get<bool>(d, "attention_bias");
-  c.sliding_window = d.contains("sliding_window") ? d["sliding_window"].cast<int64_t>() : 0;
-  c.max_seq_len = get<int64_t>(d, "max_seq_len");
-  c.rope_inv_freq = get<std::vector<float>>(d, "rope_inv_freq");
-  // the family's features (model/config.h); absent keys keep the Llama family's defaults
-  auto opt = [&](const char* key, auto& field) {
-    if (d.contains(key) && !d[key].is_none()) field = d[key].cast<std::decay_t<decltype(field)>>();
-  };
-  opt("rope_dim", c.rope_dim);
-  opt("rope_attn_factor", c.rope_attn_factor);
-  opt("rope_inv_freq_local", c.rope_inv_freq_local);
-  opt("sliding_layers", c.sliding_layers);
-  opt("qk_norm", c.qk_norm);
-  opt("qk_norm_whole", c.qk_norm_whole);
-  opt("n_experts", c.n_experts);
-  opt("n_experts_used", c.n_experts_used);
-  opt("moe_norm_topk", c.moe_norm_topk);
-  opt("post_norms", c.post_norms);
-  opt("embed_scale", c.embed_scale);
-  opt("attn_scale", c.attn_scale);
-  opt("attn_softcap", c.attn_softcap);
-  opt("final_softcap", c.final_softcap);
-  opt("causal", c.causal);
-  opt("n_positions", c.n_positions);
-  opt("n_token_types", c.n_token_types);
-  opt("layer_norm", c.layer_norm);
-  opt("norm_after_residual", c.norm_after_residual);
-  opt("gated_mlp", c.gated_mlp);
-  opt("output_bias", c.output_bias);
-  if (d.contains("activation")) c.activation = parse_name(kActivationNames, d["activation"].cast<std::string>(), "activation");
-  c.weight_type = parse_weight_type(get<std::string>(d, "weight_type"));
-  c.n_threads = get<int>(d, "n_threads");
-  if (d.contains("kv_type")) c.kv_type = parse_kv_type(d["kv_type"].cast<std::string>());
-  if (d.contains("kv_sparsity")) c.kv_sparsity = d["kv_sparsity"].cast<double>();
-  if (d.contains("kv_block_size")) c.kv_block_size = d["kv_block_size"].cast<int64_t>();
-  if (d.contains("kv_blocks")) c.kv_blocks = d["kv_blocks"].cast<int64_t>();
-  if (d.contains("activations")) c.act_type = parse_act_type(d["activations"].cast<std::string>());
-  c.pin_threads = d.contains("pin_threads") ? d["pin_threads"].cast<bool>() : true;
-  if (d.contains("schedule")) c.schedule = parse_schedule(d["schedule"].cast<std::string>());
-  if (d.contains("numa") && !d["numa"].is_none()) c.numa = parse_numa_policy(d["numa"].cast<std::string>());
-  return c;
+// ModelConfig as Python builds it (engine/model_builder.core_config): every field under its C++ name, the
+// enums by their names (parsed once, when set: a bad name is a ValueError there), numa None for the default.
+// Nothing else crosses into the core: no dict is parsed again.
+void bind_model_config(py::module_& m) {
+  py::class_<ModelConfig> c(m, "ModelConfig",
+                            "A model's hyper-parameters, its family's features and the engine's options "
+                            "(model/config.h); validated when a Model is built from it.");
+  c.def(py::init<>()).def("copy", [](const ModelConfig& self) { return ModelConfig(self); });
+#define CORELM_FIELD(name) c.def_readwrite(#name, &ModelConfig::name)
+  CORELM_FIELD(vocab_size); CORELM_FIELD(lm_head_rows); CORELM_FIELD(dim); CORELM_FIELD(ffn_dim);
+  CORELM_FIELD(n_layers); CORELM_FIELD(n_heads); CORELM_FIELD(n_kv_heads); CORELM_FIELD(head_dim);
+  CORELM_FIELD(norm_eps); CORELM_FIELD(tie_embeddings); CORELM_FIELD(attention_bias); CORELM_FIELD(sliding_window);
+  CORELM_FIELD(max_seq_len); CORELM_FIELD(rope_inv_freq); CORELM_FIELD(rope_dim); CORELM_FIELD(rope_attn_factor);
+  CORELM_FIELD(rope_inv_freq_local); CORELM_FIELD(sliding_layers); CORELM_FIELD(qk_norm); CORELM_FIELD(qk_norm_whole);
+  CORELM_FIELD(post_norms); CORELM_FIELD(embed_scale); CORELM_FIELD(attn_scale); CORELM_FIELD(attn_softcap);
+  CORELM_FIELD(final_softcap); CORELM_FIELD(n_experts); CORELM_FIELD(n_experts_used); CORELM_FIELD(moe_norm_topk);
+  CORELM_FIELD(causal); CORELM_FIELD(n_positions); CORELM_FIELD(n_token_types); CORELM_FIELD(layer_norm);
+  CORELM_FIELD(norm_after_residual); CORELM_FIELD(gated_mlp); CORELM_FIELD(output_bias); CORELM_FIELD(n_threads);
+  CORELM_FIELD(kv_sparsity); CORELM_FIELD(kv_block_size); CORELM_FIELD(kv_blocks); CORELM_FIELD(pin_threads);
+#undef CORELM_FIELD
+  c.def_property("activation", [](const ModelConfig& s) { return std::string(name_of(kActivationNames, s.activation)); },
+                 [](ModelConfig& s, const std::string& v) { s.activation = parse_name(kActivationNames, v, "activation"); });
+  c.def_property("weight_type", [](const ModelConfig& s) { return std::string(weight_type_name(s.weight_type)); },
+                 [](ModelConfig& s, const std::string& v) { s.weight_type = parse_weight_type(v); });
+  c.def_property("act_type", [](const ModelConfig& s) { return std::string(act_type_name(s.act_type)); },
+                 [](ModelConfig& s, const std::string& v) { s.act_type = parse_act_type(v); });
+  c.def_property("kv_type", [](const ModelConfig& s) { return std::string(kv_type_name(s.kv_type)); },
+                 [](ModelConfig& s, const std::string& v) { s.kv_type = parse_kv_type(v); });
+  c.def_property("schedule", [](const ModelConfig& s) { return std::string(schedule_name(s.schedule)); },
+                 [](ModelConfig& s, const std::string& v) { s.schedule = parse_schedule(v); });
+  c.def_property("numa",
+                 [](const ModelConfig& s) -> std::optional<std::string> {
+                   if (s.numa == NumaPolicy::Default) return std::nullopt;
+                   return std::string(numa_policy_name(s.numa));
+                 },
+                 [](ModelConfig& s, std::optional<std::string> v) {
+                   s.numa = v ? parse_numa_policy(*v) : NumaPolicy::Default;
+                 });
 }
 
 // forward_batch's and hidden_batch's sequences, (n_tokens, pos, block_table, all_logits[, adapter]) each, as
@@ -269,8 +248,9 @@ PYBIND11_MODULE(_core, m) {
   }, "The canonical name of every option the core takes by string (its C++ name tables), so the Python "
      "layer can check that its own names agree.");
 
+  bind_model_config(m);
   py::class_<PyModel>(m, "Model")
-      .def(py::init([](py::dict cfg) { return new PyModel(config_from_dict(cfg)); }), py::arg("config"))
+      .def(py::init([](const ModelConfig& cfg) { return new PyModel(cfg); }), py::arg("config"))
       .def("set_weight", [](PyModel& self, const std::string& name, FloatArray a) {
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> lock(self.mu);

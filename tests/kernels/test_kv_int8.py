@@ -17,7 +17,7 @@ from conftest import DEFAULT_GGUF, FIXTURES, MODELS, core_forward
 
 import corelm
 from corelm import SamplingParams, _core
-from corelm.engine.model_builder import KV_BLOCK_SIZE, core_config, kv_blocks_for
+from corelm.engine.model_builder import KV_BLOCK_SIZE, core_config, kv_blocks_for, updated
 from corelm.loader.spec import ModelSpec, weight_shapes
 
 STORIES = os.path.join(MODELS, "stories260K")
@@ -34,9 +34,9 @@ def tiny_spec(n_layers=1, n_kv_heads=1, head_dim=16, bias=False):
 
 def core_model(spec, kv_type, max_seq_len=256, kv_blocks=None):
     cfg = core_config(spec, "fp32", 1, max_seq_len, pin_threads=False)
-    cfg.update(kv_type=kv_type, kv_block_size=KV_BLOCK_SIZE)
+    cfg = updated(cfg, kv_type=kv_type, kv_block_size=KV_BLOCK_SIZE)
     if kv_blocks:
-        cfg["kv_blocks"] = kv_blocks
+        cfg = updated(cfg, kv_blocks=kv_blocks)
     return _core.Model(cfg)
 
 

@@ -627,7 +627,7 @@ def test_int16_prefill_and_decode_agree(dtype):
 
 
 def test_activations_option_checked():
-    from corelm.engine.model_builder import core_config
+    from corelm.engine.model_builder import core_config, updated
     from corelm.loader.spec import ModelSpec
     spec = ModelSpec(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                              num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)
@@ -636,7 +636,7 @@ def test_activations_option_checked():
     with pytest.raises(ValueError, match="activations"):
         corelm.LLM(STORIES_GGUF, threads=1, activations="int8x2")   # the two-term mode int16 replaced
     with pytest.raises(ValueError, match="activations"):
-        _core.Model({**core_config(spec, "q8", 1, 64), "activations": "fp16"})
+        updated(core_config(spec, "q8", 1, 64), act_type="fp16")
     # float weights take their input as it is: int16 changes nothing
     a = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1)
     b = corelm.LLM(STORIES_GGUF, dtype="fp32", threads=1, activations="int16")

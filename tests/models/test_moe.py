@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from corelm import _core
+from corelm.engine.model_builder import updated
 from conftest import core_forward
 from test_quant import dequant, ggml_quantize
 
@@ -14,15 +15,16 @@ D, F, V, HD = 64, 48, 128, 16
 
 def config(n_experts=8, k=2, norm_topk=True, whole=False, layers=2, heads=4, kv_heads=2, threads=1, dtype="fp32", f=F):
     inv = (1.0 / 10000 ** (np.arange(0, HD, 2) / HD)).astype(np.float32)
-    return dict(vocab_size=V, dim=D, ffn_dim=f, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, head_dim=HD,
-                norm_eps=1e-5, tie_embeddings=False, attention_bias=False, max_seq_len=128,
-                rope_inv_freq=inv.tolist(), weight_type=dtype, n_threads=threads, pin_threads=False,
-                n_experts=n_experts, n_experts_used=k, moe_norm_topk=norm_topk, qk_norm_whole=whole)
+    return updated(_core.ModelConfig(), vocab_size=V, dim=D, ffn_dim=f, n_layers=layers, n_heads=heads,
+                   n_kv_heads=kv_heads, head_dim=HD, norm_eps=1e-5, tie_embeddings=False, attention_bias=False,
+                   max_seq_len=128, rope_inv_freq=inv.tolist(), weight_type=dtype, n_threads=threads,
+                   pin_threads=False, n_experts=n_experts, n_experts_used=k, moe_norm_topk=norm_topk,
+                   qk_norm_whole=whole)
 
 
 def random_weights(cfg, seed=0):
     rng = np.random.default_rng(seed)
-    E, L, nh, nkv, F = cfg["n_experts"], cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["ffn_dim"]
+    E, L, nh, nkv, F = cfg.n_experts, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
     g = lambda *s, std=0.2: (rng.standard_normal(s) * std).astype(np.float32)  # noqa: E731
     w = {"tok_embeddings": g(V, D, std=1.0), "lm_head": g(V, D), "norm": 1 + g(D, std=0.1)}
     for l in range(L):
@@ -30,7 +32,7 @@ def random_weights(cfg, seed=0):
         w.update({p + "attn_norm": 1 + g(D, std=0.1), p + "ffn_norm": 1 + g(D, std=0.1), p + "wq": g(nh * HD, D),
                   p + "wk": g(nkv * HD, D), p + "wv": g(nkv * HD, D), p + "wo": g(D, nh * HD),
                   p + "router": g(E, D, std=1.0)})
-        if cfg["qk_norm_whole"]:
+        if cfg.qk_norm_whole:
             w[p + "q_norm"], w[p + "k_norm"] = 1 + g(nh * HD, std=0.1), 1 + g(nkv * HD, std=0.1)
         for e in range(E):
             q = f"{p}experts.{e}."
@@ -57,8 +59,8 @@ def rms(x, w, eps=1e-5):
 def reference(cfg, w, tokens):
     """Every token's logits, in float64."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
-    T, nh, nkv, K = len(tokens), cfg["n_heads"], cfg["n_kv_heads"], cfg["n_experts_used"]
-    inv = np.array(cfg["rope_inv_freq"], np.float64)
+    T, nh, nkv, K = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.n_experts_used
+    inv = np.array(cfg.rope_inv_freq, np.float64)
     ang = np.arange(T)[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 
@@ -67,11 +69,11 @@ def reference(cfg, w, tokens):
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     x = w["tok_embeddings"][tokens]
-    for l in range(cfg["n_layers"]):
+    for l in range(cfg.n_layers):
         p = f"layers.{l}."
         h = rms(x, w[p + "attn_norm"])
         q, k, v = h @ w[p + "wq"].T, h @ w[p + "wk"].T, h @ w[p + "wv"].T
-        if cfg["qk_norm_whole"]:
+        if cfg.qk_norm_whole:
             q, k = rms(q, w[p + "q_norm"]), rms(k, w[p + "k_norm"])
         q, k, v = rope(q.reshape(T, nh, HD)), rope(k.reshape(T, nkv, HD)), v.reshape(T, nkv, HD)
         k, v = np.repeat(k, nh // nkv, 1), np.repeat(v, nh // nkv, 1)
@@ -86,7 +88,7 @@ def reference(cfg, w, tokens):
         out = np.zeros_like(x)
         for t in range(T):
             top = np.argsort(-prob[t], kind="stable")[:K]
-            wt = prob[t, top] / (prob[t, top].sum() if cfg["moe_norm_topk"] else 1.0)
+            wt = prob[t, top] / (prob[t, top].sum() if cfg.moe_norm_topk else 1.0)
             for e, we in zip(top, wt):
                 q_ = f"{p}experts.{e}."
                 gate, up = h[t] @ w[q_ + "w_gate"].T, h[t] @ w[q_ + "w_up"].T
@@ -116,12 +118,12 @@ def test_moe_matches_numpy(kw):
     for t in range(len(TOKENS)):  # decode: one row per chosen expert
         last = core_forward(m2, TOKENS[t:t + 1], t)
     assert nmse(last, ref[-1]) < 1e-9
-    assert m.active_weight_bytes < m.weight_bytes or cfg["n_experts_used"] == cfg["n_experts"]
+    assert m.active_weight_bytes < m.weight_bytes or cfg.n_experts_used == cfg.n_experts
 
 
 def test_moe_batch_of_sequences_groups_across_them():
     """Three sequences in one forward (their tokens share experts' rows) give each one's own logits."""
-    cfg = dict(config(threads=2), kv_blocks=12)
+    cfg = updated(config(threads=2), kv_blocks=12)
     w = random_weights(cfg, seed=1)
     m = build(cfg, w)
     seqs = [TOKENS[:7], TOKENS[7:16], TOKENS[16:]]
@@ -146,7 +148,7 @@ def bf16(a):
 def test_moe_quantized_experts(dtype):
     """Every matrix but the router (kept fp32) in the engine's weight type: as the reference on the
     rounded weights, up to the int16 activations of quantized matmuls (bf16 ones round x to bf16)."""
-    cfg = dict(config(dtype=dtype, threads=2, f=96), activations="int16")
+    cfg = updated(config(dtype=dtype, threads=2, f=96), act_type="int16")
     w = random_weights(cfg, seed=2)
     kind = {"q8": "Q8_0", "q4": "Q4_0"}.get(dtype)
     rounded = {k: v if v.ndim == 1 or k.endswith("router") else

@@ -13,7 +13,7 @@ from corelm import _core
 from corelm.engine import system
 from corelm.entrypoints import cli
 from corelm.engine import model_builder
-from corelm.engine.model_builder import core_config
+from corelm.engine.model_builder import core_config, updated
 from corelm.loader.spec import ModelSpec, weight_shapes
 
 TREES = os.path.join(DATA, "topology")
@@ -181,8 +181,7 @@ SPEC = ModelSpec(arch="llama", vocab_size=512, hidden_size=256, intermediate_siz
 def random_model(numa, kv_type="fp32", pin_threads=True, threads=2, kv_sparsity=0.0):
     """Matrices of 256 KiB to 1 MiB (each its own mapping) and a 256 KiB KV buffer per kind (fp32, dense)."""
     cfg = core_config(SPEC, "fp32", threads, 256, pin_threads=pin_threads, numa=numa)
-    cfg.update(kv_type=kv_type, kv_sparsity=kv_sparsity)
-    m = _core.Model(cfg)
+    m = _core.Model(updated(cfg, kv_type=kv_type, kv_sparsity=kv_sparsity))
     rng = np.random.default_rng(0)
     for name, shape in weight_shapes(SPEC).items():
         m.set_weight(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python"))
 from corelm import _core  # noqa: E402
-from corelm.engine.model_builder import core_config, wait_for_huge_pages  # noqa: E402
+from corelm.engine.model_builder import core_config, updated, wait_for_huge_pages  # noqa: E402
 from corelm.loader.spec import ModelSpec, weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, when loaded by path
 from core_forward import core_forward  # noqa: E402
@@ -68,7 +68,7 @@ def main():
     if a.stream:
         return bench_stream(a)
     keys = [(d, int(t)) for t in a.threads.split(",") for d in (a.dtypes or "bf16,q8,q4").split(",")]
-    models = {k: _core.Model(dict(core_config(SPEC, k[0], k[1], 1024), pin_threads=False)) for k in keys}
+    models = {k: _core.Model(updated(core_config(SPEC, k[0], k[1], 1024), pin_threads=False)) for k in keys}
     rng = np.random.default_rng(0)
     for name, shape in weight_shapes(SPEC).items():
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python"))
 from corelm import _core  # noqa: E402
 from corelm.convert import quantize_q4_0, quantize_q8_0, to_bf16  # noqa: E402
-from corelm.engine.model_builder import core_config, wait_for_huge_pages  # noqa: E402
+from corelm.engine.model_builder import core_config, updated, wait_for_huge_pages  # noqa: E402
 from corelm.loader.spec import weight_shapes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import measure_bw  # noqa: E402
@@ -168,7 +168,7 @@ def decode(a):
         key = (r[1], r[2], r[3])
         if key in models:
             continue
-        m = _core.Model(dict(core_config(SPEC, a.dtype, r[3], 1024), pin_threads=False, activations=a.activations))
+        m = _core.Model(updated(core_config(SPEC, a.dtype, r[3], 1024), pin_threads=False, act_type=a.activations))
         for name, w in weights.items():
             if w.ndim == 1 or name in ("tok_embeddings", "lm_head") or r[1] == a.dtype:
                 m.set_weight(name, w)

@@ -50,10 +50,23 @@ def resolve_dtype(dtype: str) -> str:
     return WEIGHT_FORMATS[dtype].core
 
 
+def updated(config, **fields):
+    """A copy of a `_core.ModelConfig` with these fields set (model/config.h's names; enums by name); a name
+    it lacks is a TypeError."""
+    out = config.copy()
+    for key, value in fields.items():
+        if not hasattr(out, key):
+            raise TypeError(f"ModelConfig has no field {key!r}")
+        setattr(out, key, value)
+    return out
+
+
 def core_config(spec: ModelSpec, dtype: str, threads: int, max_seq_len: int,
-                pin_threads: bool = True, numa: Optional[str] = None, schedule: str = "dynamic") -> Dict[str, Any]:
+                pin_threads: bool = True, numa: Optional[str] = None, schedule: str = "dynamic"):
+    """The `_core.ModelConfig` of a spec: the one typed object the core is built from."""
+    from .. import _core
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < max_seq_len else 0
-    return dict(vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
+    return updated(_core.ModelConfig(), vocab_size=spec.vocab_size, dim=spec.hidden_size, ffn_dim=spec.intermediate_size,
                 n_layers=spec.num_layers, n_heads=spec.num_heads, n_kv_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim, norm_eps=float(spec.rms_norm_eps),
                 tie_embeddings=bool(spec.tie_word_embeddings), attention_bias=bool(spec.attention_bias),
@@ -249,10 +262,10 @@ def build_core_model(loaded: LoadedModel, dtype: str = "auto", threads: Optional
     pin = default_pin_threads() if pin_threads is None else bool(pin_threads)
     schedule = default_schedule() if schedule is None else resolve_schedule(schedule)
     config = core_config(spec, resolve_dtype(dtype), threads, int(max_seq_len), pin, numa, schedule)
-    config.update(kv_type=kv_cache_dtype, kv_sparsity=kv_sparsity, kv_block_size=KV_BLOCK_SIZE,
-                  kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb, kv_sparsity))
+    config = updated(config, kv_type=kv_cache_dtype, kv_sparsity=kv_sparsity, kv_block_size=KV_BLOCK_SIZE,
+                     kv_blocks=kv_blocks_for(spec, kv_cache_dtype, int(max_seq_len), kv_cache_gb, kv_sparsity))
     if shard is not None:
-        config.update(shard.config_changes(config))
+        config = updated(config, **shard.config_changes(config))
     model = _core.Model(config)
     names = list(loaded.weight_names()) if shard is None else shard.weight_names(loaded.weight_names())
     matrices = _matrices(spec)

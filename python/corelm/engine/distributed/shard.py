@@ -49,8 +49,8 @@ class Shard:
     tied: bool                   # the model ties lm_head to the embeddings: lm_head is cut from those
     qk_norm_whole: bool          # q/k norms span all heads (OLMoE): cut with the heads
 
-    def config_changes(self, config: Dict[str, Any]) -> Dict[str, Any]:
-        """What core_config's dict becomes for this shard."""
+    def config_changes(self, config) -> Dict[str, Any]:
+        """The fields of core_config's ModelConfig that differ for this shard."""
         return dict(n_heads=self.heads[1] - self.heads[0], n_kv_heads=self.kv_heads[1] - self.kv_heads[0],
                     ffn_dim=self.ffn[1] - self.ffn[0], lm_head_rows=self.vocab[1] - self.vocab[0],
                     tie_embeddings=False)
@@ -158,9 +158,9 @@ class Stage:
     layers: Tuple[int, int]
     tied = False   # every stage holds the embeddings, so a tied lm_head stays tied
 
-    def config_changes(self, config: Dict[str, Any]) -> Dict[str, Any]:
+    def config_changes(self, config) -> Dict[str, Any]:
         a, b = self.layers
-        sliding = config.get("sliding_layers") or []
+        sliding = list(config.sliding_layers)
         return dict(n_layers=b - a, sliding_layers=list(sliding[a:b]) if sliding else [])
 
     def weight_names(self, names) -> List[str]:
