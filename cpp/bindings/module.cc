@@ -410,6 +410,31 @@ PYBIND11_MODULE(_core, m) {
            },
            "[n_layers, tokens, n_experts_used]: the experts the last forward picked for its tokens, each "
            "token's by falling router probability.")
+      .def("record_input_squares", [](PyModel& s, bool on) {
+             py::gil_scoped_release release;
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.model.record_input_squares(on);
+           }, py::arg("on"),
+           "Calibration: while on, every forward adds each matrix's input column sums of squares over the rows it "
+           "multiplied (input_squares). True starts afresh, False stops and keeps them.")
+      .def("input_squares", [](PyModel& s) {
+             std::map<std::string, Model::InputSquares> sq;
+             {
+               py::gil_scoped_release release;
+               std::lock_guard<std::mutex> lock(s.mu);
+               sq = s.model.input_squares();
+             }
+             py::dict out;
+             for (const auto& [name, v] : sq) {
+               py::array_t<double> sums((py::ssize_t)v.sums.size());
+               std::copy(v.sums.begin(), v.sums.end(), sums.mutable_data());
+               out[py::str(name)] = py::make_tuple(sums, v.rows);
+             }
+             return out;
+           },
+           "{internal weight name: (float64 [cols] sum of each input column's squares, rows)} recorded since "
+           "record_input_squares(True): every matrix a forward multiplied (an expert's over the rows routed to it; "
+           "wq/wk/wv and w_gate/w_up each under their own name, sharing one input).")
       .def_property_readonly("active_weight_bytes", [](PyModel& s) { return s.model.active_weight_bytes(); },
                              "What one decoded token reads: weight_bytes with only the used experts (of mean size).")
       .def_property_readonly("huge_page_promotion", [](PyModel& s) {

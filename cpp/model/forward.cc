@@ -521,6 +521,12 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     in.prepare(0);
     return lora_down(site, layer, in.rows(0), d);
   };
+  // a normalized input's rows, normalized here first as lora_down_normed does
+  auto note_normed = [&](int64_t layer, const char* part, const NormedInput& in) {
+    if (!record_squares_) return;
+    in.prepare(0);
+    note_input(layer, -1, part, in.rows(0), T, d, d);
+  };
   auto task_matmul = [&](const PackedMatrix& w) {
     // an input of its own for this pass's rows or a single one (lm_head): a table may want one for some
     // row counts only (the amx table: a prompt's sparse rows)
@@ -558,9 +564,11 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
                       tok_pos_.data(), tok_seq_.data(), qkv_.data(), &kv_, seqs, l, hd, nh, nkv, kv_.block_size(),
                       cfg_.n_positions ? 0 : cfg_.rotary_dim() / 2, cfg_.qk_norm_whole,
                       lora_down_normed(LoraSite::Qkv, l, attn_in)};
+    note_normed(l, "wq", attn_in);
     pool_.parallel_chunks(qkv, chunking(L.wqkv, nh + 2 * nkv, 1, T, hd));
     if (cfg_.qk_norm_whole) qk_norm_whole(l, seqs, T);
     attention(l, seqs, T);
+    note_input(l, -1, "wo", att_.data(), T, nh * hd, nh * hd);
     matmul_residual(att_.data(), nh * hd, L.wo, L.post_attn_norm, L.bo, LoraSite::Wo, l);
     if (post_ln) norm_stream(L.attn_norm, L.attn_norm_bias);
     if (cfg_.moe()) {
@@ -570,6 +578,7 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     if (cfg_.gated_mlp) {
       const int64_t blocks = (f + GB - 1) / GB;
       const NormedInput ffn_in = normed(L.ffn_norm, L.ffn_norm_bias);
+      note_normed(l, "w_gate", ffn_in);
       pool_.parallel_chunks(GateUpTask{ffn_in, task_matmul(L.w_gate_up), hb_.data(), act_.data(), f, GB, cfg_.activation,
                                        lora_down_normed(LoraSite::GateUp, l, ffn_in), l},
                             chunking(L.w_gate_up, blocks, 1, T, GB));
@@ -578,8 +587,10 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
       MatmulTask up{task_matmul(L.w_up), x, T, d, act_.data(), f, false};
       up.bias = L.b_up.empty() ? nullptr : L.b_up.data();
       up.gelu = true;
+      note_input(l, -1, "w_up", x, T, d, d);
       pool_.parallel_chunks(up, chunking(L.w_up, f, k.row_grain, T, 1));
     }
+    note_input(l, -1, "w_down", act_.data(), T, f, f);
     matmul_residual(act_.data(), f, L.w_down, L.post_ffn_norm, L.b_down, LoraSite::Down, l);
     if (post_ln) norm_stream(L.ffn_norm, L.ffn_norm_bias);
   }
@@ -605,9 +616,40 @@ void Model::run(const int32_t* tokens, const SeqSlice* seqs, int64_t n_seqs, flo
     for (int64_t r = first; r < t + seqs[i].n_tokens; r++, rows++)
       k.rmsnorm(out_rows_.data() + rows * d, x + r * d, norm_.data(), d, cfg_.norm_eps);
   }
+  note_input(-1, -1, "lm_head", out_rows_.data(), rows, d, d);
   pool_.parallel_chunks(MatmulTask{task_matmul(lm_head_), out_rows_.data(), rows, d, logits, cfg_.logits_size(), false,
                                    cfg_.final_softcap},
                         chunking(lm_head_, cfg_.logits_size(), k.row_grain, rows, 1));
+}
+
+void Model::note_input(int64_t layer, int64_t expert, const char* part, const float* x, int64_t rows, int64_t cols,
+                       int64_t ld) {
+  if (!record_squares_ || rows <= 0) return;
+  InputSquares& sq = squares_[weight_name(WeightName{layer, expert, part})];
+  if (sq.sums.empty()) sq.sums.assign(cols, 0.0);
+  require((int64_t)sq.sums.size() == cols, std::string("input squares of ") + part + " changed width");
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) sq.sums[c] += (double)x[r * ld + c] * x[r * ld + c];
+  sq.rows += rows;
+}
+
+void Model::record_input_squares(bool on) {
+  if (on) squares_.clear();
+  record_squares_ = on;
+}
+
+std::map<std::string, Model::InputSquares> Model::input_squares() const {
+  std::map<std::string, InputSquares> out;
+  for (const auto& [name, sq] : squares_) {
+    const WeightName w = parse_weight_name(name, cfg_.n_layers, cfg_.n_experts);
+    const std::vector<std::string> parts = fused_parts(w.part);
+    if (parts.empty() || parts[0] != w.part) {  // a matrix of its own (a gateless MLP's w_up among them)
+      out[name] = sq;
+      continue;
+    }
+    for (const std::string& p : parts) out[weight_name(WeightName{w.layer, w.expert, p})] = sq;
+  }
+  return out;
 }
 
 // OLMoE's q/k norms over all heads of a token at once, then RoPE and the cache, which QkvTask left out.
@@ -666,6 +708,7 @@ void Model::moe(int64_t l, int64_t T) {
   const int64_t d = cfg_.dim, f = cfg_.ffn_dim, E = cfg_.n_experts, K = cfg_.n_experts_used, GB = kGateUpBlock;
   float* x = x_.data();
   for (int64_t t = 0; t < T; t++) k.rmsnorm(moe_norm_.data() + t * d, x + t * d, L.ffn_norm.data(), d, cfg_.norm_eps);
+  note_input(l, -1, "router", moe_norm_.data(), T, d, d);
   pool_.parallel_chunks(MatmulTask{TaskMatmul{&k, &L.router, nullptr, 0, cfg_.act_type}, moe_norm_.data(), T, d,
                                    router_logits_.data(), E, false},
                         chunking(L.router, E, k.row_grain, T, 1));
@@ -751,10 +794,17 @@ void Model::moe(int64_t l, int64_t T) {
   };
   const ExpertWeights& first = L.experts[slot_expert_[0]];
   const int64_t up_blocks = (f + GB - 1) / GB, down_blocks = (d + k.row_grain - 1) / k.row_grain;
+  auto note_experts = [&](const char* part, const std::vector<float>& in, int64_t cols) {
+    for (int64_t s = 0; s < slots && record_squares_; s++)
+      note_input(l, slot_expert_[s], part, in.data() + slot_row0_[s] * cols, slot_row0_[s + 1] - slot_row0_[s], cols,
+                 cols);
+  };
+  note_experts("w_gate", moe_in_, d);
   place_inputs(true);
   pool_.parallel_chunks(ExpertGateUpTask{slots_for(true, moe_in_, d), {slots, up_blocks, block_major}, moe_act_.data(),
                                          f, GB, cfg_.activation},
                         expert_chunking(first.w_gate_up, up_blocks, 2 * GB));
+  note_experts("w_down", moe_act_, f);
   place_inputs(false);
   pool_.parallel_chunks(ExpertDownTask{slots_for(false, moe_act_, f), {slots, down_blocks, block_major}, moe_out_.data(),
                                        row_weight_.data(), d, k.row_grain},

@@ -132,6 +132,21 @@ class Model {
   }
   int64_t last_routing_tokens() const { return routing_tokens_; }
 
+  // Calibration statistics (importance-weighted quantization, python/corelm/calibrate.py): while on, every
+  // forward adds, for each matrix it multiplies, each input column's sum of squares over the rows it
+  // multiplied (an expert's: the rows routed to it) and the row count, in double, on the calling thread
+  // between the regions. on starts afresh; off keeps what was recorded. Off costs nothing. (A
+  // tensor-parallel shard's or pipeline stage's names are its own matrices' and layers'.)
+  struct InputSquares {
+    std::vector<double> sums;  // [cols]
+    int64_t rows = 0;
+  };
+  void record_input_squares(bool on);
+  bool recording_input_squares() const { return record_squares_; }
+  // By internal weight name; the parts of a fused matrix share one input and each get its statistics
+  // (wq, wk and wv; w_gate and w_up; an expert's w_gate and w_up).
+  std::map<std::string, InputSquares> input_squares() const;
+
   const ModelConfig& config() const { return cfg_; }
   const KernelTable& kernel_table() const { return kt_; }
   size_t weight_bytes() const;  // bytes of all packed matrices (what decode streams per token without experts)
@@ -188,6 +203,10 @@ class Model {
     int64_t whole_rows = 0;  // the whole matrix's rows (0: m is the whole matrix)
   };
   std::vector<NamedMatrix> matrices_in_decode_order();
+  // Adds rows [rows][cols] (row stride ld) to the input squares of layer's (expert's) part, or of the model
+  // matrix `part` with layer -1; a fused matrix's under its first part. Nothing while not recording.
+  void note_input(int64_t layer, int64_t expert, const char* part, const float* x, int64_t rows, int64_t cols,
+                  int64_t ld);
 
   ModelConfig cfg_;
   const KernelTable& kt_;
@@ -276,6 +295,9 @@ class Model {
   std::vector<uint8_t> moe_qa_done_;  // [n_threads][n_experts] whether a slot's input is quantized yet
   std::vector<int32_t> routing_;      // [n_layers][T][k] the last forward's chosen experts
   int64_t routing_tokens_ = 0;
+
+  bool record_squares_ = false;
+  std::map<std::string, InputSquares> squares_;  // record_input_squares: by name (a fused matrix's first part)
 
   std::vector<PlacedBuffer> placed_;
   std::string numa_status_;

@@ -18,7 +18,7 @@ LAYERS = [
     ("corelm.errors", "corelm.options", "corelm.threads", "corelm._core"),
     ("corelm.tokenizer",),
     ("corelm.loader",),
-    ("corelm.convert", "corelm.calibrate"),
+    ("corelm.convert", "corelm.calibrate", "corelm.engine.model_builder"),   # calibration runs the built model
     ("corelm.engine",),
     ("corelm.openai",),
     ("corelm.llm", "corelm", "corelm.lora"),

@@ -522,19 +522,27 @@ def test_converted_moe_model_keeps_its_experts(tmp_path, weights):
 
 
 def test_moe_calibration_statistics_come_from_the_routed_tokens():
-    from corelm.calibrate import activation_importance, calibration_ids, hidden_states
+    """Each expert's statistics are over the rows the router sent it: as many as the forward's routing
+    (Model.last_routing) gave it, chunk by chunk."""
+    from corelm.calibrate import activation_importance, calibration_ids, input_squares
     m = load_model(TINY["olmoe"])
     ids = calibration_ids(m)[:60]
-    seen = {}
-    hidden_states(m, [ids[:40], ids[40:]], lambda n, x: seen.setdefault(n, []).append(x))
-    routed = sum(len(x) for n, xs in seen.items() if n.startswith("layers.0.experts.") and n.endswith("w_gate")
-                 for x in xs)
-    assert routed == len(ids) * m.spec.num_experts_used      # each token's input reaches its k experts
-    imp = activation_importance(m, ids, chunk=40)
-    for name, xs in seen.items():
-        x = np.concatenate(xs).astype(np.float64)
-        np.testing.assert_allclose(imp[name], (x ** 2).mean(0), rtol=1e-5, err_msg=name)
-    assert "layers.0.router" not in imp and imp["layers.1.experts.3.w_up"] is imp["layers.1.experts.3.w_gate"]
+    engine = build_core_model(load_model(TINY["olmoe"]), dtype="fp32", threads=1, max_seq_len=64)
+    counts = np.zeros((m.spec.num_layers, m.spec.num_experts), np.int64)
+    for chunk in (ids[:40], ids[40:]):
+        core_forward(engine, np.asarray(chunk, np.int32), 0, True)
+        for layer, routed in enumerate(engine.last_routing()):
+            counts[layer] += np.bincount(routed.ravel(), minlength=m.spec.num_experts)
+    sq = input_squares(m, ids, chunk=40)
+    for (layer, expert), n in np.ndenumerate(counts):
+        for part in ("w_gate", "w_up", "w_down"):
+            assert sq.get(f"layers.{layer}.experts.{expert}.{part}", (None, 0))[1] == n
+    imp = activation_importance(load_model(TINY["olmoe"]), ids, chunk=40)
+    for name, (sums, rows) in sq.items():
+        if not name.endswith(".router"):
+            np.testing.assert_allclose(imp[name], sums / rows, rtol=1e-6, err_msg=name)
+    assert "layers.0.router" not in imp
+    assert np.array_equal(imp["layers.1.experts.3.w_up"], imp["layers.1.experts.3.w_gate"])
 
 
 def test_info_shows_the_experts():
