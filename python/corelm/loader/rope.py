@@ -1,5 +1,5 @@
-"""RoPE frequencies from a ModelSpec, computed as transformers does: the engine hands them to the core
-and calibration (calibrate.py) runs the same rotation. hf.py's ROPE_SCALING_TYPES are the scalings here."""
+"""RoPE frequencies from a ModelSpec, computed as transformers does: the engine hands them to the core.
+hf.py's ROPE_SCALING_TYPES are the scalings here."""
 from __future__ import annotations
 
 import math
