@@ -237,16 +237,45 @@ PYBIND11_MODULE(_core, m) {
      "NaN or Inf.");
   m.def("option_names", [] {
     py::dict d;
-    d["weight_type"] = names_of(kWeightTypeNames);
+    d["weight_type"] = names_of(kWeightTraits);
     d["kv_type"] = names_of(kKVTypeNames);
     d["activations"] = names_of(kActTypeNames);
     d["schedule"] = names_of(kScheduleNames);
     d["numa"] = names_of(kNumaPolicyNames);
-    d["raw_weight"] = names_of(quant::kGgufRawNames);
+    d["raw_weight"] = names_of(kWeightTraits, &WeightTraits::raw);
     d["activation"] = names_of(kActivationNames);
     return d;
   }, "The canonical name of every option the core takes by string (its C++ name tables), so the Python "
      "layer can check that its own names agree.");
+  m.def("weight_formats", [] {
+    py::list out;
+    auto name_or_none = [](const char* s) { return s ? py::object(py::str(s)) : py::object(py::none()); };
+    for (const WeightTraits& r : kWeightTraits) {
+      py::dict d;
+      d["name"] = r.name;
+      d["raw"] = name_or_none(r.raw);
+      d["ggml"] = name_or_none(r.ggml);
+      d["ggml_id"] = r.ggml_id < 0 ? py::object(py::none()) : py::object(py::int_(r.ggml_id));
+      d["block"] = r.block;
+      d["block_bytes"] = r.block_bytes;
+      d["float_rows"] = (r.kind & kFloatRows) != 0;
+      d["quant"] = (r.kind & kQuantBlocks) != 0;
+      d["ggml_block"] = (r.kind & kGgmlBlocks) != 0;
+      d["sparse"] = (r.kind & kSparseRows) != 0;
+      d["sparse_quant"] = (r.kind & kSparseQuant) != 0;
+      d["grouped"] = (r.kind & kGrouped) != 0;
+      d["dense"] = traits(r.dense).name;
+      py::list f16;
+      for (int at : {r.scale_at, r.min_at})
+        if (at >= 0) f16.append(at);
+      d["f16_fields"] = f16;
+      out.append(d);
+    }
+    return out;
+  }, "One dict per weight type, the core's traits rows (formats/traits.h): name, raw (Model.set_weight_raw's "
+     "name or None), ggml and ggml_id (the GGUF type with these bytes or None), block (weights per block), "
+     "block_bytes, the kind (float_rows, quant, ggml_block, sparse, sparse_quant; grouped), dense (the dense "
+     "type a sparse one gives) and f16_fields (byte offsets of a block's fp16 scale and minimum).");
 
   bind_model_config(m);
   py::class_<PyModel>(m, "Model")

@@ -1,10 +1,13 @@
 // The name table of an enum that Python names by string: one list serves enum -> name, name -> enum
 // and _core.option_names(), so the three cannot disagree. Canonical names only; the Python layer
-// turns users' spellings into these before calling the core.
+// turns users' spellings into these before calling the core. A table is an array of rows with a `value`
+// and a `name`: EnumName, or a wider row (formats/traits.h's WeightTraits, whose other name columns
+// `field` picks; rows without that name are skipped).
 #pragma once
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace corelm {
@@ -15,28 +18,31 @@ struct EnumName {
   const char* name;
 };
 
-template <class E, size_t N>
-const char* name_of(const EnumName<E> (&table)[N], E value) {
-  for (const EnumName<E>& e : table)
+template <class Row, size_t N, class E>
+const char* name_of(const Row (&table)[N], E value) {
+  for (const Row& e : table)
     if (e.value == value) return e.name;
   return "?";
 }
 
-template <class E, size_t N>
-std::vector<std::string> names_of(const EnumName<E> (&table)[N]) {
+template <class Row, size_t N>
+std::vector<std::string> names_of(const Row (&table)[N], const char* const Row::*field = &Row::name) {
   std::vector<std::string> out;
-  for (const EnumName<E>& e : table) out.push_back(e.name);
+  for (const Row& e : table)
+    if (e.*field) out.push_back(e.*field);
   return out;
 }
 
 // The value named `name`; otherwise std::invalid_argument "<what> must be 'a', 'b' or 'c', got 'x'".
-template <class E, size_t N>
-E parse_name(const EnumName<E> (&table)[N], const std::string& name, const char* what) {
+template <class Row, size_t N>
+std::remove_cv_t<decltype(Row::value)> parse_name(const Row (&table)[N], const std::string& name, const char* what,
+                                                  const char* const Row::*field = &Row::name) {
+  for (const Row& e : table)
+    if (e.*field && name == e.*field) return e.value;
+  const std::vector<std::string> names = names_of(table, field);
   std::string choices;
-  for (size_t i = 0; i < N; i++) {
-    if (name == table[i].name) return table[i].value;
-    choices += std::string(i == 0 ? "" : i + 1 == N ? " or " : ", ") + "'" + table[i].name + "'";
-  }
+  for (size_t i = 0; i < names.size(); i++)
+    choices += std::string(i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + "'" + names[i] + "'";
   throw std::invalid_argument(std::string(what) + " must be " + choices + ", got '" + name + "'");
 }
 

@@ -27,50 +27,26 @@
 namespace corelm {
 namespace quant {
 
-// Every raw type a table takes (pack_raw): GGUF block types by ggml's names (Q8_0/Q4_0/Q4_1 are
-// repacked as Q8/Q4/Q4M, the others kept as stored), BF16 rows (packed with no float round trip) and
-// SBF16 as dense bf16 rows and SQ8/SQ4 as dense Q8_0/Q4_0 blocks, which the packer makes sparse.
-inline constexpr EnumName<WeightType> kGgufRawNames[] = {
-    {WeightType::Q8, "Q8_0"},     {WeightType::Q4, "Q4_0"},     {WeightType::Q4M, "Q4_1"},
-    {WeightType::Q5_0, "Q5_0"},   {WeightType::Q5_1, "Q5_1"},   {WeightType::Q2_K, "Q2_K"},
-    {WeightType::Q3_K, "Q3_K"},   {WeightType::Q4_K, "Q4_K"}, {WeightType::Q5_K, "Q5_K"}, {WeightType::Q6_K, "Q6_K"},
-    {WeightType::IQ4_NL, "IQ4_NL"}, {WeightType::IQ4_XS, "IQ4_XS"}, {WeightType::SBF16, "SBF16"},
-    {WeightType::BF16, "BF16"}, {WeightType::SQ8, "SQ8"}, {WeightType::SQ4, "SQ4"}};
-
-inline WeightType type_of_ggml(const std::string& name) { return parse_name(kGgufRawNames, name, "raw weights' GGUF type"); }
+// Every raw type a table takes (pack_raw), by its traits row's raw name: GGUF block types by ggml's
+// names (Q8_0/Q4_0/Q4_1 are repacked as Q8/Q4/Q4M, the others kept as stored), BF16 rows (packed with no
+// float round trip) and SBF16 as dense bf16 rows and SQ8/SQ4 as dense Q8_0/Q4_0 blocks, which the packer
+// makes sparse.
+inline WeightType type_of_ggml(const std::string& name) { return parse_raw_weight_type(name); }
 
 namespace {
 
 // The types multiplied straight from their GGUF blocks.
-inline bool is_ggml_block(WeightType t) { return (int)t >= (int)WeightType::Q5_0 && (int)t <= (int)WeightType::IQ4_XS; }
-inline bool is_raw_type(WeightType t) {
-  return is_quant(t) || is_ggml_block(t) || sparse::is_sparse(t) || sparse::is_sparse_quant(t);
-}
+inline bool is_ggml_block(WeightType t) { return has_kind(t, kGgmlBlocks); }
+// The packing types of the quantized code (quantized, GGUF blocks, sparse).
+inline bool is_raw_type(WeightType t) { return has_kind(t, kQuantBlocks | kGgmlBlocks | kSparseRows | kSparseQuant); }
 // Raw bf16 rows: SBF16's, and BF16 matrices taken without a float round trip (not a packing type of
 // the quantized code, so not is_raw_type).
-inline bool is_bf16_rows(WeightType t) { return t == WeightType::BF16 || sparse::is_sparse(t); }
+inline bool is_bf16_rows(WeightType t) { return traits(t).dense == WeightType::BF16; }
 
-// Weights per block along a row (a K-quant's super-block is 256) and bytes per block.
-inline int64_t ggml_block_elems(WeightType t) {
-  if (is_bf16_rows(t)) return 1;
-  return is_ggml_block(t) && t != WeightType::Q5_0 && t != WeightType::Q5_1 && t != WeightType::IQ4_NL ? 256 : 32;
-}
-inline size_t ggml_type_block_bytes(WeightType t) {
-  switch (t) {
-    case WeightType::BF16:
-    case WeightType::SBF16: return 2;  // a dense bf16 weight
-    case WeightType::Q5_0: return 22;
-    case WeightType::Q5_1: return 24;
-    case WeightType::Q2_K: return 84;
-    case WeightType::Q3_K: return 110;
-    case WeightType::Q4_K: return 144;
-    case WeightType::Q5_K: return 176;
-    case WeightType::Q6_K: return 210;
-    case WeightType::IQ4_NL: return 18;
-    case WeightType::IQ4_XS: return 136;
-    default: return ggml_block_bytes(sparse::dense_type(t));  // Q8_0, Q4_0, Q4_1 (SQ8, SQ4 as Q8_0, Q4_0)
-  }
-}
+// Weights per block along a row (a K-quant's super-block is 256) and bytes per block (a bf16 row's
+// block is one weight; SQ8 and SQ4 come as dense Q8_0 and Q4_0 blocks).
+inline int64_t ggml_block_elems(WeightType t) { return traits(t).block; }
+inline size_t ggml_type_block_bytes(WeightType t) { return (size_t)traits(t).block_bytes; }
 inline size_t ggml_row_bytes(WeightType t, int64_t cols) {
   return (size_t)(cols / ggml_block_elems(t)) * ggml_type_block_bytes(t);
 }
@@ -152,10 +128,9 @@ inline void decode_int_scales(WeightType t, const uint8_t* blk, int c, Chunk* o)
 // The scales of chunk c of the block at blk: the integer ones and d, dm (o->v untouched).
 inline void decode_scales(WeightType t, const uint8_t* blk, int c, Chunk* o) {
   decode_int_scales(t, blk, c, o);
-  const int d_at = t == WeightType::Q6_K ? 208 : t == WeightType::Q3_K ? 108 : t == WeightType::Q2_K ? 80 : 0;
-  o->d = f16_at(blk + d_at);
-  o->dm = t == WeightType::Q5_1 ? -f16_at(blk + 2) : t == WeightType::Q2_K ? f16_at(blk + 82)
-          : t == WeightType::Q4_K || t == WeightType::Q5_K ? f16_at(blk + 2) : 0.f;
+  const int m_at = traits(t).min_at;
+  o->d = f16_at(blk + traits(t).scale_at);
+  o->dm = m_at < 0 ? 0.f : t == WeightType::Q5_1 ? -f16_at(blk + m_at) : f16_at(blk + m_at);
 }
 
 // Chunk c of the block at blk: its 32 values and its scales.

@@ -49,7 +49,16 @@ constexpr GroupedTraits grouped_traits(WeightType t) {
     default: return {0, 0, 0, false, false, false, false, false};
   }
 }
-inline bool is_grouped_ggml(WeightType t) { return grouped_traits(t).chunks > 0; }
+inline bool is_grouped_ggml(WeightType t) { return has_kind(t, kGrouped); }
+// The rows marked kGrouped are the types listed here, each a super-block of `chunks` chunks of 32.
+constexpr bool grouped_traits_match_rows() {
+  for (const WeightTraits& r : kWeightTraits)
+    if ((grouped_traits(r.value).chunks > 0) != ((r.kind & kGrouped) != 0) ||
+        ((r.kind & kGrouped) && grouped_traits(r.value).chunks * 32 != r.block))
+      return false;
+  return true;
+}
+static_assert(grouped_traits_match_rows(), "grouped_traits and formats/traits.h's kGrouped rows disagree");
 
 // Calls f(std::integral_constant<WeightType, T>()) for grouped type t (nothing for another type): how
 // the kernels instantiate one matmul per type.

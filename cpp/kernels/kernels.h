@@ -9,29 +9,10 @@
 #include <vector>
 
 #include "common/names.h"
+#include "formats/traits.h"  // WeightType and its traits rows
 #include "kernels/memory.h"  // aligned buffers and 2 MiB pages for what the tables pack
 
 namespace corelm {
-
-// Q8/Q4/Q4M: blocks of 32 along K with fp16 scales, repacked per table (kernels/quant_formats.h).
-// Q5_0 .. IQ4_XS: GGUF's own blocks, multiplied as the file stores them (kernels/ggml_formats.h).
-// SBF16: unstructured-sparse bf16 (kernels/sparse_layout.h); taken raw as dense bf16 rows.
-// SQ8/SQ4: unstructured-sparse Q8/Q4 (kernels/sparse_quant.h): the dense format's codes with the zero
-// codes dropped (its scales kept), so the same products; taken raw as dense Q8_0/Q4_0 blocks.
-enum class WeightType : int {
-  F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3, Q4M = 4,
-  Q5_0 = 5, Q5_1 = 6, Q2_K = 7, Q3_K = 8, Q4_K = 9, Q5_K = 10, Q6_K = 11, IQ4_NL = 12, IQ4_XS = 13,
-  SBF16 = 14,  // sparse bf16: a bitmap of the non-zeros and the non-zeros (kernels/sparse_layout.h)
-  SQ8 = 15, SQ4 = 16  // sparse Q8/Q4: a bitmap of the non-zero codes and those codes (kernels/sparse_quant.h)
-};
-inline constexpr EnumName<WeightType> kWeightTypeNames[] = {
-    {WeightType::F32, "fp32"}, {WeightType::BF16, "bf16"}, {WeightType::Q8, "q8"}, {WeightType::Q4, "q4"},
-    {WeightType::Q4M, "q4m"}, {WeightType::Q5_0, "q5_0"}, {WeightType::Q5_1, "q5_1"}, {WeightType::Q2_K, "q2_k"},
-    {WeightType::Q3_K, "q3_k"}, {WeightType::Q4_K, "q4_k"}, {WeightType::Q5_K, "q5_k"}, {WeightType::Q6_K, "q6_k"},
-    {WeightType::IQ4_NL, "iq4_nl"}, {WeightType::IQ4_XS, "iq4_xs"}, {WeightType::SBF16, "sbf16"},
-    {WeightType::SQ8, "sq8"}, {WeightType::SQ4, "sq4"}};
-inline const char* weight_type_name(WeightType t) { return name_of(kWeightTypeNames, t); }
-inline WeightType parse_weight_type(const std::string& name) { return parse_name(kWeightTypeNames, name, "weight type"); }
 
 // How a quantized matmul takes its input: each row per block of 32 as int8 (scale absmax/127, the
 // cheapest) or int16 (absmax/32767: ~15 bits, near fp32; on AVX2 about as cheap, VPMADDWD against

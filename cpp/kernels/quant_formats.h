@@ -33,7 +33,7 @@ namespace {  // each ISA file's own copy, built with its flags (see kernels/kern
 
 constexpr int64_t kBlock = 32;
 
-inline bool is_quant(WeightType t) { return t == WeightType::Q8 || t == WeightType::Q4 || t == WeightType::Q4M; }
+inline bool is_quant(WeightType t) { return has_kind(t, kQuantBlocks); }
 
 // A zeroed matrix of `type` with ld = cols rounded up to whole blocks; bytes_for(ld) sizes it.
 template <class Bytes>
@@ -49,10 +49,8 @@ inline PackedMatrix new_matrix(WeightType type, int64_t rows, int64_t cols, cons
   return m;
 }
 
-// ggml block sizes of the raw formats, which are also the scalar table's blocks.
-inline size_t ggml_block_bytes(WeightType t) {
-  return t == WeightType::Q8 ? 34 : t == WeightType::Q4 ? 18 : t == WeightType::Q4M ? 20 : 0;
-}
+// ggml block bytes of the Q8/Q4/Q4M raw formats (Q8_0/Q4_0/Q4_1), which are also the scalar table's blocks.
+inline size_t ggml_block_bytes(WeightType t) { return is_quant(t) ? (size_t)traits(t).block_bytes : 0; }
 
 // IEEE half <-> float, round to nearest even (as F16C and ggml's software fallback).
 inline float f16_to_f32(uint16_t h) {

@@ -204,26 +204,14 @@ float fit_steps(const float* v, const float* cost, int n, int lo, int hi, int* L
   return best_d;
 }
 
-enum class KType { Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 };
-
-KType parse_ktype(const std::string& t) {
-  if (t == "Q4_K") return KType::Q4_K;
-  if (t == "Q5_K") return KType::Q5_K;
-  if (t == "Q6_K") return KType::Q6_K;
-  if (t == "Q5_0") return KType::Q5_0;
-  if (t == "Q5_1") return KType::Q5_1;
+// The types quantize_ggml_search writes; their blocks are their traits rows'.
+WeightType parse_ktype(const std::string& t) {
+  for (WeightType k : {WeightType::Q4_K, WeightType::Q5_K, WeightType::Q6_K, WeightType::Q5_0, WeightType::Q5_1})
+    if (t == traits(k).ggml) return k;
   throw std::invalid_argument("quantize_ggml_search: no quantizer for " + t + " (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1)");
 }
-int block_elems(KType t) { return t == KType::Q5_0 || t == KType::Q5_1 ? 32 : 256; }
-size_t block_bytes(KType t) {
-  switch (t) {
-    case KType::Q4_K: return 144;
-    case KType::Q5_K: return 176;
-    case KType::Q6_K: return 210;
-    case KType::Q5_0: return 22;
-    default: return 24;
-  }
-}
+int block_elems(WeightType t) { return (int)traits(t).block; }
+size_t block_bytes(WeightType t) { return (size_t)traits(t).block_bytes; }
 void put_f16(uint8_t* p, float v) {
   const uint16_t h = f32_to_f16(v);
   std::memcpy(p, &h, 2);
@@ -331,7 +319,7 @@ void q5_block(const float* x, const float* w, bool one, uint8_t* blk) {
 }  // namespace
 
 size_t ggml_search_row_bytes(const std::string& type, int64_t cols) {
-  const KType t = parse_ktype(type);
+  const WeightType t = parse_ktype(type);
   if (cols <= 0 || cols % block_elems(t) != 0)
     throw std::invalid_argument(type + " rows need a multiple of " + std::to_string(block_elems(t)) +
                                 " columns, got " + std::to_string(cols));
@@ -340,7 +328,7 @@ size_t ggml_search_row_bytes(const std::string& type, int64_t cols) {
 
 void quantize_ggml_search(const std::string& type, const float* src, const float* imp, int64_t rows, int64_t cols,
                           uint8_t* out) {
-  const KType t = parse_ktype(type);
+  const WeightType t = parse_ktype(type);
   const size_t row_bytes = ggml_search_row_bytes(type, cols);
   const int be = block_elems(t);
   std::vector<float> x(cols), w(cols);
@@ -363,11 +351,12 @@ void quantize_ggml_search(const std::string& type, const float* src, const float
         for (int i = 0; i < be; i++) wb[i] *= std::fmax(imp[b * be + i], 0.f);
       uint8_t* blk = dst + b * block_bytes(t);
       switch (t) {
-        case KType::Q4_K: k4_block(xb, wb, false, blk); break;
-        case KType::Q5_K: k4_block(xb, wb, true, blk); break;
-        case KType::Q6_K: q6k_block(xb, wb, blk); break;
-        case KType::Q5_0: q5_block(xb, wb, false, blk); break;
-        case KType::Q5_1: q5_block(xb, wb, true, blk); break;
+        case WeightType::Q4_K: k4_block(xb, wb, false, blk); break;
+        case WeightType::Q5_K: k4_block(xb, wb, true, blk); break;
+        case WeightType::Q6_K: q6k_block(xb, wb, blk); break;
+        case WeightType::Q5_0: q5_block(xb, wb, false, blk); break;
+        case WeightType::Q5_1: q5_block(xb, wb, true, blk); break;
+        default: break;
       }
     }
   }

@@ -33,13 +33,10 @@ constexpr int64_t kGroup = 8;   // rows per record
 constexpr int64_t kChunk = 32;  // columns per mask word
 constexpr int64_t kSlack = 64;  // zero bytes after the records
 
-inline bool is_sparse(WeightType t) { return t == WeightType::SBF16; }
+inline bool is_sparse(WeightType t) { return has_kind(t, kSparseRows); }
 // Sparse Q8/Q4 (kernels/sparse_quant.h), and the dense type whose products a sparse type gives.
-inline bool is_sparse_quant(WeightType t) { return t == WeightType::SQ8 || t == WeightType::SQ4; }
-inline WeightType dense_type(WeightType t) {
-  return t == WeightType::SQ8 ? WeightType::Q8 : t == WeightType::SQ4 ? WeightType::Q4
-                              : t == WeightType::SBF16 ? WeightType::BF16 : t;
-}
+inline bool is_sparse_quant(WeightType t) { return has_kind(t, kSparseQuant); }
+inline WeightType dense_type(WeightType t) { return traits(t).dense; }
 inline int64_t ngroups(int64_t rows) { return (rows + kGroup - 1) / kGroup; }
 inline int64_t nchunks(int64_t cols) { return (cols + kChunk - 1) / kChunk; }
 inline const uint64_t* offsets(const PackedMatrix& w) { return static_cast<const uint64_t*>(w.data()); }

@@ -1,15 +1,26 @@
 """Every option name corelm accepts, spelled once: weight formats, KV-cache types, activation precision,
 work schedules, NUMA policies and convert's pruning methods. The Python API, every CLI command, convert,
 the loaders and the calls into the C++ core (`corelm._core`, whose own name tables `_core.option_names()`
-must agree, see tests/loaders/test_options.py) read them from here.
+must agree, see tests/loaders/test_options.py) read them from here. A weight format's block and bytes per
+block are the core's traits row (`core_formats()`), not written here.
 
     fmt = weight_format("q8")        # -> WEIGHT_FORMATS["q8_0"]
     choose("kv_cache_dtype", "i8")   # -> "int8"
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
+
+
+@functools.lru_cache(maxsize=None)
+def core_formats() -> Dict[str, Dict[str, Any]]:
+    """The C++ core's traits row of every weight type by its core name (`_core.weight_formats()`,
+    cpp/formats/traits.h): blocks, bytes, GGUF names and ids, kinds, fp16 field offsets. The one place sizes are
+    written; the names users write stay below."""
+    from . import _core      # lazily: importing the option names needs no C++ core
+    return {row["name"]: row for row in _core.weight_formats()}
 
 
 @dataclass(frozen=True)
@@ -20,8 +31,6 @@ class WeightFormat:
     core: str                   # the C++ core's name (WeightType) and the packed type `Model.weight_type` reports
     file_type: str              # the tensor type in a corelm weights file (docs/model-format.md)
     gguf: Optional[str]         # the GGUF block type with the same bytes, kept as stored when loading GGUF
-    block: int                  # weights per block (1: plain floats); a sparse format's: per stored value
-    block_bytes: int            # bytes per block, scales included
     description: str
     from_floats: bool = True    # the core quantizes float weights into it (else: only a GGUF's own blocks)
     # Exact zeros (quantized: zero codes) are dropped, so a matrix's bytes follow its sparsity: a bitmap of
@@ -29,6 +38,17 @@ class WeightFormat:
     # form's (every weight non-zero).
     sparse: bool = False
     raw_name: Optional[str] = None  # Model.set_weight_raw's name for it where that is not a GGUF type
+
+    @property
+    def block(self) -> int:
+        """Weights per block along a row (1: plain floats; a sparse format's dense form's), from the core's
+        traits row (cpp/formats/traits.h)."""
+        return core_formats()[self.core]["block"]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per block, scales included, from the core's traits row."""
+        return core_formats()[self.core]["block_bytes"]
 
     @property
     def raw(self) -> Optional[str]:
@@ -45,33 +65,33 @@ class WeightFormat:
 
 
 WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("fp32", ("f32", "float32"), "fp32", "f32", None, 1, 4, "32-bit floats"),
-    WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, 1, 2, "bfloat16 (half the bytes of fp32)",
+    WeightFormat("fp32", ("f32", "float32"), "fp32", "f32", None, "32-bit floats"),
+    WeightFormat("bf16", ("bfloat16",), "bf16", "bf16", None, "bfloat16 (half the bytes of fp32)",
                  raw_name="BF16"),
-    WeightFormat("sbf16", ("sparse_bf16", "bf16_sparse"), "sbf16", "sbf16", None, 1, 2,
+    WeightFormat("sbf16", ("sparse_bf16", "bf16_sparse"), "sbf16", "sbf16", None,
                  "unstructured-sparse bfloat16: a bitmap of the non-zeros and their values (SparAMX); zeros "
                  "cost 1 bit", sparse=True, raw_name="SBF16"),
-    WeightFormat("sq8_0", ("sq8", "sparse_q8"), "sq8", "sq8", None, 32, 34,
+    WeightFormat("sq8_0", ("sq8", "sparse_q8"), "sq8", "sq8", None,
                  "unstructured-sparse q8_0: a bitmap of the non-zero codes, the dense blocks' fp16 scales and the "
                  "non-zero int8 codes; zeros cost 1 bit", sparse=True, raw_name="SQ8"),
-    WeightFormat("sq4_0", ("sq4", "sparse_q4"), "sq4", "sq4", None, 32, 18,
+    WeightFormat("sq4_0", ("sq4", "sparse_q4"), "sq4", "sq4", None,
                  "unstructured-sparse q4_0: a bitmap of the non-zero codes (q != 8), the dense blocks' fp16 scales "
                  "and the non-zero 4-bit codes; zeros cost 1 bit", sparse=True, raw_name="SQ4"),
-    WeightFormat("q8_0", ("q8",), "q8", "q8", "Q8_0", 32, 34, "blocks of 32 int8 with an fp16 scale, as ggml's Q8_0"),
-    WeightFormat("q4_0", ("q4",), "q4", "q4", "Q4_0", 32, 18,
+    WeightFormat("q8_0", ("q8",), "q8", "q8", "Q8_0", "blocks of 32 int8 with an fp16 scale, as ggml's Q8_0"),
+    WeightFormat("q4_0", ("q4",), "q4", "q4", "Q4_0",
                  "blocks of 32 4-bit codes with an fp16 scale, as ggml's Q4_0"),
-    WeightFormat("q4_1", ("q4m",), "q4m", "q4m", "Q4_1", 32, 20,
+    WeightFormat("q4_1", ("q4m",), "q4m", "q4m", "Q4_1",
                  "blocks of 32 4-bit codes with an fp16 scale and minimum, as ggml's Q4_1"),
-) + tuple(WeightFormat(name, (), name, name, name.upper(), block, nbytes, what, from_floats=False) for name, block, nbytes, what in (
-    ("q5_0", 32, 22, "ggml's Q5_0: blocks of 32 5-bit codes with an fp16 scale"),
-    ("q5_1", 32, 24, "ggml's Q5_1: blocks of 32 5-bit codes with an fp16 scale and minimum"),
-    ("q2_k", 256, 84, "ggml's Q2_K: 2-bit codes, 4-bit scales and minimums per 16, fp16 super-block scales"),
-    ("q3_k", 256, 110, "ggml's Q3_K: 3-bit codes, 6-bit scales per 16, an fp16 super-block scale"),
-    ("q4_k", 256, 144, "ggml's Q4_K: 4-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
-    ("q5_k", 256, 176, "ggml's Q5_K: 5-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
-    ("q6_k", 256, 210, "ggml's Q6_K: 6-bit codes, 8-bit scales per 16, an fp16 super-block scale"),
-    ("iq4_nl", 32, 18, "ggml's IQ4_NL: blocks of 32 4-bit indices into a fixed non-linear table, fp16 scale"),
-    ("iq4_xs", 256, 136, "ggml's IQ4_XS: IQ4_NL's table, 6-bit scales per 32, an fp16 super-block scale"),
+) + tuple(WeightFormat(name, (), name, name, name.upper(), what, from_floats=False) for name, what in (
+    ("q5_0", "ggml's Q5_0: blocks of 32 5-bit codes with an fp16 scale"),
+    ("q5_1", "ggml's Q5_1: blocks of 32 5-bit codes with an fp16 scale and minimum"),
+    ("q2_k", "ggml's Q2_K: 2-bit codes, 4-bit scales and minimums per 16, fp16 super-block scales"),
+    ("q3_k", "ggml's Q3_K: 3-bit codes, 6-bit scales per 16, an fp16 super-block scale"),
+    ("q4_k", "ggml's Q4_K: 4-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
+    ("q5_k", "ggml's Q5_K: 5-bit codes, 6-bit scales and minimums per 32, fp16 super-block scales"),
+    ("q6_k", "ggml's Q6_K: 6-bit codes, 8-bit scales per 16, an fp16 super-block scale"),
+    ("iq4_nl", "ggml's IQ4_NL: blocks of 32 4-bit indices into a fixed non-linear table, fp16 scale"),
+    ("iq4_xs", "ggml's IQ4_XS: IQ4_NL's table, 6-bit scales per 32, an fp16 super-block scale"),
 ))}
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
 # Formats that exist only as a GGUF's own blocks, multiplied as stored (kernels/ggml_formats.h).

@@ -16,9 +16,8 @@ from corelm.options import GGUF_BLOCK_FORMATS, WEIGHT_FORMATS  # noqa: E402
 TABLES = _core.kernel_tables()
 ROW_EXACT_ROWS = 32  # kRowExactRows (kernels.h): up to this many rows, every table gives decode's bits
 TYPES = [WEIGHT_FORMATS[n].gguf for n in GGUF_BLOCK_FORMATS]
-# byte ranges of each type's fp16 scale fields (random bytes there could be NaN/Inf or huge)
-F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-              "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# offsets of each type's fp16 scale fields (random bytes there could be NaN/Inf or huge): the core's traits rows
+F16_FIELDS = {r["ggml"]: tuple(r["f16_fields"]) for r in _core.weight_formats() if r["ggml_block"]}
 
 
 def block_of(t):
@@ -141,7 +140,7 @@ DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
 
 def mixed_gguf(path):
     from conftest import corpus_tool
-    from corelm.loader.gguf import GGML_TYPE_IDS
+    from corelm.loader.gguf import ggml_type_ids
     tool = corpus_tool()
     rng = np.random.default_rng(5)
     hd = DIM // HEADS
@@ -156,9 +155,9 @@ def mixed_gguf(path):
                 raw[:, :, off:off + 2] = (np.random.default_rng(seed + 1).standard_normal((rows, cols // 32)) * 0.01
                                           ).astype(np.float16).view(np.uint8).reshape(rows, cols // 32, 2)
             raw = raw.reshape(rows, -1)
-        return [cols, rows], GGML_TYPE_IDS[t], raw.tobytes()
+        return [cols, rows], ggml_type_ids()[t], raw.tobytes()
 
-    f32 = lambda a: ([len(a)], GGML_TYPE_IDS["F32"], a.astype(np.float32).tobytes())  # noqa: E731
+    f32 = lambda a: ([len(a)], ggml_type_ids()["F32"], a.astype(np.float32).tobytes())  # noqa: E731
     tensors = [("token_embd.weight", *blocks("Q6_K", VOCAB, DIM, 1)), ("output.weight", *blocks("Q5_1", VOCAB, DIM, 2)),
                ("output_norm.weight", *f32(1 + 0.1 * rng.standard_normal(DIM)))]
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -202,8 +202,8 @@ def test_option_names_are_canonical():
                      "kv_type": ["fp32", "bf16", "int8"],
                      "activations": ["int8", "int16"], "schedule": ["dynamic", "static"],
                      "numa": ["default", "distribute", "isolate"],
-                     "raw_weight": ["Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "BF16", "SQ8", "SQ4"],
-                     "activation": ["silu", "gelu_tanh"]}
+                     "raw_weight": ["BF16", "Q8_0", "Q4_0", "Q4_1"] + [t.upper() for t in ggml] + ["SBF16", "SQ8", "SQ4"],
+                     "activation": ["silu", "gelu_tanh", "gelu"]}
     # agreement with corelm.options: tests/loaders/test_options.py
     x, w = np.zeros((1, 32), np.float32), np.zeros((2, 32), np.float32)
     for alias in ("f32", "i8", "FP32"):  # the core takes canonical names only

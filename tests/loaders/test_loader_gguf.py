@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from corelm.loader import ModelLoadError, load_model
-from corelm.loader.gguf import GGML_TYPE_IDS, read_gguf, unpermute_rope_rows
+from corelm.loader.gguf import ggml_type_ids, read_gguf, unpermute_rope_rows
 from corelm.loader.safetensors import SafetensorsFile
 from corelm.loader.spec import weight_shapes
 
@@ -75,7 +75,7 @@ def test_missing_file_and_unknown_tensor(tmp_path):
 
 def test_unsupported_quant_type_names_the_type(tmp_path):
     p = tmp_path / "iq2.gguf"
-    p.write_bytes(tool.build_gguf([], [("w", [256], GGML_TYPE_IDS["IQ2_XXS"], b"\0" * 66)]))
+    p.write_bytes(tool.build_gguf([], [("w", [256], ggml_type_ids()["IQ2_XXS"], b"\0" * 66)]))
     g = read_gguf(str(p))
     with pytest.raises(ModelLoadError, match=r"tensor w uses GGUF type IQ2_XXS, which corelm does not support yet "
                                              r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
@@ -140,7 +140,7 @@ def test_dequantize_matches_scalar_reference(tmp_path, type_name, n_scales, payl
     rows, cols = 3, 96                       # 3 blocks per row
     raw = _random_blocks(rng, rows * cols // 32, n_scales, payload)
     p = tmp_path / "q.gguf"
-    p.write_bytes(tool.build_gguf([], [("w", [cols, rows], GGML_TYPE_IDS[type_name], raw)]))
+    p.write_bytes(tool.build_gguf([], [("w", [cols, rows], ggml_type_ids()[type_name], raw)]))
     got = read_gguf(str(p)).dequantize("w")
     assert got.shape == (rows, cols) and got.dtype == np.float32
     np.testing.assert_array_equal(got.reshape(-1), ref(raw))
@@ -153,7 +153,7 @@ def test_dequantize_matches_gguf_package(tmp_path):
     for type_name, n_scales, payload in (("Q8_0", 1, 32), ("Q4_0", 1, 16), ("Q4_1", 2, 16)):
         raw = _random_blocks(rng, 8, n_scales, payload)
         p = tmp_path / f"{type_name}.gguf"
-        p.write_bytes(tool.build_gguf([], [("w", [64, 4], GGML_TYPE_IDS[type_name], raw)]))
+        p.write_bytes(tool.build_gguf([], [("w", [64, 4], ggml_type_ids()[type_name], raw)]))
         want = dequantize(np.frombuffer(raw, np.uint8).reshape(4, -1), gguf.GGMLQuantizationType[type_name])
         np.testing.assert_array_equal(read_gguf(str(p)).dequantize("w"), want)
 
@@ -161,8 +161,8 @@ def test_dequantize_matches_gguf_package(tmp_path):
 def test_f16_bf16_conversions(tmp_path):
     vals = np.array([0.0, -0.0, 1.5, -65504.0, 6.1e-5, np.inf], dtype=np.float32)
     p = tmp_path / "h.gguf"
-    p.write_bytes(tool.build_gguf([], [("h", [6], GGML_TYPE_IDS["F16"], tool.f16_bytes(vals)),
-                                       ("b", [6], GGML_TYPE_IDS["BF16"], tool.bf16_bytes(vals))]))
+    p.write_bytes(tool.build_gguf([], [("h", [6], ggml_type_ids()["F16"], tool.f16_bytes(vals)),
+                                       ("b", [6], ggml_type_ids()["BF16"], tool.bf16_bytes(vals))]))
     g = read_gguf(str(p))
     np.testing.assert_array_equal(g.dequantize("h"), vals.astype(np.float16).astype(np.float32))
     bf = (vals.view(np.uint32) & 0xFFFF0000).view(np.float32)
@@ -373,7 +373,7 @@ def test_missing_tensor_is_refused(tmp_path):
 
 def test_unsupported_type_is_refused_at_load(tmp_path):
     path = _stories_gguf(tmp_path, drop={"output_norm.weight"},
-                         extra_tensors=[("output_norm.weight", [64], GGML_TYPE_IDS["Q8_1"], b"\0" * 72)])
+                         extra_tensors=[("output_norm.weight", [64], ggml_type_ids()["Q8_1"], b"\0" * 72)])
     with pytest.raises(ModelLoadError, match="output_norm.weight uses GGUF type Q8_1"):
         load_model(path)
 

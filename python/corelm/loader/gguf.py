@@ -16,6 +16,7 @@ A string is u64 byte length + UTF-8 bytes; an array is u32 element type + u64 co
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import gc
 import math
 import mmap
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..options import WEIGHT_FORMATS
+from ..options import WEIGHT_FORMATS, core_formats
 from .checks import (SIZE_KEYS, add_source, check_experts, check_weight_shapes, load_tokenizer, source_shape, split_tensor,
                      validate_spec)
 from .families import GGUF_ARCHS, GGUF_MOE_ARCHS, family
@@ -59,19 +60,34 @@ _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "
                 10: "<u8", 11: "<i8", 12: "<f8"}
 GGUF_TYPE_BOOL, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 7, 8, 9
 
-# ggml tensor types -> (name, elements per block, bytes per block). Types corelm cannot decode are still
-# listed so their sizes (and thus the file layout) can be validated; decoding them raises a clear error.
-GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
-    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+# ggml tensor types the core has no weight type for -> (name, elements per block, bytes per block): listed so
+# a file's layout can be validated; decoding them raises a clear error. The core's own (F32, BF16 and the
+# quantized blocks) come from its traits rows (ggml_types()).
+_OTHER_GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
+    1: ("F16", 1, 2), 9: ("Q8_1", 32, 36), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+    28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
-GGML_TYPE_IDS = {name: t for t, (name, _, _) in GGML_TYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def ggml_types() -> Dict[int, Tuple[str, int, int]]:
+    """Every ggml tensor type a GGUF file may hold -> (name, elements per block, bytes per block): the core's
+    traits rows for the types it takes, _OTHER_GGML_TYPES for the rest."""
+    types = dict(_OTHER_GGML_TYPES)
+    types.update({row["ggml_id"]: (row["ggml"], row["block"], row["block_bytes"])
+                  for row in core_formats().values() if row["ggml"]})
+    return dict(sorted(types.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def ggml_type_ids() -> Dict[str, int]:
+    """ggml type name -> its number in a GGUF file (ggml_types() turned around)."""
+    return {name: t for t, (name, _, _) in ggml_types().items()}
+
+
 SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16") + tuple(f.gguf for f in WEIGHT_FORMATS.values() if f.gguf)
 
 
@@ -85,7 +101,7 @@ class GGUFTensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPES[self.ggml_type][0]
+        return ggml_types()[self.ggml_type][0]
 
     @property
     def numel(self) -> int:
@@ -394,9 +410,10 @@ def _read_tensor_infos(r: _Reader, n_tensors: int) -> List[Tuple[str, List[int],
 
 
 def _tensor_nbytes(r: _Reader, name: str, ne: List[int], ggml_type: int) -> int:
-    if ggml_type not in GGML_TYPES:
+    types = ggml_types()
+    if ggml_type not in types:
         raise r.fail(f"tensor {name!r} has unknown ggml type {ggml_type}")
-    type_name, block, block_bytes = GGML_TYPES[ggml_type]
+    type_name, block, block_bytes = types[ggml_type]
     numel = 1
     for d in ne:
         if d <= 0:

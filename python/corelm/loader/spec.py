@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ModelLoadError  # noqa: F401  (re-exported: the loaders' error, also the tokenizer's)
+from ..options import core_formats
 from .families import SUPPORTED_ARCHS  # noqa: F401  (re-exported)
 
 
@@ -210,11 +211,6 @@ def release_mapped_range(buf, offset: int, length: int) -> None:
 # cheaply (a float32 sum, a few % of the conversion; an exact check only when the sum is not finite).
 
 _log = None
-# GGUF block type -> (bytes per block, offsets of the fp16 fields: scale d, and Q4_1's minimum m)
-_BLOCK_F16_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
-                     "Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
-                     "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)),
-                     "SQ8": (34, (0,)), "SQ4": (18, (0,))}   # sparse q8_0 / q4_0 as their dense blocks
 
 
 def _warn(source: str, name: str, what: str) -> None:
@@ -245,8 +241,11 @@ def check_finite_blocks(type_name: str, raw: np.ndarray, source: str, name: str)
     if type_name in ("BF16", "SBF16"):    # bf16 rows: every 16-bit value
         _warn_nonfinite(source, name, _core.count_nonfinite(raw.reshape(-1).view(np.uint8), 2, [0], bf16=True))
         return
-    layout = _BLOCK_F16_FIELDS.get(type_name)
-    if layout is None or raw.size == 0 or raw.size % layout[0]:
+    # the block's bytes and its fp16 fields (scale d, and a minimum where it has one): the core's traits row for
+    # this raw type (sparse q8_0 / q4_0 as their dense blocks)
+    row = next((r for r in core_formats().values() if r["raw"] == type_name and r["f16_fields"]), None)
+    if row is None or raw.size == 0 or raw.size % row["block_bytes"]:
         return
-    _warn_nonfinite(source, name, _core.count_nonfinite(raw.reshape(-1).view(np.uint8), layout[0], list(layout[1])),
+    _warn_nonfinite(source, name, _core.count_nonfinite(raw.reshape(-1).view(np.uint8), row["block_bytes"],
+                                                        row["f16_fields"]),
                     f"{type_name} block scale")
