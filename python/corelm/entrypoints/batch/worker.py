@@ -186,7 +186,7 @@ class BatchWorker:
         try:
             for p, ids in enumerate(prompts):
                 rid = f"{response.id}-{p}"
-                self.engine.add_request(rid, ids, req.params, lora)
+                self.engine.add_request(rid, ids, req.params, **({} if lora is None else {"lora_request": lora}))
                 added[rid] = (r, response, p)
         except BaseException as e:
             for rid in added:
