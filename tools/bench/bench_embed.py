@@ -11,7 +11,7 @@ medians. Also the cosine between the two engines' embeddings of the same inputs.
 Inputs: consecutive words of python/corelm/data/calibration.txt from a different offset each, as many as make
 exactly T tokens with [CLS] and [SEP] (the model's tokenizer; a word that would overshoot is skipped).
 - corelm: a fresh process per measurement: corelm.LLM(model, threads=t), one warm-up embed of other text,
-  then the wall time of LLM.embed(texts) (tokenizing, batches of up to 2048 tokens through hidden_batch,
+  then the wall time of LLM.embed(texts) (tokenizing, batches of up to 1024 tokens through hidden_batch,
   pooling and normalizing included). dtype as the engine picks it ("auto"), or MODEL@DTYPE's.
 - llama-embedding: one process per measurement with the texts in a file, one per line, -c/-b/-ub 256 (2
   inputs per batch: its fastest here, 1.35x its 2048, whose batch attends over all 16 inputs' tokens under a
