@@ -68,3 +68,28 @@ def test_generation_config_flag():
     add_engine_flags(p)
     assert "generation_config" not in engine_options(p.parse_args([]))
     assert engine_options(p.parse_args(["--generation-config", "vllm"]))["generation_config"] == "vllm"
+
+
+def test_the_embedded_model_answers_plainly_by_default():
+    """The embedded SmolLM2's file sets no sampling defaults: corelm gives it its model card's (at llama-cli's
+    temperature 0.8 it rambled), unless asked for vLLM's own."""
+    import corelm
+    from corelm.engine.llm_engine import EMBEDDED_MODEL_SAMPLING
+    assert corelm.LLM(threads=1).engine.sampling_defaults == EMBEDDED_MODEL_SAMPLING
+    assert corelm.LLM(threads=1, generation_config="vllm").engine.sampling_defaults == {}
+    assert corelm.LLM(os.path.join(MODELS, "stories260K"), threads=1).engine.sampling_defaults == {}
+
+
+def test_cli_flags_then_the_models_defaults_then_llama_clis():
+    from corelm.entrypoints import cli
+    from corelm.entrypoints.cli.flags import describe_sampling, sampling_choices, sampling_params
+    parser = cli.build_parser()
+    args = parser.parse_args(["chat", "--top-k", "7"])
+    choices = sampling_choices(args, {"temperature": 0.2, "top_p": 0.9})
+    assert choices == {"temperature": (0.2, "model"), "top_k": (7, "flag"), "top_p": (0.9, "model"),
+                       "min_p": (0.05, "llama-cli"), "repetition_penalty": (1.0, "llama-cli")}
+    p = sampling_params(args, {"temperature": 0.2, "top_p": 0.9})
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.2, 7, 0.9, 0.05)
+    assert describe_sampling(choices).startswith("sampling: temperature 0.2 (model), top_k 7 (flag)")
+    flat = sampling_params(parser.parse_args(["chat"]))          # no model defaults: llama-cli's
+    assert (flat.temperature, flat.top_k, flat.top_p, flat.min_p) == (0.8, 40, 0.95, 0.05)

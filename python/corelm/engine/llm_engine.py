@@ -63,6 +63,18 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"the embedded default model {DEFAULT_MODEL_FILE} is missing from this installation")
 
 
+# The embedded model's file sets no sampling defaults; SmolLM2-Instruct's model card samples at these (at
+# llama-cli's temperature 0.8 it rambles).
+EMBEDDED_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def is_embedded_model(path: str) -> bool:
+    try:
+        return os.path.realpath(path) == os.path.realpath(default_model_path())
+    except FileNotFoundError:
+        return False
+
+
 def served_model_name(model: Optional[str]) -> str:
     """The name a model is served and reported under: its file or folder name without .gguf
     (the embedded default model when None)."""
@@ -183,6 +195,8 @@ class LLMEngine:
         # vLLM's --generation-config auto: the model's sampling defaults for requests that leave them unset
         self.sampling_defaults = model_sampling_defaults(self.loaded.generation_config) \
             if generation_config == "auto" else {}
+        if generation_config == "auto" and not self.sampling_defaults and is_embedded_model(self.model_path):
+            self.sampling_defaults = dict(EMBEDDED_MODEL_SAMPLING)
         self.speculator = self._speculator(speculative_model, num_speculative_tokens, speculative_weights,
                                            prompt_lookup_max, prompt_lookup_min, threads=threads, progress=progress,
                                            pin_threads=pin_threads, numa=numa, schedule=schedule, activations=activations,

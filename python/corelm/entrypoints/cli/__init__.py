@@ -10,8 +10,10 @@
     corelm list                                  # the models in the hub's local cache
 
 chat, generate and serve build a corelm.LLM (over its LLMEngine), batch an LLMEngine per worker; the
-command line never reaches past the engine. Flag names and sampling defaults follow llama-cli (--temp
-0.8 --top-k 40 --top-p 0.95 --min-p 0.05, --seed -1 = random, -n -1 = until the context is full).
+command line never reaches past the engine. Flag names follow llama-cli; a sampling flag left out takes the
+model's default (generation_config.json, GGUF general.sampling.*; the embedded model's: temperature 0.2,
+top_p 0.9), else llama-cli's (--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05); --seed -1 = random, -n -1 =
+until the context is full; -v and /stats say which are in force.
 User errors (bad flag values, a missing or corrupt model) print "error: ..." and exit with status 1.
 """
 from __future__ import annotations

@@ -8,7 +8,8 @@ import time
 from typing import Dict, List, Optional
 
 from ...engine import SamplingParams
-from .flags import add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, llm_from_args, sampling_params
+from .flags import (add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, describe_sampling,
+                    llm_from_args, sampling_choices, sampling_params)
 from .terminal import USER_ERRORS, close_stream, print_stats
 
 
@@ -24,21 +25,27 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = sampling_params(args)           # bad flags fail before the model loads
+    sampling_params(args)                    # bad flags fail before the model loads
     if sys.stdin is None:                    # started with fd 0 closed (`corelm chat <&-`)
         raise ValueError("stdin is closed: corelm chat reads the messages from it.")
     interactive = sys.stdin.isatty()
     llm = llm_from_args(args)
+    model_defaults = getattr(getattr(llm, "engine", None), "sampling_defaults", None)
+    params = sampling_params(args, model_defaults)
+    sampling = describe_sampling(sampling_choices(args, model_defaults))
+    if args.verbose:
+        print(sampling, file=sys.stderr)
     if interactive:
         print(f"corelm chat: {getattr(llm, 'model_path', args.model or 'default model')}. "
               f"Type /? for help, /exit or Ctrl-D to quit.", file=sys.stderr)
-    return ChatREPL(llm, params, system=args.system, show_stats=args.verbose, interactive=interactive).run()
+    return ChatREPL(llm, params, system=args.system, show_stats=args.verbose, interactive=interactive,
+                    sampling=sampling).run()
 
 
 HELP = """Available commands:
   /set system TEXT   set the system message
   /set verbose       show speed stats after each answer (/set quiet hides them)
-  /stats             toggle the speed stats
+  /stats             toggle the speed stats (and say which sampling defaults are in force)
   /clear             forget the conversation (and the KV cache)
   /exit, /bye        quit (Ctrl-D works too)
   /?, /help          this help
@@ -57,9 +64,10 @@ class ChatREPL:
     common prefix, so each turn only reads the new message."""
 
     def __init__(self, llm, params: SamplingParams, system: Optional[str] = None,
-                 show_stats: bool = False, interactive: bool = False):
+                 show_stats: bool = False, interactive: bool = False, sampling: str = ""):
         self.llm, self.params = llm, params
         self.system = system
+        self.sampling = sampling    # which sampling defaults are in force (describe_sampling)
         self.show_stats = show_stats
         self.interactive = interactive
         self.history: List[Dict[str, str]] = self._fresh_history()
@@ -151,6 +159,8 @@ class ChatREPL:
         elif cmd == "/stats":
             self.show_stats = not self.show_stats
             print(f"Stats {'on' if self.show_stats else 'off'}.")
+            if self.show_stats and self.sampling:
+                print(self.sampling)
         elif cmd == "/set":
             self._set(rest.strip())
         else:

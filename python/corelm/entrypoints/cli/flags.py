@@ -107,15 +107,21 @@ def add_verbose_flag(p: argparse.ArgumentParser) -> None:
                    help="print prompt and generation speed after each answer (and tracebacks of errors)")
 
 
+# What an unset sampling flag means when the model's files set no default for it either: llama-cli's.
+LLAMA_CLI_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+_SAMPLING_FLAGS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                   "repeat_penalty": "repetition_penalty"}
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (llama-cli names and defaults)")
-    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
-                   help="temperature; 0 = greedy (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=40, help="0 = disabled (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=0.95, help="1.0 = disabled (default: %(default)s)")
-    g.add_argument("--min-p", type=float, default=0.05, help="0.0 = disabled (default: %(default)s)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="on prompt and output tokens; 1.0 = disabled (default: %(default)s)")
+    g = p.add_argument_group("sampling (llama-cli names; unset: the model's defaults, else llama-cli's)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=None,
+                   help="temperature; 0 = greedy (default: the model's, else 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="0 = disabled (default: the model's, else 40)")
+    g.add_argument("--top-p", type=float, default=None, help="1.0 = disabled (default: the model's, else 0.95)")
+    g.add_argument("--min-p", type=float, default=None, help="0.0 = disabled (default: the model's, else 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=None,
+                   help="on prompt and output tokens; 1.0 = disabled (default: the model's, else 1.0)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
     g.add_argument("-s", "--seed", type=int, default=-1, help="-1 = random (default: %(default)s)")
@@ -126,11 +132,32 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """llama-cli flag conventions -> vLLM SamplingParams (which validates every value)."""
+def sampling_choices(args: argparse.Namespace, model_defaults: Optional[Dict[str, Any]] = None) -> Dict[str, tuple]:
+    """Each sampling parameter the flags cover -> (value, where it came from: "flag", "model" or "llama-cli"):
+    a flag given wins, then the model's own default (LLMEngine.sampling_defaults), then llama-cli's."""
+    out = {}
+    for flag, name in _SAMPLING_FLAGS.items():
+        given = getattr(args, flag)
+        if given is not None:
+            out[name] = (given, "flag")
+        elif model_defaults and name in model_defaults:
+            out[name] = (model_defaults[name], "model")
+        else:
+            out[name] = (LLAMA_CLI_SAMPLING[name], "llama-cli")
+    return out
+
+
+def describe_sampling(choices: Dict[str, tuple]) -> str:
+    """What --verbose and /stats say: "sampling: temperature 0.2 (model), top_k 40 (llama-cli), ..."."""
+    return "sampling: " + ", ".join(f"{name} {value:g} ({source})" for name, (value, source) in choices.items())
+
+
+def sampling_params(args: argparse.Namespace, model_defaults: Optional[Dict[str, Any]] = None) -> SamplingParams:
+    """llama-cli flag conventions -> vLLM SamplingParams (which validates every value); unset flags take the
+    model's defaults, else llama-cli's (sampling_choices)."""
+    chosen = {name: value for name, (value, _) in sampling_choices(args, model_defaults).items()}
     return SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        **chosen, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=None if args.seed == -1 else args.seed,
         max_tokens=None if args.max_tokens < 0 else args.max_tokens,

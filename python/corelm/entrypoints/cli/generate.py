@@ -8,7 +8,8 @@ import sys
 from typing import Iterable, List
 
 from ...engine import StructuredOutputsParams
-from .flags import add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, llm_from_args, sampling_params
+from .flags import (add_engine_flags, add_model_arg, add_sampling_flags, add_verbose_flag, describe_sampling,
+                    llm_from_args, sampling_choices, sampling_params)
 from .terminal import close_stream, print_stats
 
 
@@ -80,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, structured_outputs=so, guided_decoding=None)
     prompt = read_prompt(args)
     llm = llm_from_args(args)
+    model_defaults = getattr(getattr(llm, "engine", None), "sampling_defaults", None)
+    params = dataclasses.replace(sampling_params(args, model_defaults), structured_outputs=params.structured_outputs,
+                                 guided_decoding=params.guided_decoding)
+    if args.verbose:
+        print(describe_sampling(sampling_choices(args, model_defaults)), file=sys.stderr)
     if args.chat or args.system:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         stream = llm.chat_stream(messages + [{"role": "user", "content": prompt}], params)
