@@ -18,23 +18,10 @@ from corelm.entrypoints.server import app as server_app  # noqa: E402
 from corelm.openai.anthropic import MESSAGES_URL, parse_messages  # noqa: E402
 from conftest import FIXTURES, MODELS  # noqa: E402
 from test_server import KEY, SECRET, WrappedEngine, batch_answer, running_server, stories, wait_idle  # noqa: E402
+from test_server import llm, server  # noqa: E402,F401  (test_server's fixtures: its stories260K server)
 
 GREEDY = {"temperature": 0}     # anthropic>=2 has no temperature argument: sent as an extra field
 ASK = [{"role": "user", "content": "Tell me a story"}]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """For reference generations."""
-    return stories()
-
-
-@pytest.fixture(scope="module")
-def server():
-    served = stories()
-    with running_server(lambda: served, api_key=KEY, max_body_bytes=64 * 1024) as s:
-        assert s.state.wait_ready(30)
-        yield s
 
 
 @pytest.fixture(scope="module")

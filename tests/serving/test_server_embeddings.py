@@ -14,27 +14,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from test_server import KEY, assert_error, running_server, stories  # noqa: E402
+from test_server import KEY, assert_error  # noqa: E402
+from test_server import client, llm, server  # noqa: E402,F401  (test_server's fixtures: its stories260K server)
 
 TEXTS = ["Once upon a time", "The little dog ran to the park and", "a", "Lily liked to play with her ball"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return stories()
-
-
-@pytest.fixture(scope="module")
-def server():
-    served = stories()
-    with running_server(lambda: served, api_key=KEY) as s:
-        assert s.state.wait_ready(30)
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
 
 def post(server, path, body):

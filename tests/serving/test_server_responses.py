@@ -18,29 +18,11 @@ from corelm import SamplingParams  # noqa: E402
 from corelm.openai.responses_api import RESPONSES_URL, parse_responses  # noqa: E402
 from conftest import DATA, MODELS  # noqa: E402
 from test_server import KEY, batch_answer, running_server, stories  # noqa: E402
+from test_server import client, llm, server  # noqa: E402,F401  (test_server's fixtures: its stories260K server)
 
 GREEDY = {"temperature": 0}
 ASK = "Tell me a story"
 QWEN3 = os.path.join(DATA, "templates", "Qwen-Qwen3-0.6B.jinja")
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """For reference generations."""
-    return stories()
-
-
-@pytest.fixture(scope="module")
-def server():
-    served = stories()
-    with running_server(lambda: served, api_key=KEY, max_body_bytes=64 * 1024) as s:
-        assert s.state.wait_ready(30)
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
 
 def greedy_chat(llm, messages, **kw):

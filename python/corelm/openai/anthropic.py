@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .protocol import (CHAT_URL, APIError, GenerationRequest, bad_request, check_context, check_prompt_bytes,
                        encode_chat, encode_prompts, parse_request, validation_error)
-from .responses import Response
+from .responses import OnChat, Response
 
 MESSAGES_URL = "/v1/messages"
 COUNT_TOKENS_URL = "/v1/messages/count_tokens"
@@ -309,7 +309,7 @@ def _tool_use(call: Dict[str, Any]) -> Dict[str, Any]:
             "input": json.loads(call["function"]["arguments"])}
 
 
-class MessageResponse:
+class MessageResponse(OnChat):
     """One /v1/messages request's answer, collected by the chat completions Response it maps onto; body()
     is the whole message, MessageStream its events."""
 
@@ -323,18 +323,6 @@ class MessageResponse:
         self.prompt_tokens = prompt_tokens
         self.stop_sequences = req.stop_sequences or []
         self.stop_sequence: Optional[str] = None     # the stop sequence that ended the answer
-
-    @property
-    def finished(self) -> bool:
-        return self.chat.finished
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.chat.completion_tokens
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.chat.num_cached_tokens
 
     def add(self, prompt_index: int, chunk) -> Optional[Dict[str, Any]]:
         """Files an engine chunk; returns the chat completions streaming entry (delta, finish_reason) or None."""

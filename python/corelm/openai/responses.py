@@ -309,3 +309,21 @@ class Response:
     def stream_end(self) -> List[Dict[str, Any]]:
         """The events after the last choice finished: the usage, when asked for."""
         return [self.stream_chunk([], self.usage())] if self.include_usage else []
+
+
+class OnChat:
+    """A response in another API's shape (Anthropic's message, OpenAI's Responses object) collected by the
+    chat completions Response it maps onto (`self.chat`): its state is the chat response's."""
+    chat: Response
+
+    @property
+    def finished(self) -> bool:
+        return self.chat.finished
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.chat.completion_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.chat.num_cached_tokens

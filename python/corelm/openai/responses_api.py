@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from .errors import APIError, bad_request
 from .protocol import CHAT_URL, GenerationRequest, Number, _Body, parse_request, unsupported, validation_error
-from .responses import Response
+from .responses import OnChat, Response
 
 RESPONSES_URL = "/v1/responses"
 
@@ -243,7 +243,7 @@ def _hex() -> str:
     return uuid.uuid4().hex
 
 
-class ResponseObject:
+class ResponseObject(OnChat):
     """One /v1/responses request's answer, collected by the chat completions Response it maps onto (which
     splits the thought off and parses tool calls); body() is the whole response, ResponseStream its events."""
 
@@ -256,18 +256,6 @@ class ResponseObject:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.reasoning_id, self.message_id = "rs_" + _hex(), "msg_" + _hex()
-
-    @property
-    def finished(self) -> bool:
-        return self.chat.finished
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.chat.completion_tokens
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.chat.num_cached_tokens
 
     def add(self, prompt_index: int, chunk) -> Optional[Dict[str, Any]]:
         """Files an engine chunk; returns the chat completions streaming entry (delta, finish_reason) or None."""
