@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Union
 
 import numpy as np
-from pydantic import ValidationError
 
 from ..engine.pooling import PoolingParams, cosine
 from .errors import bad_request
-from .protocol import _Body, validation_error
+from .protocol import _Body, parse_body_as
 
 EMBEDDINGS_URL = "/v1/embeddings"
 SCORE_URL = "/v1/score"
@@ -90,13 +89,6 @@ class PoolingJob:
         return sum(len(i) for i in self.ids)
 
 
-def _parse(model, body):
-    try:
-        return model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
 def _encode(engine, prompts: List[Any], truncate: Optional[int], param: str) -> List[List[int]]:
     if not prompts:
         raise bad_request(f"The '{param}' is empty.", param)
@@ -110,7 +102,7 @@ def _encode(engine, prompts: List[Any], truncate: Optional[int], param: str) -> 
 
 def validate(url: str, raw) -> PoolingRequest:
     """The body checked against its API's schema (APIError 400), before any model is at hand."""
-    return PoolingRequest(RERANK_URL if url in RERANK_URLS else url, _parse(_BODIES[url], raw))
+    return PoolingRequest(RERANK_URL if url in RERANK_URLS else url, parse_body_as(_BODIES[url], raw))
 
 
 def parse(engine, url: str, raw) -> PoolingJob:

@@ -227,13 +227,18 @@ class GenerationRequest:
         return self.params.n * (1 if self.chat else len(self.prompts))
 
 
+def parse_body_as(model, body: Union[bytes, str, Dict[str, Any]]):
+    """A body (JSON text, or already parsed) validated as the pydantic `model`; APIError (400) naming the field."""
+    try:
+        return model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 def parse_request(url: str, body: Union[bytes, str, Dict[str, Any]]) -> GenerationRequest:
     """A body (JSON text, or already parsed) for `url` -> GenerationRequest; APIError when it is
     invalid or asks for something corelm does not do. Needs no model."""
-    try:
-        req = BODIES[url].model_validate(body) if isinstance(body, dict) else BODIES[url].model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = parse_body_as(BODIES[url], body)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatCompletionRequest):
         tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)

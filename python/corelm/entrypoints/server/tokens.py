@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
 
-from pydantic import ValidationError
-
 from ...openai.protocol import (ChatMessage, _Body, _chat_messages, bad_request, check_template_kwargs, encode_chat,
-                                validation_error)
+                                parse_body_as)
 from ...openai.tools import check_tools
 
 
@@ -31,17 +29,10 @@ class DetokenizeRequest(_Body):
     tokens: List[int]
 
 
-def _parse(model, body: Union[bytes, Dict[str, Any]]):
-    try:
-        return model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
 def tokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
     """The token ids of a prompt, or of a conversation rendered with the chat template. Slow for long
     inputs: run it off the event loop."""
-    req = _parse(TokenizeRequest, body)
+    req = parse_body_as(TokenizeRequest, body)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of 'prompt' and 'messages'.", "prompt" if req.prompt is None else "messages")
     if req.messages is not None:
@@ -60,7 +51,7 @@ def tokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def detokenize(engine, body: Union[bytes, Dict[str, Any]]) -> Dict[str, Any]:
-    req = _parse(DetokenizeRequest, body)
+    req = parse_body_as(DetokenizeRequest, body)
     if any(not 0 <= t < engine.vocab_size for t in req.tokens):
         raise bad_request("The tokens contain ids outside the vocabulary.", "tokens")
     return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
