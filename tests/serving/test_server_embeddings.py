@@ -136,3 +136,21 @@ def test_batch_file_embeddings_score_and_rerank_lines(tmp_path, llm):
                                [x.outputs.score for x in llm.score(TEXTS[0], TEXTS)], atol=3e-3)
     assert len(got["r"]["response"]["body"]["results"]) == 2
     assert got["bad"]["error"]["code"] and got["c"]["response"]["body"]["object"] == "text_completion"
+
+
+def test_an_encoder_embeds_and_refuses_to_generate():
+    import corelm
+    from conftest import MODELS
+    from test_server import running_server
+    encoder = corelm.LLM(f"{MODELS}/tiny-bert", dtype="fp32", threads=1)
+    with running_server(lambda: encoder, api_key=None) as s:
+        assert s.state.wait_ready(30)
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = httpx.post(s.url + path, json=body, timeout=30)
+            assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"], r.text
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": ["hello world", "x " * 500]}, timeout=30)
+        assert r.status_code == 400 and "at most 128" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "hello world"}, timeout=30)
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], encoder.embed("hello world")[0].outputs.embedding,
+                                   rtol=1e-5, atol=1e-6)

@@ -448,6 +448,9 @@ def encode_prompts(engine, req: GenerationRequest) -> List[List[int]]:
     """The token ids of each prompt (chat: of the rendered conversation), checked against the
     vocabulary and the context; APIError otherwise. The model's sampling defaults (engine.sampling_defaults) fill
     the fields the body left out. Slow for long inputs: run it off an event loop."""
+    if getattr(engine, "is_encoder", False):
+        raise bad_request("This is an embedding model (an encoder): it embeds and scores text and does not "
+                          "generate; use /v1/embeddings, /v1/score or /v1/rerank.", "model")
     defaults = {k: v for k, v in (getattr(engine, "sampling_defaults", None) or {}).items() if k in req.unset}
     if defaults:
         try:
